@@ -1,0 +1,1 @@
+"""hf_paged: PagedAttention for Hugging Face transformers."""

@@ -1,0 +1,1 @@
+"""Triton kernels for paged attention, with a torch reference beside each."""
