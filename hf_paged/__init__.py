@@ -1,1 +1,25 @@
-"""hf_paged: PagedAttention for Hugging Face transformers."""
+"""hf_paged: PagedAttention (vLLM, SOSP 2023) for Hugging Face transformers.
+
+``import hf_paged`` registers the ``"hf_paged"`` attention and mask functions; ``enable(model)``
+adds the ``cache_implementation="hf_paged"`` flag to that model's ``generate``.
+"""
+
+from hf_paged.attention import ATTN_IMPLEMENTATION, PagedMask, set_kernels_enabled
+from hf_paged.block_manager import BlockManager, BlockManagerError, NoFreeBlocksError, UnknownSequenceError
+from hf_paged.cache import PagedKVCache
+from hf_paged.generate import CACHE_IMPLEMENTATION, disable, enable
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "CACHE_IMPLEMENTATION",
+    "BlockManager",
+    "BlockManagerError",
+    "NoFreeBlocksError",
+    "PagedKVCache",
+    "PagedMask",
+    "UnknownSequenceError",
+    "disable",
+    "enable",
+    "set_kernels_enabled",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,147 @@
+"""The ``"hf_paged"`` attention and mask functions, registered with transformers' interfaces.
+
+Paged-ness is a property of the call, not of the model: a call whose key/value were stashed by a
+:class:`PagedKVCache` reads K/V through block tables; any other call (plain forward, training,
+DynamicCache) goes to the model's own implementation (``sdpa``, or ``eager`` for models such as
+Gemma2 whose softcap SDPA cannot do), with the mask that implementation would have received.
+
+Read paths of a paged call:
+
+* CUDA, rows stored contiguously: the Triton kernels read the blocks directly
+  (``paged_attention_decode`` for one new token per row, ``paged_attention_prefill`` otherwise).
+* Otherwise (CPU): the reference path gathers the blocks into the layout DynamicCache would hold
+  and calls the fallback implementation with the same mask, so outputs equal stock transformers.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from hf_paged.cache import active_cache
+
+ATTN_IMPLEMENTATION = "hf_paged"
+_FALLBACK_ATTR = "_hf_paged_fallback"
+_use_kernels = True
+
+
+def set_kernels_enabled(enabled: bool) -> None:
+    """Switch the Triton read path on CUDA on or off (off: the reference path everywhere)."""
+    global _use_kernels
+    _use_kernels = enabled
+
+
+@dataclass
+class PagedMask:
+    """What the mask function hands to the attention function.
+
+    ``dense`` is exactly what the fallback implementation's mask function returns (used by
+    non-paged calls and by the reference read path); ``padding_mask`` is the 2D padding mask
+    ``[rows, columns]`` (None: no padding), which tells the cache which new columns are pads.
+    """
+
+    dense: torch.Tensor | None
+    padding_mask: torch.Tensor | None
+
+    def new_columns_valid(self, q_len: int, columns: int) -> torch.Tensor | None:
+        """Validity of the ``q_len`` newest columns, given ``columns`` columns in all."""
+        mask = self.padding_mask
+        if mask is None:
+            return None
+        if mask.shape[-1] < columns:  # a short mask leaves the missing columns masked, as in stock
+            mask = torch.nn.functional.pad(mask, (0, columns - mask.shape[-1]))
+        return mask[:, columns - q_len : columns]
+
+
+def fallback_implementation(config) -> str:
+    """The implementation the model had before ``enable`` (what non-paged calls use)."""
+    return getattr(config, _FALLBACK_ATTR, None) or "sdpa"
+
+
+def _fallback_attention(module: torch.nn.Module, kwargs: dict) -> Callable:
+    config = getattr(module, "config", None)
+    name = fallback_implementation(config) if config is not None else None
+    if name is None:
+        name = "eager" if kwargs.get("softcap") is not None else "sdpa"
+    if name == "eager":
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is None:
+            raise NotImplementedError(f"{type(module).__name__}: no eager_attention_forward to fall back to")
+        return eager
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def paged_mask_function(*args, attention_mask: torch.Tensor | None = None, config=None, **kwargs) -> PagedMask:
+    """Mask function for ``"hf_paged"``: the fallback's own mask plus the 2D padding mask."""
+    dense_fn = ALL_MASK_ATTENTION_FUNCTIONS[fallback_implementation(config)]
+    dense = dense_fn(*args, attention_mask=attention_mask, config=config, **kwargs)
+    return PagedMask(dense, attention_mask)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: PagedMask | torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``AttentionInterface`` entry point: paged if the K/V came from a PagedKVCache, else the fallback."""
+    mask = attention_mask if isinstance(attention_mask, PagedMask) else PagedMask(attention_mask, None)
+    fallback = _fallback_attention(module, kwargs)
+    cache = active_cache()
+    layer_idx = cache.claim(key, value) if cache is not None else None
+    if layer_idx is None:
+        return fallback(module, query, key, value, mask.dense, **kwargs)
+
+    q_len = query.shape[2]
+    cache.commit(layer_idx, key, value, mask.new_columns_valid(q_len, cache.get_seq_length(layer_idx) + q_len))
+    if _use_kernels and query.is_cuda and cache.kernels_applicable and not kwargs.get("output_attentions"):
+        return _kernel_attention(cache, layer_idx, query, **kwargs)
+    dense_key, dense_value = cache.dense_kv(layer_idx, q_len)
+    return fallback(module, query, dense_key, dense_value, mask.dense, **kwargs)
+
+
+def _kernel_attention(cache, layer_idx: int, query: torch.Tensor, **kwargs):
+    """Read K/V straight from the blocks with the Triton kernels (no gather into contiguous tensors)."""
+    from hf_paged import kernels
+
+    k_pool, v_pool = cache.storage.key_pools[layer_idx], cache.storage.value_pools[layer_idx]
+    meta = cache.paged_metadata(query.device)
+    rows, heads, q_len, head_dim = query.shape
+    scale = kwargs.get("scaling")
+    scale = head_dim**-0.5 if scale is None else scale
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    tables, lens = meta["block_tables"], meta["context_lens"].to(torch.int32)
+    if q_len == 1:
+        out = kernels.paged_attention_decode(
+            query[:, :, 0], k_pool, v_pool, tables, lens, scale, sliding_window=window, softcap=softcap
+        )
+        return out[:, None].to(query.dtype), None
+    valid = meta["new_valid"]  # [rows, q_len]
+    tokens = query.transpose(1, 2)[valid]  # [num_valid, heads, head_dim]
+    counts = meta["new_counts"]
+    cu = torch.zeros(rows + 1, dtype=torch.int32)
+    cu[1:] = counts.cumsum(0)
+    flat = kernels.paged_attention_prefill(
+        tokens.contiguous(), k_pool, v_pool, tables, cu.to(query.device), lens, scale,
+        sliding_window=window, softcap=softcap,
+    )
+    out = query.new_zeros(rows, q_len, heads, head_dim)
+    out[valid] = flat.to(query.dtype)
+    return out, None
+
+
+def register() -> None:
+    """Register ``"hf_paged"`` with both interfaces (the mask one as a classmethod: global mapping)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, paged_mask_function)
+
+
+register()

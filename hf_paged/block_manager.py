@@ -1,0 +1,259 @@
+"""The block manager: physical KV blocks, reference counts and per-sequence block tables.
+
+Pure Python on purpose (no torch): it only decides *where* tokens go. Storage executes its
+decisions (writes to slots, block copies). The three primitives are the paper's (§4.3-4.4):
+
+* ``fork(parent, child)`` — the child shares every block of the parent (reference count + 1);
+* ``append_slots(seq, n)`` — room for ``n`` more tokens; a block is allocated only when the last
+  one is full, and a shared last block is copied on write first;
+* ``free(seq)`` — reference count − 1 on each block, blocks at zero return to the free list.
+
+A slot is ``block_id * block_size + offset``. Every call that allocates is all-or-nothing: when the
+budget cannot cover it, :class:`NoFreeBlocksError` is raised before anything changes, so a
+scheduler can catch it, preempt someone, and retry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+SeqId = Hashable
+
+
+class BlockManagerError(RuntimeError):
+    """Misuse of the block manager (unknown sequence, double free, bad arguments)."""
+
+
+class UnknownSequenceError(BlockManagerError, KeyError):
+    """The sequence id is not (or no longer) known to the block manager."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else ""
+
+
+class NoFreeBlocksError(RuntimeError):
+    """A fixed block budget cannot cover an allocation; nothing was changed.
+
+    ``needed`` blocks were asked for while ``free`` were available.
+    """
+
+    def __init__(self, needed: int, free: int, total: int):
+        self.needed, self.free, self.total = needed, free, total
+        super().__init__(
+            f"out of KV cache blocks: {needed} needed, {free} free of {total} "
+            f"(raise num_blocks, or use num_blocks=None to let the pool grow)"
+        )
+
+
+@dataclass
+class _Sequence:
+    table: list[int] = field(default_factory=list)
+    length: int = 0  # tokens stored
+
+
+class BlockManager:
+    """Allocator of fixed-size KV blocks with reference counting and copy-on-write.
+
+    Args:
+        block_size: tokens per block.
+        num_blocks: a fixed budget of physical blocks, or ``None`` for a pool that grows on demand
+            (capacity doubles; storage follows ``num_blocks``).
+    """
+
+    def __init__(self, block_size: int = 16, num_blocks: int | None = None, *, initial_blocks: int = 16):
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
+            raise ValueError(f"num_blocks must be a positive int or None, got {num_blocks!r}")
+        self.block_size = block_size
+        self.growable = num_blocks is None
+        total = initial_blocks if num_blocks is None else num_blocks
+        self._ref_counts: list[int] = [0] * total
+        self._free: list[int] = list(range(total - 1, -1, -1))  # pop() hands out low ids first
+        self._seqs: dict[SeqId, _Sequence] = {}
+        self.blocks_peak = 0
+
+    # ------------------------------------------------------------------ pool facts
+    @property
+    def num_blocks(self) -> int:
+        """Physical blocks the pool has now (grows when ``growable``)."""
+        return len(self._ref_counts)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_shared_blocks(self) -> int:
+        return sum(1 for rc in self._ref_counts if rc > 1)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    # ------------------------------------------------------------------ sequences
+    def __contains__(self, seq_id: SeqId) -> bool:
+        return seq_id in self._seqs
+
+    @property
+    def sequences(self) -> list[SeqId]:
+        return list(self._seqs)
+
+    def _get(self, seq_id: SeqId) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise UnknownSequenceError(f"unknown sequence {seq_id!r} (never added, or already freed)") from None
+
+    def add_sequence(self, seq_id: SeqId) -> None:
+        """Register an empty sequence (no blocks until tokens are appended)."""
+        if seq_id in self._seqs:
+            raise BlockManagerError(f"sequence {seq_id!r} already exists")
+        self._seqs[seq_id] = _Sequence()
+
+    def block_table(self, seq_id: SeqId) -> list[int]:
+        """Logical → physical block ids of a sequence (a copy)."""
+        return list(self._get(seq_id).table)
+
+    def seq_len(self, seq_id: SeqId) -> int:
+        return self._get(seq_id).length
+
+    def slot(self, seq_id: SeqId, position: int) -> int:
+        """Slot of the token at ``position`` (0-based, among the tokens stored) of a sequence."""
+        seq = self._get(seq_id)
+        if not 0 <= position < seq.length:
+            raise IndexError(f"position {position} outside sequence {seq_id!r} of length {seq.length}")
+        return seq.table[position // self.block_size] * self.block_size + position % self.block_size
+
+    # ------------------------------------------------------------------ allocation
+    def _grow(self, needed: int) -> None:
+        old = self.num_blocks
+        new = max(2 * old, old + needed)
+        self._ref_counts.extend([0] * (new - old))
+        self._free[:0] = range(new - 1, old - 1, -1)  # new ids go below: old freed ids are reused first
+
+    def _reserve(self, needed: int) -> None:
+        """Make sure ``needed`` blocks can be taken, or raise without changing anything."""
+        if needed <= len(self._free):
+            return
+        if not self.growable:
+            raise NoFreeBlocksError(needed, len(self._free), self.num_blocks)
+        self._grow(needed - len(self._free))
+
+    def _take(self) -> int:
+        block = self._free.pop()
+        self._ref_counts[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        rc = self._ref_counts[block]
+        if rc <= 0:
+            raise BlockManagerError(f"double free of block {block}")
+        self._ref_counts[block] = rc - 1
+        if rc == 1:
+            self._free.append(block)
+
+    def _blocks_needed(self, requests: list[tuple[_Sequence, int]]) -> int:
+        """Exact number of blocks ``append_many`` will take (simulating copy-on-write releases)."""
+        bs, needed, released = self.block_size, 0, {}
+        for seq, n in requests:
+            if n <= 0:
+                continue
+            needed += -(-(seq.length + n) // bs) - len(seq.table)
+            if seq.length % bs:
+                last = seq.table[-1]
+                if self._ref_counts[last] - released.get(last, 0) > 1:
+                    needed += 1
+                    released[last] = released.get(last, 0) + 1
+        return needed
+
+    def can_append(self, requests: Iterable[tuple[SeqId, int]]) -> bool:
+        """Whether ``append_many(requests)`` would succeed without growing past the budget."""
+        return self.growable or self._blocks_needed([(self._get(s), n) for s, n in requests]) <= len(self._free)
+
+    def append_slots(self, seq_id: SeqId, n: int = 1) -> tuple[list[int], list[tuple[int, int]]]:
+        """Room for ``n`` more tokens of one sequence: returns (slots, copies).
+
+        ``copies`` lists (src_block, dst_block) pairs that storage must copy before writing
+        (copy-on-write of a shared, partially filled last block).
+        """
+        slots, copies = self.append_many([(seq_id, n)])
+        return slots[0], copies
+
+    def append_many(self, requests: list[tuple[SeqId, int]]) -> tuple[list[list[int]], list[tuple[int, int]]]:
+        """``append_slots`` for several sequences at once, all-or-nothing."""
+        seqs = [(self._get(s), n) for s, n in requests]
+        for s, n in requests:
+            if not isinstance(n, int) or n < 0:
+                raise BlockManagerError(f"cannot append {n!r} tokens to sequence {s!r}")
+        if len({s for s, _ in requests}) != len(requests):
+            raise BlockManagerError("a sequence appears twice in one append_many call")
+        self._reserve(self._blocks_needed(seqs))
+        bs = self.block_size
+        all_slots: list[list[int]] = []
+        copies: list[tuple[int, int]] = []
+        for seq, n in seqs:
+            slots: list[int] = []
+            if n and seq.length % bs and self._ref_counts[seq.table[-1]] > 1:
+                shared = seq.table[-1]
+                seq.table[-1] = self._take()
+                self._release(shared)
+                copies.append((shared, seq.table[-1]))
+            for pos in range(seq.length, seq.length + n):
+                if pos % bs == 0:
+                    seq.table.append(self._take())
+                slots.append(seq.table[pos // bs] * bs + pos % bs)
+            seq.length += n
+            all_slots.append(slots)
+        self.blocks_peak = max(self.blocks_peak, self.num_used_blocks)
+        return all_slots, copies
+
+    def fork(self, parent: SeqId, child: SeqId) -> None:
+        """The child shares all of the parent's blocks (no copy; reference counts + 1)."""
+        src = self._get(parent)
+        if child in self._seqs:
+            raise BlockManagerError(f"cannot fork into existing sequence {child!r}")
+        for block in src.table:
+            self._ref_counts[block] += 1
+        self._seqs[child] = _Sequence(list(src.table), src.length)
+
+    def free(self, seq_id: SeqId) -> None:
+        """Drop a sequence: every block loses one reference; blocks at zero are free again."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise UnknownSequenceError(f"cannot free unknown sequence {seq_id!r} (double free?)")
+        for block in seq.table:
+            self._release(block)
+
+    def truncate(self, seq_id: SeqId, length: int) -> None:
+        """Keep only the first ``length`` tokens (blocks past them lose a reference)."""
+        seq = self._get(seq_id)
+        if not 0 <= length <= seq.length:
+            raise BlockManagerError(f"cannot truncate sequence {seq_id!r} of length {seq.length} to {length}")
+        keep = -(-length // self.block_size)
+        for block in seq.table[keep:]:
+            self._release(block)
+        del seq.table[keep:]
+        seq.length = length
+
+    def free_all(self) -> None:
+        for seq_id in list(self._seqs):
+            self.free(seq_id)
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (used by tests)."""
+        counts = [0] * self.num_blocks
+        for seq in self._seqs.values():
+            assert len(seq.table) == -(-seq.length // self.block_size), "table length does not match tokens"
+            for block in seq.table:
+                counts[block] += 1
+        assert counts == self._ref_counts, "reference counts differ from the tables holding each block"
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        assert free == {b for b, c in enumerate(counts) if c == 0}, "free list differs from unreferenced blocks"
+        assert len(self._free) + self.num_used_blocks == self.num_blocks

@@ -1,0 +1,395 @@
+"""``PagedKVCache``: a transformers ``Cache`` whose K/V live in blocks addressed by block tables.
+
+How it talks to the model (works on transformers 5.17, where layers call ``update(k, v, idx)``
+without kwargs, and on newer 5.x):
+
+1. ``update(k, v, layer_idx)`` only *stashes* the new states and returns them unchanged.
+2. The ``"hf_paged"`` attention function (``attention.py``) recognises the stashed tensors by
+   identity, asks the cache to commit them (the padding mask it receives says which new columns
+   are pads: those are not stored), then reads K/V through the block tables.
+
+So the cache never needs kwargs, and an attention call that did not come from this cache (a plain
+forward, training, a DynamicCache) is never mistaken for a paged one. If a model does not route
+its attention through ``AttentionInterface``, the stash is left unconsumed and the next cache call
+raises instead of letting the model run on partial keys.
+
+Columns vs tokens: transformers counts *columns* (the padded length, pads included). The cache
+reports columns exactly as ``DynamicCache`` would (so masks and positions match stock), but stores
+only real tokens; ``_token_index[row, column]`` maps each column to the row's token (−1 = pad).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from transformers import Cache, PretrainedConfig
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from hf_paged.block_manager import BlockManager
+from hf_paged.storage import PagedKVStorage
+
+_SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+_active = threading.local()
+
+
+def active_cache() -> PagedKVCache | None:
+    """The paged cache whose ``update`` ran last in this thread (it may have nothing pending)."""
+    return getattr(_active, "cache", None)
+
+
+def _layer_structure(config: PretrainedConfig) -> tuple[list[str], list[int | None]]:
+    """Per-layer (type, sliding window), derived the way ``DynamicCache(config=...)`` derives it."""
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    if isinstance(layer_kwargs, dict):  # transformers < 5.24: one dict for all layers
+        layer_kwargs = [layer_kwargs] * len(layer_types)
+    if getattr(config, "num_kv_shared_layers", 0) or len(layer_types) != config.num_hidden_layers:
+        raise NotImplementedError(
+            f"{type(config).__name__}: layers that reuse another layer's KV cache are not supported by PagedKVCache"
+        )
+    unsupported = sorted(set(layer_types) - set(_SUPPORTED_LAYER_TYPES))
+    if unsupported:
+        raise NotImplementedError(
+            f"{type(config).__name__}: PagedKVCache supports {_SUPPORTED_LAYER_TYPES} layers, not {unsupported}"
+        )
+    windows = [kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(layer_types, layer_kwargs)]
+    return list(layer_types), windows
+
+
+class _PagedLayerView:
+    """What transformers' ``Cache`` base expects to find in ``cache.layers``; state lives in the cache."""
+
+    is_compileable = False
+    supports_early_init = False
+    is_croppable = True
+
+    def __init__(self, cache: PagedKVCache, layer_idx: int, sliding_window: int | None):
+        self._cache, self.layer_idx, self.sliding_window = cache, layer_idx, sliding_window
+        self.is_sliding = sliding_window is not None
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.layer_idx in self._cache.storage.key_pools
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length(self.layer_idx)
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def __repr__(self) -> str:
+        kind = f"sliding({self.sliding_window})" if self.is_sliding else "full"
+        return f"PagedLayer({self.layer_idx}, {kind})"
+
+
+class PagedKVCache(Cache):
+    """A KV cache in fixed-size blocks with per-sequence block tables (vLLM's PagedAttention).
+
+    Each batch row is one sequence of the block manager. Blocks are allocated as tokens arrive,
+    shared between rows by reference count (``reorder_cache`` for beam search and
+    ``batch_repeat_interleave`` for shared prompts are block-table forks) and copied only when a
+    row writes into a shared, partially filled block.
+
+    Args:
+        config: the model config (its layer structure decides sliding-window layers).
+        block_size: tokens per block.
+        num_blocks: a fixed budget of blocks (``NoFreeBlocksError`` when exceeded), or ``None`` to
+            grow on demand.
+
+    Use it with a model prepared by :func:`hf_paged.enable`::
+
+        cache = PagedKVCache(model.config, block_size=16)
+        model.generate(**inputs, past_key_values=cache)
+        cache.stats()
+    """
+
+    def __init__(self, config: PretrainedConfig, block_size: int = 16, num_blocks: int | None = None):
+        if not isinstance(config, PretrainedConfig):
+            raise TypeError(f"PagedKVCache needs the model config, got {type(config).__name__}")
+        config = config.get_text_config(decoder=True)
+        self.layer_types, self.sliding_windows = _layer_structure(config)
+        super().__init__(layers=[_PagedLayerView(self, i, w) for i, w in enumerate(self.sliding_windows)])
+        self.config = config
+        self.block_size = block_size
+        self.manager = BlockManager(block_size, num_blocks)
+        self.storage = PagedKVStorage(block_size)
+        self._rows: list[int] = []  # block-manager sequence id of each batch row
+        self._next_seq_id = 0
+        self._columns = 0  # columns with allocated slots (all layers reach it within a forward)
+        self._layer_columns = [0] * len(self.layers)
+        self._token_index = torch.empty(0, 0, dtype=torch.long)  # [rows, columns], -1 for pads
+        self._has_holes = False  # a pad column after a real one: kernels need contiguous tokens
+        self._pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._step: dict[str, Any] = {}  # per-forward metadata, shared by all layers
+
+    # ------------------------------------------------------------------ transformers API
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._rows) if self._rows else -1
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Stash this layer's new K/V for the ``hf_paged`` attention call that follows."""
+        self._check_no_pending()
+        self._pending = (layer_idx, key_states, value_states)
+        _active.cache = self
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        self._check_no_pending()
+        return self._layer_columns[layer_idx] if layer_idx < len(self._layer_columns) else 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """Same sizes as ``DynamicCache``: masks, and so outputs, match stock transformers."""
+        past = self.get_seq_length(layer_idx)
+        window = self.sliding_windows[layer_idx]
+        if window is None:
+            return past + query_length, 0
+        kv_offset = max(past - window + 1, 0)
+        kv_length = (window - 1 if past >= window else past) + query_length
+        return kv_length, kv_offset
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i continues row ``beam_idx[i]``: a block-table fork, no K/V copied."""
+        self._reindex_rows(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row becomes ``repeats`` rows sharing its blocks (a prompt for its beams or samples)."""
+        self._reindex_rows([i for i in range(len(self._rows)) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._reindex_rows(torch.as_tensor(indices).tolist())
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop columns at the end: ``crop(-n)`` removes ``n``; ``crop(n)`` with n > 0 keeps ``n``."""
+        self._check_no_pending()
+        keep = self._columns + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, self._columns)
+        if tokens_to_remove == 0 or keep == self._columns:
+            return
+        keep = max(keep, 0)
+        for row, seq_id in enumerate(self._rows):
+            kept_tokens = int((self._token_index[row, :keep] >= 0).sum())
+            self.manager.truncate(seq_id, kept_tokens)
+        self._token_index = self._token_index[:, :keep]
+        self._columns = keep
+        self._layer_columns = [keep] * len(self._layer_columns)
+        self._step = {}
+
+    def reset(self) -> None:
+        """Free every block and forget every row (the pools stay allocated for reuse)."""
+        self.manager.free_all()
+        self._rows = []
+        self._columns = 0
+        self._layer_columns = [0] * len(self._layer_columns)
+        self._token_index = torch.empty(0, 0, dtype=torch.long)
+        self._has_holes = False
+        self._pending = None
+        self._step = {}
+
+    def release(self) -> None:
+        """Return all blocks and drop the pools (the cache can be reused afterwards)."""
+        self.reset()
+        self.storage.clear()
+
+    # ------------------------------------------------------------------ the channel to attention
+    def _check_no_pending(self) -> None:
+        if self._pending is not None:
+            layer_idx = self._pending[0]
+            self._pending = None
+            raise RuntimeError(
+                f"PagedKVCache: layer {layer_idx} stored K/V but its attention never read them. The model must run "
+                "with attn_implementation='hf_paged' (call hf_paged.enable(model)) and route attention through "
+                "transformers' AttentionInterface."
+            )
+
+    def claim(self, key: torch.Tensor, value: torch.Tensor) -> int | None:
+        """If ``key``/``value`` are what ``update`` just stashed, take them: returns the layer index."""
+        pending = self._pending
+        if pending is None or pending[1] is not key or pending[2] is not value:
+            return None
+        self._pending = None
+        return pending[0]
+
+    def commit(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, new_valid: torch.Tensor | None) -> None:
+        """Store a layer's new K/V ``[rows, kv_heads, q, head_dim]``; pad columns (``new_valid`` False) are skipped."""
+        rows, _, q_len, _ = key.shape
+        if self._layer_columns[layer_idx] == self._columns:  # first layer of this forward: allocate
+            self._allocate(rows, q_len, new_valid)
+        elif self._layer_columns[layer_idx] + q_len != self._columns:
+            raise RuntimeError(f"PagedKVCache: layer {layer_idx} is out of step with the other layers")
+        self.storage.ensure_layer(layer_idx, key.transpose(1, 2), self.manager.num_blocks)
+        slots = self._step_tensor("new_slots", key.device)
+        self.storage.write(
+            layer_idx,
+            key.transpose(1, 2).reshape(rows * q_len, *key.shape[1:2], key.shape[-1]),
+            value.transpose(1, 2).reshape(rows * q_len, *value.shape[1:2], value.shape[-1]),
+            slots.reshape(-1),
+        )
+        self._layer_columns[layer_idx] = self._columns
+
+    def _allocate(self, rows: int, q_len: int, new_valid: torch.Tensor | None) -> None:
+        if not self._rows:
+            self._rows = [self._new_seq() for _ in range(rows)]
+            self._token_index = torch.empty(rows, self._columns, dtype=torch.long)
+        elif rows != len(self._rows):
+            raise ValueError(f"PagedKVCache holds {len(self._rows)} rows but the batch has {rows}")
+        valid = torch.ones(rows, q_len, dtype=torch.bool) if new_valid is None else new_valid.to("cpu", torch.bool)
+        counts = valid.sum(1).tolist()
+        lengths = torch.tensor([self.manager.seq_len(s) for s in self._rows], dtype=torch.long)
+        _, copies = self.manager.append_many(list(zip(self._rows, counts)))
+        self.storage.grow(self.manager.num_blocks)
+        self.storage.copy_blocks(copies)
+        seen = (lengths > 0)[:, None] | valid.cummax(1).values
+        self._has_holes = self._has_holes or bool((seen & ~valid).any())
+        new_index = torch.where(valid, lengths[:, None] + valid.long().cumsum(1) - 1, -1)
+        self._token_index = torch.cat([self._token_index, new_index], 1)
+        self._columns += q_len
+        tables = self.block_tables()
+        all_slots = self._slots_of(self._token_index, tables)
+        self._step = {
+            "new_slots": all_slots[:, -q_len:],
+            "all_slots": all_slots,
+            "block_tables": tables,
+            "context_lens": lengths + torch.tensor(counts, dtype=torch.long),
+            "new_counts": torch.tensor(counts, dtype=torch.long),
+            "new_valid": valid,
+            "on_device": {},
+        }
+
+    def _slots_of(self, token_index: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        bs = self.block_size
+        safe = token_index.clamp(min=0)
+        blocks = tables.long().gather(1, (safe // bs).clamp(max=max(tables.shape[1] - 1, 0)))
+        return torch.where(token_index >= 0, blocks * bs + safe % bs, -1)
+
+    def _step_tensor(self, name: str, device: torch.device) -> torch.Tensor:
+        """Per-forward metadata, moved to each device once (layers may sit on different devices)."""
+        cached = self._step["on_device"].get((name, device))
+        if cached is None:
+            cached = self._step[name].to(device, non_blocking=True)
+            self._step["on_device"][(name, device)] = cached
+        return cached
+
+    def _new_seq(self) -> int:
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        self.manager.add_sequence(seq_id)
+        return seq_id
+
+    def _reindex_rows(self, sources: list[int]) -> None:
+        """Row i of the new batch continues old row ``sources[i]``: fork, then free the old rows."""
+        self._check_no_pending()
+        if not self._rows:  # nothing stored yet (e.g. a fresh cache): nothing to share
+            return
+        if any(not 0 <= s < len(self._rows) for s in sources):
+            raise IndexError(f"row index out of range for a cache of {len(self._rows)} rows: {sources}")
+        new_rows = []
+        for src in sources:
+            seq_id = self._next_seq_id
+            self._next_seq_id += 1
+            self.manager.fork(self._rows[src], seq_id)
+            new_rows.append(seq_id)
+        for seq_id in self._rows:
+            self.manager.free(seq_id)
+        self._rows = new_rows
+        self._token_index = self._token_index[sources]
+        self._step = {}
+
+    # ------------------------------------------------------------------ reading (attention side)
+    def block_tables(self) -> torch.Tensor:
+        """int32 ``[rows, max_blocks]`` block tables (−1 past each row's blocks)."""
+        tables = [self.manager.block_table(s) for s in self._rows]
+        width = max((len(t) for t in tables), default=0)
+        return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(len(tables), width)
+
+    def kv_window(self, layer_idx: int, q_len: int) -> tuple[int, int]:
+        """(kv_offset, kv_length) of the columns a layer's attention covers, after committing ``q_len`` columns.
+
+        The same window ``get_mask_sizes`` announced before the forward (sliding layers see the
+        last ``window - 1`` past columns plus the new ones, as ``DynamicSlidingWindowLayer``).
+        """
+        past = self._layer_columns[layer_idx] - q_len
+        window = self.sliding_windows[layer_idx]
+        if window is None:
+            return 0, past + q_len
+        offset = max(past - window + 1, 0)
+        return offset, self._layer_columns[layer_idx] - offset
+
+    def dense_kv(self, layer_idx: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V ``[rows, kv_heads, kv_length, head_dim]`` laid out as DynamicCache holds them (pads zero).
+
+        This is the reference read path (CPU): same layout, same mask, same attention function as
+        stock transformers, hence identical outputs.
+        """
+        offset, length = self.kv_window(layer_idx, q_len)
+        device = self.storage.key_pools[layer_idx].device
+        slots = self._step_tensor("all_slots", device)[:, offset : offset + length]
+        keys, values = self.storage.gather(layer_idx, slots)
+        return keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
+
+    def paged_metadata(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Block tables and lengths for the kernels, on ``device``."""
+        return {
+            "block_tables": self._step_tensor("block_tables", device),
+            "context_lens": self._step_tensor("context_lens", device),
+            "new_counts": self._step["new_counts"],
+            "new_valid": self._step_tensor("new_valid", device),
+        }
+
+    @property
+    def kernels_applicable(self) -> bool:
+        """Kernels assume each row's tokens are contiguous (left padding only) and non-empty."""
+        return not self._has_holes and bool(self._step) and int(self._step["context_lens"].min()) > 0
+
+    # ------------------------------------------------------------------ accounting
+    def stats(self) -> dict[str, float | int]:
+        """Memory accounting of the cache (the paper's utilization and sharing numbers)."""
+        bs, manager = self.block_size, self.manager
+        filled: dict[int, int] = {}
+        logical = 0
+        for seq_id in self._rows:
+            length = manager.seq_len(seq_id)
+            logical += length
+            for i, block in enumerate(manager.block_table(seq_id)):
+                filled[block] = max(filled.get(block, 0), min(bs, length - i * bs))
+        used = manager.num_used_blocks
+        tokens_stored = sum(filled.values())
+        per_block = self.storage.bytes_per_block()
+        per_token_layer = {
+            i: 2 * k.shape[2] * k.shape[3] * k.element_size() for i, k in self.storage.key_pools.items()
+        }
+        contiguous = 0
+        for i, per_token in per_token_layer.items():
+            window = self.sliding_windows[i]
+            held = self._columns if window is None else min(self._columns, window - 1)
+            contiguous += len(self._rows) * held * per_token
+        return {
+            "block_size": bs,
+            "blocks_total": manager.num_blocks,
+            "blocks_used": used,
+            "blocks_free": manager.num_free_blocks,
+            "blocks_shared": manager.num_shared_blocks,
+            "blocks_peak": manager.blocks_peak,
+            "num_sequences": len(self._rows),
+            "tokens_stored": tokens_stored,
+            "tokens_logical": logical,
+            "slots_allocated": used * bs,
+            "utilization": tokens_stored / (used * bs) if used else 1.0,
+            "bytes_used": used * per_block,
+            "bytes_allocated": manager.num_blocks * per_block if self.storage.key_pools else 0,
+            "bytes_contiguous_equivalent": contiguous,
+        }
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"PagedKVCache(rows={s['num_sequences']}, block_size={s['block_size']}, "
+            f"blocks_used={s['blocks_used']}/{s['blocks_total']}, utilization={s['utilization']:.3f})"
+        )
