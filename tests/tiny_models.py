@@ -1,0 +1,84 @@
+"""Tiny random models of each supported architecture, built from configs (no downloads).
+
+Each architecture gets the ``initializer_range`` (0.02-0.5, 0.3 for most) at which its greedy
+output is varied rather than one repeated token, so equality tests compare meaningful sequences;
+sliding windows are small so they matter at test lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 96
+PAD, EOS, BOS = 0, 1, 2
+
+_COMMON = dict(vocab_size=VOCAB, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS, initializer_range=0.3)
+_LLAMA_LIKE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=512)
+
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**_COMMON, **_LLAMA_LIKE),
+    "mistral": lambda: transformers.MistralConfig(**_COMMON, **_LLAMA_LIKE, sliding_window=12),
+    "qwen2": lambda: transformers.Qwen2Config(
+        **_COMMON, **{**_LLAMA_LIKE, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=10,
+        max_window_layers=1,
+    ),
+    "qwen3": lambda: transformers.Qwen3Config(**{**_COMMON, "initializer_range": 0.1}, **_LLAMA_LIKE, head_dim=16),
+    "gemma2": lambda: transformers.Gemma2Config(
+        **{**_COMMON, "initializer_range": 0.02}, **_LLAMA_LIKE, head_dim=16, sliding_window=9, query_pre_attn_scalar=16,
+        attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
+    ),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **{**_COMMON, "initializer_range": 0.02}, **{**_LLAMA_LIKE, "num_hidden_layers": 3}, head_dim=16, sliding_window=7,
+        query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    ),
+    "phi3": lambda: transformers.Phi3Config(**_COMMON, **_LLAMA_LIKE),
+    "gpt2": lambda: transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.5,
+        pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS,
+    ),
+    "opt": lambda: transformers.OPTConfig(
+        **_COMMON, hidden_size=64, num_hidden_layers=2, ffn_dim=96, num_attention_heads=4,
+        word_embed_proj_dim=64, max_position_embeddings=512, init_std=0.3,
+    ),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(
+        **_COMMON, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+        max_position_embeddings=512, rotary_pct=0.5,
+    ),
+    "granite": lambda: transformers.GraniteConfig(**_COMMON, **_LLAMA_LIKE),
+    "olmo2": lambda: transformers.Olmo2Config(**{**_COMMON, "initializer_range": 0.1}, **_LLAMA_LIKE),
+}
+
+ARCHITECTURES = list(CONFIGS)
+
+# Architectures whose attention is written inline (not through AttentionInterface).
+UNSUPPORTED = {
+    "bloom": lambda: transformers.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4),
+    "falcon": lambda: transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                                num_attention_heads=4),
+    "gpt_neo": lambda: transformers.GPTNeoConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
+                                                 attention_types=[[["global", "local"], 1]]),
+}
+
+
+def build(arch: str, seed: int = 0, table: dict = CONFIGS) -> transformers.PreTrainedModel:
+    """A tiny float32 model of ``arch`` with seeded random weights, in eval mode."""
+    torch.manual_seed(seed)
+    config = table[arch]()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = EOS
+    return model.eval()
+
+
+def left_padded(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded batch of random prompts of the given lengths: (input_ids, attention_mask)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = torch.randint(3, VOCAB, (n,), generator=g)
+        mask[row, width - n :] = 1
+    return ids, mask
