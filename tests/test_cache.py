@@ -1,0 +1,259 @@
+"""PagedKVCache and the adapter: memory, sharing, direct use, fallbacks, options and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hf_paged
+from hf_paged import NoFreeBlocksError, PagedKVCache
+from hf_paged.storage import PagedKVStorage
+from tiny_models import UNSUPPORTED, build, left_padded
+
+STAT_KEYS = {
+    "block_size", "blocks_total", "blocks_used", "blocks_shared", "tokens_stored", "slots_allocated",
+    "utilization", "bytes_used", "bytes_contiguous_equivalent", "blocks_peak",
+}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build("llama")
+
+
+@pytest.fixture
+def paged(llama):
+    model = hf_paged.enable(llama, block_size=16)
+    yield model
+    hf_paged.disable(model)
+
+
+def _cache(out) -> PagedKVCache:
+    return getattr(out, "cache", None) or out.past_key_values
+
+
+def _release(cache: PagedKVCache) -> None:
+    cache.manager.check_invariants()
+    cache.reset()
+    assert cache.manager.num_used_blocks == 0
+
+
+# ---------------------------------------------------------------------------- memory
+def test_beam_search_uses_at_most_half_of_contiguous_memory(paged):
+    ids, mask = left_padded([128])
+    out = paged.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=64, min_new_tokens=64, num_beams=4, do_sample=False,
+        cache_implementation="hf_paged", return_dict_in_generate=True,
+    )
+    assert out.sequences.shape[1] == 128 + 64
+    cache = _cache(out)
+    stats = cache.stats()
+    assert STAT_KEYS <= set(stats)
+    # DynamicCache would hold 4 beams x 191 columns (the last token is never fed back).
+    per_token = cache.storage.bytes_per_token()
+    assert stats["bytes_contiguous_equivalent"] == 4 * 191 * per_token
+    assert stats["bytes_used"] <= 0.5 * stats["bytes_contiguous_equivalent"]
+    assert stats["blocks_peak"] * 16 * per_token <= 0.5 * stats["bytes_contiguous_equivalent"]
+    assert stats["blocks_shared"] > 0
+    _release(cache)
+
+
+def test_parallel_sampling_stores_the_prompt_once(paged):
+    prompt, n, new, bs = 100, 4, 10, 16
+    ids, mask = left_padded([prompt])
+    torch.manual_seed(0)
+    out = paged.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=True,
+        num_return_sequences=n, cache_implementation="hf_paged", return_dict_in_generate=True,
+    )
+    cache = _cache(out)
+    tables = cache.block_tables().tolist()
+    full_prompt_blocks = (prompt - 1) // bs  # the shared prefill covers all but the last prompt token
+    assert all(t[:full_prompt_blocks] == tables[0][:full_prompt_blocks] for t in tables)
+    assert all(cache.manager.ref_count(b) == n for b in tables[0][:full_prompt_blocks])
+    stats = cache.stats()
+    # Physically stored: the prompt's full blocks once; per sample its copy of the partial
+    # block, its own last prompt token and the generated tokens fed back (new - 1).
+    assert stats["tokens_stored"] == full_prompt_blocks * bs + n * ((prompt - 1) % bs + 1 + new - 1)
+    assert stats["tokens_logical"] == n * (prompt + new - 1)
+    _release(cache)
+
+
+def test_shared_prompt_prefill_computes_each_prompt_once(paged, monkeypatch):
+    """The prompt tokens go through the model once per distinct prompt, not once per copy."""
+    seen = []
+    original = PagedKVCache.commit
+
+    def spy(self, layer_idx, key, value, new_valid):
+        if layer_idx == 0:
+            seen.append(key.shape[0] * key.shape[2])
+        return original(self, layer_idx, key, value, new_valid)
+
+    monkeypatch.setattr(PagedKVCache, "commit", spy)
+    ids, mask = left_padded([50, 30])
+    paged.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, num_beams=3, num_return_sequences=3,
+                   do_sample=False, cache_implementation="hf_paged")
+    assert seen[0] == 2 * 49  # two distinct prompts, all but their last column
+    assert seen[1] == 6 * 1  # then the last prompt token for each of the 2 x 3 copies
+
+
+def test_utilization_of_a_mixed_batch_of_32(paged):
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(120, 300, (32,), generator=g).tolist()
+    ids, mask = left_padded(lengths)
+    out = paged.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                         cache_implementation="hf_paged", return_dict_in_generate=True)
+    stats = _cache(out).stats()
+    assert stats["tokens_stored"] == sum(lengths) + 32 * 7  # pads are not stored
+    assert stats["utilization"] >= 0.95
+    assert stats["bytes_used"] < stats["bytes_contiguous_equivalent"]
+    _release(_cache(out))
+
+
+# ---------------------------------------------------------------------------- direct use
+@pytest.mark.parametrize("name", ["past_key_values", "cache"])
+def test_cache_passed_directly(paged, name):
+    ids, mask = left_padded([7, 23, 18])
+    hf_paged.disable(paged)
+    stock = paged.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, num_beams=3, do_sample=False)
+    hf_paged.enable(paged)
+    cache = PagedKVCache(paged.config, block_size=8)
+    out = paged.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, num_beams=3, do_sample=False,
+                         **{name: cache})
+    assert torch.equal(stock, out)
+    assert cache.stats()["tokens_stored"] > 0 and cache.stats()["block_size"] == 8
+    _release(cache)
+
+
+def test_reorder_cache_moves_references_and_copies_nothing(paged, monkeypatch):
+    ids, mask = left_padded([20, 9])
+    cache = PagedKVCache(paged.config, block_size=4)
+    paged(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    copies = []
+    monkeypatch.setattr(PagedKVStorage, "copy_blocks", lambda self, pairs: copies.append(pairs))
+    before = [cache.manager.block_table(s) for s in cache._rows]
+    cache.reorder_cache(torch.tensor([1, 1]))
+    after = [cache.manager.block_table(s) for s in cache._rows]
+    assert after[0] == after[1] == before[1]
+    assert all(cache.manager.ref_count(b) == 2 for b in before[1])
+    assert all(cache.manager.ref_count(b) == 0 for b in before[0])  # row 0's blocks were freed
+    assert copies == []
+    _release(cache)
+
+
+def test_crop_for_assisted_decoding(paged, monkeypatch):
+    crops = []
+    original = PagedKVCache.crop
+    monkeypatch.setattr(PagedKVCache, "crop", lambda self, n: (crops.append(n), original(self, n))[1])
+    assistant = build("llama", seed=1)
+    ids, mask = left_padded([30])
+    hf_paged.disable(paged)
+    stock = paged.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                           assistant_model=assistant)
+    hf_paged.enable(paged, block_size=4)
+    out = paged.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                         assistant_model=assistant, cache_implementation="hf_paged", return_dict_in_generate=True)
+    assert torch.equal(stock, out.sequences)
+    assert any(n < 0 for n in crops), "assisted decoding never rejected a draft token"
+    cache = _cache(out)
+    assert cache.stats()["tokens_stored"] == cache.get_seq_length()
+    _release(cache)
+
+
+def test_crop_truncates_blocks(paged):
+    ids, mask = left_padded([10, 4])
+    cache = PagedKVCache(paged.config, block_size=4)
+    paged(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    assert [cache.manager.seq_len(s) for s in cache._rows] == [10, 4]
+    cache.crop(-7)  # 3 columns left: row 1 had pads there
+    assert cache.get_seq_length() == 3
+    assert [cache.manager.seq_len(s) for s in cache._rows] == [3, 0]
+    assert cache.manager.num_used_blocks == 1
+    _release(cache)
+
+
+# ---------------------------------------------------------------------------- fallbacks
+def test_enabled_model_still_runs_plain_forward_and_training(llama):
+    reference = build("llama")
+    ids, mask = left_padded([12, 20])
+    hf_paged.enable(llama)
+    try:
+        for model in (llama, reference):
+            model.train()
+            model.zero_grad()
+            out = model(input_ids=ids, attention_mask=mask, labels=ids)
+            out.loss.backward()
+            model.eval()
+        assert llama.config._attn_implementation == "hf_paged"
+        assert torch.equal(llama(input_ids=ids, attention_mask=mask).logits,
+                           reference(input_ids=ids, attention_mask=mask).logits)
+        for (name, p), q in zip(llama.named_parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+        stock = reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        for kwargs in ({}, {"past_key_values": DynamicCache(config=llama.config)}):
+            assert torch.equal(llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
+                                              do_sample=False, **kwargs), stock)
+    finally:
+        hf_paged.disable(llama)
+        llama.zero_grad(set_to_none=True)
+
+
+def test_enable_again_changes_options_and_disable_restores(llama):
+    ids, mask = left_padded([20])
+    for block_size in (8, 32):
+        hf_paged.enable(llama, block_size=block_size, num_blocks=64)
+        out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                             cache_implementation="hf_paged", return_dict_in_generate=True)
+        stats = _cache(out).stats()
+        assert stats["block_size"] == block_size and stats["blocks_total"] == 64
+    hf_paged.disable(llama)
+    assert llama.config._attn_implementation == "sdpa" and "generate" not in llama.__dict__
+
+
+def test_pools_follow_the_layer_dtype(llama):
+    model = build("llama").to(torch.float64)
+    hf_paged.enable(model)
+    ids, mask = left_padded([9])
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                         cache_implementation="hf_paged", return_dict_in_generate=True)
+    pools = _cache(out).storage.key_pools
+    assert len(pools) == model.config.num_hidden_layers
+    assert all(p.dtype == torch.float64 and p.shape[1:] == (16, 2, 16) for p in pools.values())
+
+
+# ---------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("arch", list(UNSUPPORTED))
+def test_unsupported_models_are_refused_by_name(arch):
+    model = build(arch, table=UNSUPPORTED)
+    with pytest.raises(NotImplementedError, match=type(model).__name__):
+        hf_paged.enable(model)
+
+
+def test_non_paged_cache_with_the_flag_is_refused(paged):
+    ids, mask = left_padded([5])
+    with pytest.raises(ValueError, match="DynamicCache"):
+        paged.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, cache_implementation="hf_paged",
+                       past_key_values=DynamicCache(config=paged.config))
+
+
+def test_paged_cache_without_enable_is_refused(llama):
+    ids, mask = left_padded([5])
+    with pytest.raises(RuntimeError, match="hf_paged.enable"):
+        llama(input_ids=ids, attention_mask=mask, past_key_values=PagedKVCache(llama.config), use_cache=True)
+    with pytest.raises(TypeError, match="config"):
+        PagedKVCache(None)
+
+
+def test_exhausted_budget_raises_and_the_model_keeps_serving(paged):
+    hf_paged.enable(paged, block_size=4, num_blocks=6)
+    ids, mask = left_padded([16, 7])
+    with pytest.raises(NoFreeBlocksError, match="out of KV cache blocks"):
+        paged.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, cache_implementation="hf_paged")
+    small_ids, small_mask = left_padded([6])
+    out = paged.generate(input_ids=small_ids, attention_mask=small_mask, max_new_tokens=4, do_sample=False,
+                         cache_implementation="hf_paged", return_dict_in_generate=True)
+    hf_paged.disable(paged)
+    assert torch.equal(out.sequences, paged.generate(input_ids=small_ids, attention_mask=small_mask,
+                                                     max_new_tokens=4, do_sample=False))
+    _release(_cache(out))
