@@ -94,6 +94,8 @@ def _paged_generate(self: PreTrainedModel, *args, **kwargs):
     if flagged:
         kwargs.pop("cache_implementation", None)
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if "cache" in kwargs and _cache_kwarg_name(self) != "cache":  # transformers < 5.2x knows only the old name
+        kwargs["past_key_values"] = kwargs.pop("cache")
     if flagged:
         if cache is not None and not isinstance(cache, PagedKVCache):
             raise ValueError(
