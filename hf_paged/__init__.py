@@ -4,7 +4,7 @@
 adds the ``cache_implementation="hf_paged"`` flag to that model's ``generate``.
 """
 
-from hf_paged.attention import ATTN_IMPLEMENTATION, PagedMask, set_kernels_enabled
+from hf_paged.attention import ATTN_IMPLEMENTATION, PagedMask, set_kernel_mode
 from hf_paged.block_manager import BlockManager, BlockManagerError, NoFreeBlocksError, UnknownSequenceError
 from hf_paged.cache import PagedKVCache
 from hf_paged.generate import CACHE_IMPLEMENTATION, disable, enable
@@ -20,6 +20,6 @@ __all__ = [
     "UnknownSequenceError",
     "disable",
     "enable",
-    "set_kernels_enabled",
+    "set_kernel_mode",
 ]
 __version__ = "0.1.0"

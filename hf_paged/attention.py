@@ -28,13 +28,28 @@ from hf_paged.cache import active_cache
 
 ATTN_IMPLEMENTATION = "hf_paged"
 _FALLBACK_ATTR = "_hf_paged_fallback"
-_use_kernels = True
+_KERNEL_MODES = ("auto", "reference", "triton")
+_kernel_mode = "auto"
 
 
-def set_kernels_enabled(enabled: bool) -> None:
-    """Switch the Triton read path on CUDA on or off (off: the reference path everywhere)."""
-    global _use_kernels
-    _use_kernels = enabled
+def set_kernel_mode(mode: str) -> None:
+    """How paged calls read K/V.
+
+    ``"auto"``: Triton kernels on CUDA, the reference path elsewhere; ``"reference"``: always the
+    gather + fallback reference path; ``"triton"``: always the kernels, also on CPU tensors (only
+    under ``TRITON_INTERPRET=1``: how the tests run the kernel path through whole models).
+    """
+    global _kernel_mode
+    if mode not in _KERNEL_MODES:
+        raise ValueError(f"kernel mode must be one of {_KERNEL_MODES}, got {mode!r}")
+    _kernel_mode = mode
+
+
+def _kernel_backend(query: torch.Tensor) -> str | None:
+    """The kernels' backend for this call, or None for the reference path."""
+    if _kernel_mode == "triton":
+        return "triton"
+    return "triton" if _kernel_mode == "auto" and query.is_cuda else None
 
 
 @dataclass
@@ -102,13 +117,14 @@ def paged_attention_forward(
 
     q_len = query.shape[2]
     cache.commit(layer_idx, key, value, mask.new_columns_valid(q_len, cache.get_seq_length(layer_idx) + q_len))
-    if _use_kernels and query.is_cuda and cache.kernels_applicable and not kwargs.get("output_attentions"):
-        return _kernel_attention(cache, layer_idx, query, **kwargs)
+    backend = _kernel_backend(query)
+    if backend is not None and cache.kernels_applicable and not kwargs.get("output_attentions"):
+        return _kernel_attention(cache, layer_idx, query, backend, **kwargs)
     dense_key, dense_value = cache.dense_kv(layer_idx, q_len)
     return fallback(module, query, dense_key, dense_value, mask.dense, **kwargs)
 
 
-def _kernel_attention(cache, layer_idx: int, query: torch.Tensor, **kwargs):
+def _kernel_attention(cache, layer_idx: int, query: torch.Tensor, backend: str, **kwargs):
     """Read K/V straight from the blocks with the Triton kernels (no gather into contiguous tensors)."""
     from hf_paged import kernels
 
@@ -118,20 +134,18 @@ def _kernel_attention(cache, layer_idx: int, query: torch.Tensor, **kwargs):
     scale = kwargs.get("scaling")
     scale = head_dim**-0.5 if scale is None else scale
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-    tables, lens = meta["block_tables"], meta["context_lens"].to(torch.int32)
+    tables, lens = meta["block_tables"], meta["context_lens"]
     if q_len == 1:
         out = kernels.paged_attention_decode(
-            query[:, :, 0], k_pool, v_pool, tables, lens, scale, sliding_window=window, softcap=softcap
+            query[:, :, 0].contiguous(), k_pool, v_pool, tables, lens, scale, sliding_window=window,
+            softcap=softcap, backend=backend,
         )
         return out[:, None].to(query.dtype), None
-    valid = meta["new_valid"]  # [rows, q_len]
+    valid = meta["new_valid"]  # [rows, q_len]: pads of left-padded prompts get no query
     tokens = query.transpose(1, 2)[valid]  # [num_valid, heads, head_dim]
-    counts = meta["new_counts"]
-    cu = torch.zeros(rows + 1, dtype=torch.int32)
-    cu[1:] = counts.cumsum(0)
     flat = kernels.paged_attention_prefill(
-        tokens.contiguous(), k_pool, v_pool, tables, cu.to(query.device), lens, scale,
-        sliding_window=window, softcap=softcap,
+        tokens.contiguous(), k_pool, v_pool, tables, meta["cu_seqlens_q"], lens, scale,
+        sliding_window=window, softcap=softcap, backend=backend,
     )
     out = query.new_zeros(rows, q_len, heads, head_dim)
     out[valid] = flat.to(query.dtype)

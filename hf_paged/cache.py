@@ -170,6 +170,7 @@ class PagedKVCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Drop columns at the end: ``crop(-n)`` removes ``n``; ``crop(n)`` with n > 0 keeps ``n``."""
         self._check_no_pending()
+        tokens_to_remove = int(tokens_to_remove)  # transformers 5.17 passes a 0-d tensor
         keep = self._columns + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, self._columns)
         if tokens_to_remove == 0 or keep == self._columns:
             return
@@ -253,12 +254,13 @@ class PagedKVCache(Cache):
         self._columns += q_len
         tables = self.block_tables()
         all_slots = self._slots_of(self._token_index, tables)
+        new_counts = torch.tensor(counts, dtype=torch.int32)
         self._step = {
             "new_slots": all_slots[:, -q_len:],
             "all_slots": all_slots,
             "block_tables": tables,
-            "context_lens": lengths + torch.tensor(counts, dtype=torch.long),
-            "new_counts": torch.tensor(counts, dtype=torch.long),
+            "context_lens": lengths.to(torch.int32) + new_counts,
+            "cu_seqlens_q": torch.nn.functional.pad(new_counts.cumsum(0, dtype=torch.int32), (1, 0)),
             "new_valid": valid,
             "on_device": {},
         }
@@ -335,13 +337,10 @@ class PagedKVCache(Cache):
         return keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
 
     def paged_metadata(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """Block tables and lengths for the kernels, on ``device``."""
-        return {
-            "block_tables": self._step_tensor("block_tables", device),
-            "context_lens": self._step_tensor("context_lens", device),
-            "new_counts": self._step["new_counts"],
-            "new_valid": self._step_tensor("new_valid", device),
-        }
+        """For the kernels, on ``device``: int32 block tables, context lengths (tokens stored,
+        new ones included), cumulative new-token counts, and which new columns are real."""
+        names = ("block_tables", "context_lens", "cu_seqlens_q", "new_valid")
+        return {name: self._step_tensor(name, device) for name in names}
 
     @property
     def kernels_applicable(self) -> bool:
