@@ -15,7 +15,9 @@ Read paths of a paged call:
 
 from __future__ import annotations
 
+import functools
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,7 +29,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from hf_paged.cache import active_cache
 
 ATTN_IMPLEMENTATION = "hf_paged"
-_FALLBACK_ATTR = "_hf_paged_fallback"
+_fallbacks: dict[int, str] = {}  # id(config) -> implementation; not an attribute, so never saved
 _KERNEL_MODES = ("auto", "reference", "triton")
 _kernel_mode = "auto"
 
@@ -74,27 +76,42 @@ class PagedMask:
         return mask[:, columns - q_len : columns]
 
 
-def fallback_implementation(config) -> str:
-    """The implementation the model had before ``enable`` (what non-paged calls use)."""
-    return getattr(config, _FALLBACK_ATTR, None) or "sdpa"
+def set_fallback_implementation(config, name: str) -> None:
+    """Remember what the model ran before ``enable``: non-paged calls keep running it."""
+    key = id(config)
+    if key not in _fallbacks:
+        weakref.finalize(config, _fallbacks.pop, key, None)
+    _fallbacks[key] = name
+
+
+def fallback_implementation(config) -> str | None:
+    """The implementation the model had before ``enable`` (None if unknown, e.g. a copied config)."""
+    return _fallbacks.get(id(config))
 
 
 def _fallback_attention(module: torch.nn.Module, kwargs: dict) -> Callable:
-    config = getattr(module, "config", None)
-    name = fallback_implementation(config) if config is not None else None
+    name = fallback_implementation(getattr(module, "config", None))
     if name is None:
         name = "eager" if kwargs.get("softcap") is not None else "sdpa"
     if name == "eager":
         eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if eager is None:
             raise NotImplementedError(f"{type(module).__name__}: no eager_attention_forward to fall back to")
-        return eager
+        return functools.partial(_eager_with_additive_mask, eager)
     return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def _eager_with_additive_mask(eager: Callable, module, query, key, value, attention_mask, **kwargs):
+    """Eager functions add the mask to the scores: a boolean (SDPA-style) mask is made additive first."""
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        additive = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
+        attention_mask = additive.masked_fill(~attention_mask, torch.finfo(query.dtype).min)
+    return eager(module, query, key, value, attention_mask, **kwargs)
 
 
 def paged_mask_function(*args, attention_mask: torch.Tensor | None = None, config=None, **kwargs) -> PagedMask:
     """Mask function for ``"hf_paged"``: the fallback's own mask plus the 2D padding mask."""
-    dense_fn = ALL_MASK_ATTENTION_FUNCTIONS[fallback_implementation(config)]
+    dense_fn = ALL_MASK_ATTENTION_FUNCTIONS[fallback_implementation(config) or "sdpa"]
     dense = dense_fn(*args, attention_mask=attention_mask, config=config, **kwargs)
     return PagedMask(dense, attention_mask)
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from hf_paged.attention import _FALLBACK_ATTR, ATTN_IMPLEMENTATION
+from hf_paged.attention import ATTN_IMPLEMENTATION, fallback_implementation, set_fallback_implementation
 from hf_paged.cache import PagedKVCache
 
 CACHE_IMPLEMENTATION = "hf_paged"
@@ -59,8 +59,8 @@ def enable(model: PreTrainedModel, block_size: int = 16, num_blocks: int | None 
     current = model.config._attn_implementation
     if current != ATTN_IMPLEMENTATION:
         fallback = current or "sdpa"
-        for config in {id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values():
-            setattr(config, _FALLBACK_ATTR, fallback)
+        for config in (model.config, model.config.get_text_config(decoder=True)):
+            set_fallback_implementation(config, fallback)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     setattr(model, _OPTIONS_ATTR, {"block_size": block_size, "num_blocks": num_blocks})
     if not isinstance(model.__dict__.get("generate"), types.MethodType):
@@ -72,7 +72,7 @@ def disable(model: PreTrainedModel) -> PreTrainedModel:
     """Undo :func:`enable`: the previous attention implementation and stock ``generate``."""
     if getattr(model, _OPTIONS_ATTR, None) is None:
         return model
-    model.set_attn_implementation(getattr(model.config, _FALLBACK_ATTR, "sdpa"))
+    model.set_attn_implementation(fallback_implementation(model.config) or "sdpa")
     model.__dict__.pop("generate", None)
     delattr(model, _OPTIONS_ATTR)
     return model

@@ -257,3 +257,9 @@ def test_exhausted_budget_raises_and_the_model_keeps_serving(paged):
     assert torch.equal(out.sequences, paged.generate(input_ids=small_ids, attention_mask=small_mask,
                                                      max_new_tokens=4, do_sample=False))
     _release(_cache(out))
+
+
+def test_enable_leaves_no_trace_in_a_saved_config(paged, tmp_path):
+    paged.config.save_pretrained(tmp_path)
+    text = (tmp_path / "config.json").read_text()
+    assert "paged" not in text
