@@ -96,6 +96,7 @@ def _paged_generate(self: PreTrainedModel, *args, **kwargs):
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if "cache" in kwargs and _cache_kwarg_name(self) != "cache":  # transformers < 5.2x knows only the old name
         kwargs["past_key_values"] = kwargs.pop("cache")
+    created = False
     if flagged:
         if cache is not None and not isinstance(cache, PagedKVCache):
             raise ValueError(
@@ -105,6 +106,7 @@ def _paged_generate(self: PreTrainedModel, *args, **kwargs):
         if cache is None:
             cache = PagedKVCache(self.config, **getattr(self, _OPTIONS_ATTR))
             kwargs[_cache_kwarg_name(self)] = cache
+            created = True
     if not isinstance(cache, PagedKVCache):
         return stock_generate(*args, **kwargs)
     if self.config._attn_implementation != ATTN_IMPLEMENTATION:
@@ -112,8 +114,16 @@ def _paged_generate(self: PreTrainedModel, *args, **kwargs):
             f"a PagedKVCache needs attn_implementation='hf_paged', but the model uses "
             f"'{self.config._attn_implementation}'; call hf_paged.enable(model)"
         )
-    _prefill_shared_prompts(self, cache, args, kwargs)
-    return stock_generate(*args, **kwargs)
+    try:
+        _prefill_shared_prompts(self, cache, args, kwargs)
+        result = stock_generate(*args, **kwargs)
+    except BaseException:
+        if created:
+            cache.release()
+        raise
+    if created and not hasattr(result, "sequences"):  # the caller cannot reach the cache: free it now
+        cache.release()
+    return result
 
 
 def _expansion(model: PreTrainedModel, kwargs: dict[str, Any]) -> int:

@@ -263,3 +263,13 @@ def test_enable_leaves_no_trace_in_a_saved_config(paged, tmp_path):
     paged.config.save_pretrained(tmp_path)
     text = (tmp_path / "config.json").read_text()
     assert "paged" not in text
+
+
+def test_flagged_generate_frees_its_blocks_when_the_cache_is_not_returned(paged, monkeypatch):
+    created = []
+    original = PagedKVCache.release
+    monkeypatch.setattr(PagedKVCache, "release", lambda self: (created.append(self), original(self))[1])
+    ids, mask = left_padded([20, 9])
+    paged.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, num_beams=2, cache_implementation="hf_paged")
+    assert len(created) == 1 and created[0].stats()["blocks_used"] == 0
+    assert created[0].manager.blocks_peak > 0  # it did hold blocks while generating

@@ -24,7 +24,9 @@ CONFIGS = {
         **_COMMON, **{**_LLAMA_LIKE, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=10,
         max_window_layers=1,
     ),
-    "qwen3": lambda: transformers.Qwen3Config(**{**_COMMON, "initializer_range": 0.1}, **_LLAMA_LIKE, head_dim=16),
+    "qwen3": lambda: transformers.Qwen3Config(  # multi-query attention: one KV head
+        **{**_COMMON, "initializer_range": 0.1}, **{**_LLAMA_LIKE, "num_key_value_heads": 1}, head_dim=16,
+    ),
     "gemma2": lambda: transformers.Gemma2Config(
         **{**_COMMON, "initializer_range": 0.02}, **_LLAMA_LIKE, head_dim=16, sliding_window=9, query_pre_attn_scalar=16,
         attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
