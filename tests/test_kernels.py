@@ -18,7 +18,7 @@ import subprocess
 import sys
 import zlib
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import pytest
 import torch
@@ -218,7 +218,7 @@ PREFILL_CASES = [
     (96, 32, 2, 1, [(33, 33), (65, 5)], (), None, 4.0, {"BLOCK_N": 16}),
     (128, 16, 1, 4, [(48, 48), (60, 28)], ((1, 0, 2),), None, None, None),
     (64, 8, 2, 2, [(1, 1), (30, 30), (45, 13)], ((2, 1, 3),), 9, 10.0,
-     {"BLOCK_M": 16, "BLOCK_N": 16}),
+     {"BLOCK_M": 16, "BLOCK_N": 16, "HEADS_FIRST": False}),  # the > 65535-tiles grid layout
     # window wider than a tile: masked head + unmasked body + masked tail all in use
     (64, 8, 1, 2, [(70, 70), (90, 30), (20, 20)], (), 37, None, {"BLOCK_M": 16, "BLOCK_N": 16}),
     (80, 16, 1, 3, [(50, 50), (33, 1)], (), 100, 2.0, None),  # window >= context: no effect
@@ -499,6 +499,29 @@ def test_copy_blocks(dtype):
     copy_blocks_ref(ref[:layers], ref[layers:], mapping)
     for got, want in zip(ks + vs, ref):
         assert torch.equal(_bits(got), _bits(want))
+
+
+def test_copy_blocks_unaligned_views():
+    """Caches that are views at odd element offsets of one buffer (no 16-byte alignment)."""
+    g = _gen("copy-unaligned")
+    shape = (6, 8, 1, 16)
+    n = math.prod(shape)
+    buf = torch.randn(4 * (n + 1) + 1, generator=g)
+    caches = [buf[1 + i * (n + 1) : 1 + i * (n + 1) + n].view(shape) for i in range(4)]
+    from hf_paged.kernels.cache_ops import _cache_offsets
+
+    assert _cache_offsets(caches)[1] == 1  # distances not a multiple of 16 bytes
+    mapping = torch.tensor([[0, 3], [5, 1]])
+    before = [c.clone() for c in caches]
+    gaps = [0] + [1 + i * (n + 1) + n for i in range(4)]  # elements between the caches
+    gaps_before = buf[gaps].clone()
+    K.copy_blocks(caches[:2], caches[2:], mapping, backend="triton")
+    for got, b in zip(caches, before):
+        want = b.clone()
+        want[3], want[1] = b[0], b[5]
+        assert torch.equal(got, want)
+    assert torch.equal(buf[gaps], gaps_before)
+
 
 
 def test_copy_blocks_rejects_mismatched_layers():

@@ -1,0 +1,356 @@
+"""Triton flash-decoding kernel over a paged KV cache.
+
+One query token per sequence.  Grid: ``(num_seqs, num_kv_heads, num_splits)``.  A program owns
+one (sequence, KV head) pair and one contiguous segment of that sequence's visible keys; the
+``group = num_heads // num_kv_heads`` query heads that share the KV head are packed into the M
+dimension of one tile (padded to 16 for ``tl.dot``), so every K/V block is read once per KV head.
+Tokens are processed ``TILE`` at a time (several cache blocks gathered through the block table).
+Each program keeps an fp32 running max / sum; with more than one split it writes a normalised
+partial output and its log-sum-exp, and a second small kernel merges the splits.
+
+This module imports triton at import time; ``hf_paged.kernels`` only imports it lazily.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+# Under the interpreter, tl.dot on bfloat16 operands computes garbage (numpy has no bfloat16),
+# so the kernels upcast their dot operands to fp32 there.  On a GPU operands stay native.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# --------------------------------------------------------------------------------------------
+# shared device helpers (also used by prefill.py)
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _tanh(x):
+    """fp32 tanh accurate to a few ulp: odd Taylor series near 0, exp form elsewhere."""
+    ax = tl.abs(x)
+    x2 = x * x
+    poly = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333
+                + x2 * (-0.05396825396825397 + x2 * 0.021869488536155203))))
+    e = tl.exp(-2.0 * ax)
+    big = (1.0 - e) / (1.0 + e)
+    big = tl.where(x < 0, -big, big)
+    return tl.where(ax < 0.3, poly, big)
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _load_2d(ptrs, rmask, cmask, USE_RMASK: tl.constexpr, USE_CMASK: tl.constexpr):
+    """Load a [R, C] tile, masking rows and/or (when the dim is padded) columns only if asked."""
+    if USE_RMASK:
+        if USE_CMASK:
+            return tl.load(ptrs, mask=rmask[:, None] & cmask[None, :], other=0.0)
+        else:
+            return tl.load(ptrs, mask=rmask[:, None], other=0.0)
+    else:
+        if USE_CMASK:
+            return tl.load(ptrs, mask=cmask[None, :], other=0.0)
+        else:
+            return tl.load(ptrs)
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    scale, softcap, window, num_splits,
+    stride_qs, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bts,
+    stride_os, stride_oh,
+    stride_ps, stride_ph, stride_pp,
+    stride_ls, stride_lh,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    ctx = tl.load(ctx_ptr + seq)
+    # visible keys of the query at position ctx-1: [start, ctx)
+    start = ctx * 0
+    if USE_WINDOW:
+        start = tl.maximum(ctx - window, 0)
+    seg = tl.cdiv(tl.cdiv(ctx - start, num_splits), TILE) * TILE
+    seg_lo = start + split * seg
+    seg_hi = tl.minimum(seg_lo + seg, ctx)
+
+    g = tl.arange(0, GROUP_P)
+    d = tl.arange(0, HEAD_DIM_P)
+    gmask = g < GROUP
+    dmask = d < HEAD_DIM
+    heads = kvh * GROUP + g
+    q = _load_2d(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + d[None, :],
+                 gmask, dmask, True, HEAD_DIM != HEAD_DIM_P)
+
+    qk_scale = scale
+    if not USE_SOFTCAP:
+        qk_scale = scale * 1.4426950408889634  # work in base 2
+
+    m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
+
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bts
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+    for t0 in range(seg_lo, seg_hi, TILE):
+        tok = t0 + tl.arange(0, TILE)
+        tmask = tok < seg_hi
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+        off = tok % BLOCK_SIZE
+        k = _load_2d(k_base + (blk * stride_kb + off * stride_kt)[:, None] + d[None, :],
+                     tmask, dmask, True, HEAD_DIM != HEAD_DIM_P)
+        s = _dot(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [GROUP_P, TILE]
+        if USE_SOFTCAP:
+            s = (softcap * 1.4426950408889634) * _tanh(s / softcap)
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_2d(v_base + (blk * stride_vb + off * stride_vt)[:, None] + d[None, :],
+                     tmask, dmask, True, HEAD_DIM != HEAD_DIM_P)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
+        m_i = m_new
+
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]  # an empty segment gives zeros, not NaN
+    omask = gmask[:, None] & dmask[None, :]
+    if SINGLE_SPLIT:
+        optrs = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + d[None, :]
+        tl.store(optrs, o.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        pptrs = (part_o_ptr + seq.to(tl.int64) * stride_ps + heads[:, None] * stride_ph
+                 + split * stride_pp + d[None, :])
+        tl.store(pptrs, o, mask=omask)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))  # base 2
+        tl.store(part_lse_ptr + seq.to(tl.int64) * stride_ls + heads * stride_lh + split, lse,
+                 mask=gmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, num_splits,
+    stride_ps, stride_ph, stride_pp,
+    stride_ls, stride_lh,
+    stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_P)
+    d = tl.arange(0, HEAD_DIM_P)
+    smask = sp < num_splits
+    dmask = d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + seq.to(tl.int64) * stride_ls + h * stride_lh + sp, mask=smask,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)  # finite: the first split always holds the query's own key
+    w = tl.exp2(lse - m)
+    w = w / tl.sum(w, 0)
+    o = tl.load(part_o_ptr + seq.to(tl.int64) * stride_ps + h * stride_ph
+                + sp[:, None] * stride_pp + d[None, :],
+                mask=smask[:, None] & dmask[None, :], other=0.0)
+    res = tl.sum(o * w[:, None], 0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_os + h * stride_oh + d, res.to(out_ptr.dtype.element_ty),
+             mask=dmask)
+
+
+# --------------------------------------------------------------------------------------------
+# host side
+# --------------------------------------------------------------------------------------------
+try:  # raised at first launch when a config needs more shared memory than the device has
+    from triton.runtime.errors import OutOfResources
+except Exception:  # pragma: no cover - very old/new triton
+    OutOfResources = RuntimeError
+
+# (kernel name, device, compile-relevant key) -> num_stages that fitted, for default configs
+_STAGES_THAT_FIT: dict = {}
+
+
+def launch_with_stage_fallback(kernel, grid, args, kwargs, cfg: dict, key, strict: bool) -> None:
+    """Launch ``kernel``; if the config's software pipeline does not fit in shared memory on this
+    device (deep pipelines are tuned for Hopper's 227 KB), retry with fewer stages and remember
+    what fitted.  ``strict`` (an explicitly requested config) disables the fallback."""
+    stages = int(cfg["num_stages"])
+    if not strict:
+        stages = _STAGES_THAT_FIT.get(key, stages)
+    while True:
+        try:
+            kernel[grid](*args, **kwargs, num_warps=int(cfg["num_warps"]), num_stages=stages)
+            if not strict:
+                _STAGES_THAT_FIT[key] = stages
+            return
+        except Exception as e:  # noqa: BLE001 - filtered below
+            fits_problem = isinstance(e, OutOfResources) or "out of resource" in str(e).lower()
+            if strict or not fits_problem or stages <= 1:
+                raise
+            stages -= 1
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 8  # interpreter: keep the grid small
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def pick_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, tile: int,
+                    num_sms: int, min_tokens_per_split: int = 256) -> int:
+    """Enough programs to fill the GPU (about 4 per SM), each with >= min_tokens_per_split keys."""
+    pairs = max(1, num_seqs * num_kv_heads)
+    want = -(-4 * num_sms // pairs)
+    most = max(1, -(-max_context_len // max(tile, min_tokens_per_split)))
+    return int(max(1, min(want, most, 128)))
+
+
+def default_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"TILE": 32, "num_warps": 4, "num_stages": 1}
+    if dtype == torch.float32:  # fp32 dots are register hungry: 8 warps keeps them unspilled
+        return {"TILE": 32, "num_warps": 8, "num_stages": 2}
+    # 5 stages: the pipeliner puts the block-table load one stage before the K/V loads, and needs
+    # this depth to keep one K/V tile in flight while the previous one is used (sm_90 TTGIR)
+    return {"TILE": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 5}
+
+
+def _check_cache(q, k_cache, v_cache):
+    assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape, \
+        "k_cache/v_cache must be [num_blocks, block_size, num_kv_heads, head_dim] and equal shape"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache head_dim must be contiguous"
+    assert k_cache.dtype == v_cache.dtype == q.dtype, "q, k_cache and v_cache must share a dtype"
+    assert q.shape[-1] == k_cache.shape[3], "head_dim mismatch"
+    assert q.shape[1] % k_cache.shape[2] == 0, "num_heads must be a multiple of num_kv_heads"
+    assert q.device == k_cache.device == v_cache.device
+
+
+def paged_attention_decode_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+    precision: str = "ieee",
+    max_context_len: Optional[int] = None,
+    num_splits: Optional[int] = None,
+    config: Optional[dict] = None,
+) -> torch.Tensor:
+    assert q.dim() == 3
+    _check_cache(q, k_cache, v_cache)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(-1) == 1
+    if num_seqs == 0:
+        return out
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    if context_lens.dtype != torch.int32 or not context_lens.is_contiguous():
+        context_lens = context_lens.to(torch.int32).contiguous()
+
+    cfg = default_decode_config(head_dim, q.dtype, q.device)
+    if config:
+        cfg.update(config)
+    tile = int(cfg["TILE"])
+    if max_context_len is None:  # an upper bound known without a device sync
+        max_context_len = block_tables.shape[1] * block_size
+    if sliding_window is not None and sliding_window > 0:
+        max_context_len = min(max_context_len, int(sliding_window))
+    else:
+        sliding_window = None
+    if num_splits is None:
+        num_splits = pick_num_splits(num_seqs, num_kv_heads, max_context_len, tile,
+                                     _sm_count(q.device))
+    num_splits = max(1, int(num_splits))
+    use_softcap = softcap is not None and softcap > 0
+
+    head_dim_p = max(16, _next_pow2(head_dim))
+    group_p = max(16, _next_pow2(group))
+    single = num_splits == 1
+    if single:
+        part_o = out  # unused
+        part_lse = out
+        sps = sph = spp = sls = slh = 0
+    else:
+        part_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), device=q.device,
+                             dtype=torch.float32)
+        part_lse = torch.empty((num_seqs, num_heads, num_splits), device=q.device,
+                               dtype=torch.float32)
+        sps, sph, spp = part_o.stride(0), part_o.stride(1), part_o.stride(2)
+        sls, slh = part_lse.stride(0), part_lse.stride(1)
+    prec = precision if q.dtype == torch.float32 else "ieee"
+    upcast = INTERPRET and q.dtype != torch.float32
+
+    grid = (num_seqs, num_kv_heads, num_splits)
+    args = (
+        q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse,
+        float(scale), float(softcap) if use_softcap else 1.0,
+        int(sliding_window) if sliding_window else 0, num_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        sps, sph, spp, sls, slh,
+    )
+    kwargs = dict(
+        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+        BLOCK_SIZE=block_size, TILE=tile,
+        USE_WINDOW=sliding_window is not None, USE_SOFTCAP=use_softcap, SINGLE_SPLIT=single,
+        PREC=prec, UPCAST=upcast,
+    )
+    key = ("decode", q.device, q.dtype, head_dim, group, block_size, tile, int(cfg["num_warps"]))
+    launch_with_stage_fallback(_decode_kernel, grid, args, kwargs, cfg, key, strict=bool(config))
+    if not single:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_o, part_lse, out, num_splits,
+            sps, sph, spp, sls, slh,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLITS_P=max(2, _next_pow2(num_splits)),
+            num_warps=4 if head_dim_p * num_splits >= 2048 else 2,
+        )
+    return out

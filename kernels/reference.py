@@ -1,0 +1,190 @@
+"""Pure-torch reference implementations of the paged-attention kernels.
+
+These are the ground truth the Triton kernels are tested against, and the CPU path of the
+library, so they favour clarity but avoid per-token Python loops.  Arithmetic is done in
+float32 (or float64 when the inputs are float64); results are returned in the query's dtype.
+
+Cache layout (shared by every function here and by the kernels):
+
+* ``k_cache`` / ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``
+* ``block_tables``: ``[num_seqs, max_blocks_per_seq]`` integer; entry ``b`` of row ``i`` is the
+  physical block holding tokens ``b * block_size .. (b + 1) * block_size - 1`` of sequence ``i``.
+  Entries past a sequence's last block may hold anything (``-1``, garbage) and are never used.
+* a token's *slot* is ``block_id * block_size + offset``.
+
+Masking semantics:
+
+* causal: a query at absolute position ``p`` sees keys at positions ``k <= p``;
+* ``sliding_window=W``: additionally ``k > p - W`` (the ``W`` most recent keys, itself included);
+* ``softcap=c``: ``scores = c * tanh(scores / c)``, applied after ``scale`` and before masking.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = [
+    "paged_attention_decode_ref",
+    "paged_attention_prefill_ref",
+    "reshape_and_cache_ref",
+    "copy_blocks_ref",
+    "gather_kv_ref",
+]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # half/bfloat16 -> float32; float32 stays; float64 stays (used by the tests as the oracle).
+    return torch.promote_types(dtype, torch.float32)
+
+
+def gather_kv_ref(
+    cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int
+) -> torch.Tensor:
+    """Contiguous ``[context_len, num_kv_heads, head_dim]`` view-copy of one sequence's cache."""
+    block_size = cache.shape[1]
+    num_blocks = (context_len + block_size - 1) // block_size
+    blocks = block_table_row[:num_blocks].long()
+    return cache[blocks].flatten(0, 1)[:context_len]
+
+
+def _scores_to_probs(
+    scores: torch.Tensor, mask: torch.Tensor, softcap: Optional[float]
+) -> torch.Tensor:
+    """softcap -> mask -> softmax over the last dim.  ``mask`` is True where a key is visible."""
+    if softcap is not None and softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def paged_attention_decode_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """One query token per sequence at position ``context_lens[i] - 1``.
+
+    q: ``[num_seqs, num_heads, head_dim]``; returns the same shape and dtype.
+    Vectorised over sequences: K/V are gathered into ``[num_seqs, max_ctx, kv_heads, head_dim]``.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    group = num_heads // num_kv_heads
+    if num_seqs == 0:
+        return torch.empty_like(q)
+    ctx = context_lens.to(device=q.device, dtype=torch.long)
+    max_ctx = int(ctx.max().item())
+    assert int(ctx.min().item()) >= 1, "decode needs context_lens >= 1"
+    cdt = _compute_dtype(q.dtype)
+
+    max_blocks = (max_ctx + block_size - 1) // block_size
+    pos = torch.arange(max_blocks * block_size, device=q.device)  # [T]
+    valid = pos[None, :] < ctx[:, None]  # [S, T]
+    used_block = valid.view(num_seqs, max_blocks, block_size)[:, :, 0]  # [S, B]
+    bt = block_tables[:, :max_blocks].to(device=q.device, dtype=torch.long)
+    bt = torch.where(used_block, bt, torch.zeros_like(bt))  # never index with junk entries
+    # [S, B, bs, Hkv, D] -> [S, T, Hkv, D]; zero what is past the context (may hold NaN/garbage)
+    k = k_cache[bt].flatten(1, 2).to(cdt)
+    v = v_cache[bt].flatten(1, 2).to(cdt)
+    k = torch.where(valid[:, :, None, None], k, 0)
+    v = torch.where(valid[:, :, None, None], v, 0)
+
+    qf = q.to(cdt).view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("shgd,sthd->shgt", qf, k) * scale  # [S, Hkv, G, T]
+    mask = valid
+    if sliding_window is not None and sliding_window > 0:
+        qpos = ctx - 1
+        mask = mask & (pos[None, :] > (qpos[:, None] - sliding_window))
+    probs = _scores_to_probs(scores, mask[:, None, None, :], softcap)
+    out = torch.einsum("shgt,sthd->shgd", probs, v)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def paged_attention_prefill_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """Varlen causal attention over a paged cache.
+
+    Sequence ``i`` owns query rows ``q[cu[i]:cu[i+1]]``: the last ``n_q`` tokens of its
+    ``context_lens[i]`` tokens, so query ``j`` sits at position ``context_lens[i] - n_q + j``.
+    Sequences with ``n_q == 0`` are skipped.  Loops over sequences (one matmul pair each).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    group = num_heads // num_kv_heads
+    cdt = _compute_dtype(q.dtype)
+    out = torch.zeros_like(q)
+    cu = cu_seqlens_q.tolist()
+    ctx_list = context_lens.tolist()
+    for i, ctx in enumerate(ctx_list):
+        start, end = cu[i], cu[i + 1]
+        n_q = end - start
+        if n_q == 0:
+            continue
+        assert n_q <= ctx, f"sequence {i}: {n_q} queries but context length {ctx}"
+        k = gather_kv_ref(k_cache, block_tables[i], ctx).to(cdt)  # [T, Hkv, D]
+        v = gather_kv_ref(v_cache, block_tables[i], ctx).to(cdt)
+        qi = q[start:end].to(cdt).view(n_q, num_kv_heads, group, head_dim)
+        scores = torch.einsum("qhgd,thd->hgqt", qi, k) * scale  # [Hkv, G, nq, T]
+        qpos = torch.arange(ctx - n_q, ctx, device=q.device)
+        kpos = torch.arange(ctx, device=q.device)
+        mask = kpos[None, :] <= qpos[:, None]
+        if sliding_window is not None and sliding_window > 0:
+            mask = mask & (kpos[None, :] > qpos[:, None] - sliding_window)
+        probs = _scores_to_probs(scores, mask, softcap)
+        oi = torch.einsum("hgqt,thd->qhgd", probs, v)
+        out[start:end] = oi.reshape(n_q, num_heads, head_dim).to(q.dtype)
+    return out
+
+
+def reshape_and_cache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key[t]`` / ``value[t]`` into slot ``slot_mapping[t]`` (in place); slot -1 is skipped."""
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.to(device=key.device, dtype=torch.long)
+    keep = slots >= 0
+    slots = slots[keep]
+    blk, off = slots // block_size, slots % block_size
+    k_cache[blk, off] = key[keep].to(k_cache.dtype)
+    v_cache[blk, off] = value[keep].to(v_cache.dtype)
+
+
+def copy_blocks_ref(
+    k_caches: Sequence[torch.Tensor],
+    v_caches: Sequence[torch.Tensor],
+    block_mapping: torch.Tensor,
+) -> None:
+    """For every layer, copy block ``src`` onto block ``dst`` for each row ``(src, dst)``.
+
+    All sources are read before any destination is written.  A block must not be both a
+    source and a destination in one call (the kernel gives no ordering guarantee for that).
+    """
+    if block_mapping.numel() == 0:
+        return
+    src = block_mapping[:, 0].long()
+    dst = block_mapping[:, 1].long()
+    for cache in list(k_caches) + list(v_caches):
+        s, d = src.to(cache.device), dst.to(cache.device)
+        cache[d] = cache[s]
