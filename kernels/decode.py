@@ -232,9 +232,13 @@ def _next_pow2(x: int) -> int:
 
 def pick_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, tile: int,
                     num_sms: int, min_tokens_per_split: int = 256) -> int:
-    """Enough programs to fill the GPU (about 4 per SM), each with >= min_tokens_per_split keys."""
+    """Enough programs to fill the GPU (about 2 per SM), each with >= min_tokens_per_split keys.
+
+    Measured on an H200 (benchmarks/RESULTS.md): at 64 sequences x 8 KV heads one split per
+    (sequence, head) was fastest at 1k-16k context; splitting pays when there are few pairs.
+    """
     pairs = max(1, num_seqs * num_kv_heads)
-    want = -(-4 * num_sms // pairs)
+    want = -(-2 * num_sms // pairs)
     most = max(1, -(-max_context_len // max(tile, min_tokens_per_split)))
     return int(max(1, min(want, most, 128)))
 
@@ -244,9 +248,9 @@ def default_decode_config(head_dim: int, dtype: torch.dtype, device: torch.devic
         return {"TILE": 32, "num_warps": 4, "num_stages": 1}
     if dtype == torch.float32:  # fp32 dots are register hungry: 8 warps keeps them unspilled
         return {"TILE": 32, "num_warps": 8, "num_stages": 2}
-    # 5 stages: the pipeliner puts the block-table load one stage before the K/V loads, and needs
-    # this depth to keep one K/V tile in flight while the previous one is used (sm_90 TTGIR)
-    return {"TILE": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 5}
+    # (64, 4 warps, 3 stages) was the fastest of the sweep at 1k, 4k and 16k context on an H200
+    # (bf16, 32/8 heads, head_dim 128; benchmarks/RESULTS.md)
+    return {"TILE": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 3}
 
 
 def _check_cache(q, k_cache, v_cache):
