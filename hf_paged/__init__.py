@@ -7,6 +7,7 @@ adds the ``cache_implementation="hf_paged"`` flag to that model's ``generate``.
 from hf_paged.attention import ATTN_IMPLEMENTATION, PagedMask, set_kernel_mode
 from hf_paged.block_manager import BlockManager, BlockManagerError, NoFreeBlocksError, UnknownSequenceError
 from hf_paged.cache import PagedKVCache
+from hf_paged.engine import CompletionOutput, LLMEngine, RequestOutput, SamplingParams
 from hf_paged.generate import CACHE_IMPLEMENTATION, disable, enable
 
 __all__ = [
@@ -14,6 +15,10 @@ __all__ = [
     "CACHE_IMPLEMENTATION",
     "BlockManager",
     "BlockManagerError",
+    "CompletionOutput",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
     "NoFreeBlocksError",
     "PagedKVCache",
     "PagedMask",

@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from hf_paged.cache import active_cache
+from hf_paged.cache import active_cache, in_packed_forward
 
 ATTN_IMPLEMENTATION = "hf_paged"
 _fallbacks: dict[int, str] = {}  # id(config) -> implementation; not an attribute, so never saved
@@ -110,7 +110,13 @@ def _eager_with_additive_mask(eager: Callable, module, query, key, value, attent
 
 
 def paged_mask_function(*args, attention_mask: torch.Tensor | None = None, config=None, **kwargs) -> PagedMask:
-    """Mask function for ``"hf_paged"``: the fallback's own mask plus the 2D padding mask."""
+    """Mask function for ``"hf_paged"``: the fallback's own mask plus the 2D padding mask.
+
+    In an engine forward no mask is built at all: attention is computed per sequence from the
+    block tables and lengths (no dense ``[all queries x all keys]`` mask over the packed batch).
+    """
+    if in_packed_forward():
+        return PagedMask(None, None)
     dense_fn = ALL_MASK_ATTENTION_FUNCTIONS[fallback_implementation(config) or "sdpa"]
     dense = dense_fn(*args, attention_mask=attention_mask, config=config, **kwargs)
     return PagedMask(dense, attention_mask)
@@ -132,6 +138,8 @@ def paged_attention_forward(
     if layer_idx is None:
         return fallback(module, query, key, value, mask.dense, **kwargs)
 
+    if getattr(cache, "packed", False):
+        return _packed_attention(cache, layer_idx, query, key, value, **kwargs)
     q_len = query.shape[2]
     cache.commit(layer_idx, key, value, mask.new_columns_valid(q_len, cache.get_seq_length(layer_idx) + q_len))
     backend = _kernel_backend(query)
@@ -167,6 +175,42 @@ def _kernel_attention(cache, layer_idx: int, query: torch.Tensor, backend: str, 
     out = query.new_zeros(rows, q_len, heads, head_dim)
     out[valid] = flat.to(query.dtype)
     return out, None
+
+
+_BACKENDS = {"auto": None, "reference": "torch", "triton": "triton"}
+
+
+def _packed_attention(step, layer_idx: int, query, key, value, **kwargs):
+    """An engine step: one packed row ``[1, heads, total_tokens, head_dim]`` of many sequences.
+
+    Decode tokens (one per sequence) come first and go to the decode kernel; the rest (prefill
+    chunks) to the varlen prefill kernel. Each sequence attends only to its own blocks.
+    """
+    from hf_paged import kernels
+
+    q = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
+    new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [tokens, kv_heads, head_dim]
+    storage = step.storage
+    storage.ensure_layer(layer_idx, new_keys, step.num_blocks)
+    storage.write(layer_idx, new_keys, new_values, step.tensor("slot_mapping", q.device))
+    k_pool, v_pool = storage.key_pools[layer_idx], storage.value_pools[layer_idx]
+    scale = kwargs.get("scaling")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    options = dict(sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"),
+                   backend=_BACKENDS[_kernel_mode])
+    tables, lens = step.tensor("block_tables", q.device), step.tensor("context_lens", q.device)
+    q = q.to(k_pool.dtype)
+    nd = step.num_decode
+    parts = []
+    if nd:
+        parts.append(kernels.paged_attention_decode(
+            q[:nd].contiguous(), k_pool, v_pool, tables[:nd], lens[:nd], scale, **options))
+    if q.shape[0] > nd:
+        parts.append(kernels.paged_attention_prefill(
+            q[nd:].contiguous(), k_pool, v_pool, tables[nd:], step.tensor("cu_seqlens_q", q.device), lens[nd:],
+            scale, **options))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.to(query.dtype)[None], None
 
 
 def register() -> None:

@@ -11,10 +11,16 @@ decisions (writes to slots, block copies). The three primitives are the paper's 
 A slot is ``block_id * block_size + offset``. Every call that allocates is all-or-nothing: when the
 budget cannot cover it, :class:`NoFreeBlocksError` is raised before anything changes, so a
 scheduler can catch it, preempt someone, and retry.
+
+Prefix caching (optional): a full block can be registered under a key (the engine uses a chained
+key of its tokens). When its last reference goes, a registered block is not wiped but parked in
+an LRU of *evictable* blocks: a later sequence with the same prefix adopts it again; it is only
+reused for other data (and its key dropped) when no plain free block is left.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
@@ -61,7 +67,10 @@ class BlockManager:
             (capacity doubles; storage follows ``num_blocks``).
     """
 
-    def __init__(self, block_size: int = 16, num_blocks: int | None = None, *, initial_blocks: int = 16):
+    def __init__(
+        self, block_size: int = 16, num_blocks: int | None = None, *, initial_blocks: int = 16,
+        enable_prefix_caching: bool = False,
+    ):
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
@@ -73,6 +82,10 @@ class BlockManager:
         self._free: list[int] = list(range(total - 1, -1, -1))  # pop() hands out low ids first
         self._seqs: dict[SeqId, _Sequence] = {}
         self.blocks_peak = 0
+        self.enable_prefix_caching = enable_prefix_caching
+        self._key_of_block: dict[int, Hashable] = {}
+        self._block_of_key: dict[Hashable, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, LRU first
 
     # ------------------------------------------------------------------ pool facts
     @property
@@ -82,11 +95,17 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks that can be handed out (plain free ones and evictable cached ones)."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered under a prefix key (held or evictable)."""
+        return len(self._key_of_block)
 
     @property
     def num_shared_blocks(self) -> int:
@@ -109,11 +128,22 @@ class BlockManager:
         except KeyError:
             raise UnknownSequenceError(f"unknown sequence {seq_id!r} (never added, or already freed)") from None
 
-    def add_sequence(self, seq_id: SeqId) -> None:
-        """Register an empty sequence (no blocks until tokens are appended)."""
+    def add_sequence(self, seq_id: SeqId, table: list[int] | None = None, length: int = 0) -> None:
+        """Register a sequence: empty, or adopting existing blocks (a cached prefix, swapped-in
+        blocks) that hold its first ``length`` tokens; each adopted block gains a reference."""
         if seq_id in self._seqs:
             raise BlockManagerError(f"sequence {seq_id!r} already exists")
-        self._seqs[seq_id] = _Sequence()
+        table = list(table or [])
+        if len(table) != -(-length // self.block_size):
+            raise BlockManagerError(f"{len(table)} blocks cannot hold exactly {length} tokens")
+        for block in table:
+            if self._ref_counts[block] == 0:
+                if block not in self._evictable:
+                    raise BlockManagerError(f"cannot adopt free block {block}")
+                del self._evictable[block]
+            self._ref_counts[block] += 1
+        self._seqs[seq_id] = _Sequence(table, length)
+        self.blocks_peak = max(self.blocks_peak, self.num_used_blocks)
 
     def block_table(self, seq_id: SeqId) -> list[int]:
         """Logical → physical block ids of a sequence (a copy)."""
@@ -138,14 +168,18 @@ class BlockManager:
 
     def _reserve(self, needed: int) -> None:
         """Make sure ``needed`` blocks can be taken, or raise without changing anything."""
-        if needed <= len(self._free):
+        if needed <= self.num_free_blocks:
             return
         if not self.growable:
-            raise NoFreeBlocksError(needed, len(self._free), self.num_blocks)
-        self._grow(needed - len(self._free))
+            raise NoFreeBlocksError(needed, self.num_free_blocks, self.num_blocks)
+        self._grow(needed - self.num_free_blocks)
 
     def _take(self) -> int:
-        block = self._free.pop()
+        if self._free:
+            block = self._free.pop()
+        else:  # evict the least recently used cached block
+            block, _ = self._evictable.popitem(last=False)
+            del self._block_of_key[self._key_of_block.pop(block)]
         self._ref_counts[block] = 1
         return block
 
@@ -155,7 +189,44 @@ class BlockManager:
             raise BlockManagerError(f"double free of block {block}")
         self._ref_counts[block] = rc - 1
         if rc == 1:
-            self._free.append(block)
+            if block in self._key_of_block:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
+
+    def allocate_blocks(self, n: int) -> list[int]:
+        """``n`` fresh blocks with one reference each, outside any sequence (swap targets)."""
+        self._reserve(n)
+        blocks = [self._take() for _ in range(n)]
+        self.blocks_peak = max(self.blocks_peak, self.num_used_blocks)
+        return blocks
+
+    def release_blocks(self, blocks: Iterable[int]) -> None:
+        """Drop one reference from each block (the counterpart of ``allocate_blocks``)."""
+        for block in blocks:
+            self._release(block)
+
+    # ------------------------------------------------------------------ prefix caching
+    def match_prefix(self, keys: Iterable[Hashable]) -> list[int]:
+        """Blocks registered under the leading ``keys``, up to the first miss."""
+        blocks = []
+        for key in keys:
+            block = self._block_of_key.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def register_block(self, seq_id: SeqId, index: int, key: Hashable) -> None:
+        """Register the sequence's full block number ``index`` under ``key`` (first one wins)."""
+        seq = self._get(seq_id)
+        if (index + 1) * self.block_size > seq.length:
+            raise BlockManagerError(f"block {index} of sequence {seq_id!r} is not full")
+        block = seq.table[index]
+        if key in self._block_of_key or block in self._key_of_block:
+            return
+        self._block_of_key[key] = block
+        self._key_of_block[block] = key
 
     def _blocks_needed(self, requests: list[tuple[_Sequence, int]]) -> int:
         """Exact number of blocks ``append_many`` will take (simulating copy-on-write releases)."""
@@ -171,9 +242,13 @@ class BlockManager:
                     released[last] = released.get(last, 0) + 1
         return needed
 
-    def can_append(self, requests: Iterable[tuple[SeqId, int]]) -> bool:
-        """Whether ``append_many(requests)`` would succeed without growing past the budget."""
-        return self.growable or self._blocks_needed([(self._get(s), n) for s, n in requests]) <= len(self._free)
+    def blocks_needed(self, requests: Iterable[tuple[SeqId, int]]) -> int:
+        """How many blocks ``append_many(requests)`` would take (copy-on-write included)."""
+        return self._blocks_needed([(self._get(s), n) for s, n in requests])
+
+    def can_append(self, requests: Iterable[tuple[SeqId, int]], reserve: int = 0) -> bool:
+        """Whether ``append_many(requests)`` would succeed, leaving ``reserve`` blocks free."""
+        return self.growable or self.blocks_needed(requests) + reserve <= self.num_free_blocks
 
     def append_slots(self, seq_id: SeqId, n: int = 1) -> tuple[list[int], list[tuple[int, int]]]:
         """Room for ``n`` more tokens of one sequence: returns (slots, copies).
@@ -239,6 +314,9 @@ class BlockManager:
             self._release(block)
         del seq.table[keep:]
         seq.length = length
+        last = seq.table[-1] if seq.table else None
+        if length % self.block_size and last in self._key_of_block and self._ref_counts[last] == 1:
+            del self._block_of_key[self._key_of_block.pop(last)]  # it will be written again
 
     def free_all(self) -> None:
         for seq_id in list(self._seqs):
@@ -255,5 +333,10 @@ class BlockManager:
         assert counts == self._ref_counts, "reference counts differ from the tables holding each block"
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"
-        assert free == {b for b, c in enumerate(counts) if c == 0}, "free list differs from unreferenced blocks"
-        assert len(self._free) + self.num_used_blocks == self.num_blocks
+        unreferenced = {b for b, c in enumerate(counts) if c == 0}
+        assert free | set(self._evictable) == unreferenced, "free + evictable differ from unreferenced blocks"
+        assert not free & set(self._evictable), "a block is both free and evictable"
+        assert set(self._evictable) <= set(self._key_of_block), "an evictable block has no key"
+        assert all(self._block_of_key[k] == b for b, k in self._key_of_block.items()), "key maps disagree"
+        assert len(self._block_of_key) == len(self._key_of_block)
+        assert self.num_free_blocks + self.num_used_blocks == self.num_blocks

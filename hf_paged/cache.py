@@ -20,6 +20,7 @@ only real tokens; ``_token_index[row, column]`` maps each column to the row's to
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -34,9 +35,23 @@ _SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 _active = threading.local()
 
 
-def active_cache() -> PagedKVCache | None:
+def active_cache() -> StashingCache | None:
     """The paged cache whose ``update`` ran last in this thread (it may have nothing pending)."""
     return getattr(_active, "cache", None)
+
+
+@contextlib.contextmanager
+def packed_forward():
+    """Marks an engine forward (one packed row of many sequences): masks are not built at all."""
+    _active.packed = True
+    try:
+        yield
+    finally:
+        _active.packed = False
+
+
+def in_packed_forward() -> bool:
+    return getattr(_active, "packed", False)
 
 
 def _layer_structure(config: PretrainedConfig) -> tuple[list[str], list[int | None]]:
@@ -83,7 +98,39 @@ class _PagedLayerView:
         return f"PagedLayer({self.layer_idx}, {kind})"
 
 
-class PagedKVCache(Cache):
+class StashingCache(Cache):
+    """The channel to the ``hf_paged`` attention function, shared by the generate() cache and the
+    engine's per-step cache: ``update`` stashes, the attention function claims by identity."""
+
+    _pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Stash this layer's new K/V for the ``hf_paged`` attention call that follows."""
+        self._check_no_pending()
+        self._pending = (layer_idx, key_states, value_states)
+        _active.cache = self
+        return key_states, value_states
+
+    def _check_no_pending(self) -> None:
+        if self._pending is not None:
+            layer_idx = self._pending[0]
+            self._pending = None
+            raise RuntimeError(
+                f"PagedKVCache: layer {layer_idx} stored K/V but its attention never read them. The model must run "
+                "with attn_implementation='hf_paged' (call hf_paged.enable(model)) and route attention through "
+                "transformers' AttentionInterface."
+            )
+
+    def claim(self, key: torch.Tensor, value: torch.Tensor) -> int | None:
+        """If ``key``/``value`` are what ``update`` just stashed, take them: returns the layer index."""
+        pending = self._pending
+        if pending is None or pending[1] is not key or pending[2] is not value:
+            return None
+        self._pending = None
+        return pending[0]
+
+
+class PagedKVCache(StashingCache):
     """A KV cache in fixed-size blocks with per-sequence block tables (vLLM's PagedAttention).
 
     Each batch row is one sequence of the block manager. Blocks are allocated as tokens arrive,
@@ -120,7 +167,6 @@ class PagedKVCache(Cache):
         self._layer_columns = [0] * len(self.layers)
         self._token_index = torch.empty(0, 0, dtype=torch.long)  # [rows, columns], -1 for pads
         self._has_holes = False  # a pad column after a real one: kernels need contiguous tokens
-        self._pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self._step: dict[str, Any] = {}  # per-forward metadata, shared by all layers
 
     # ------------------------------------------------------------------ transformers API
@@ -131,13 +177,6 @@ class PagedKVCache(Cache):
     @property
     def batch_size(self) -> int:
         return len(self._rows) if self._rows else -1
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Stash this layer's new K/V for the ``hf_paged`` attention call that follows."""
-        self._check_no_pending()
-        self._pending = (layer_idx, key_states, value_states)
-        _active.cache = self
-        return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         self._check_no_pending()
@@ -199,25 +238,7 @@ class PagedKVCache(Cache):
         self.reset()
         self.storage.clear()
 
-    # ------------------------------------------------------------------ the channel to attention
-    def _check_no_pending(self) -> None:
-        if self._pending is not None:
-            layer_idx = self._pending[0]
-            self._pending = None
-            raise RuntimeError(
-                f"PagedKVCache: layer {layer_idx} stored K/V but its attention never read them. The model must run "
-                "with attn_implementation='hf_paged' (call hf_paged.enable(model)) and route attention through "
-                "transformers' AttentionInterface."
-            )
-
-    def claim(self, key: torch.Tensor, value: torch.Tensor) -> int | None:
-        """If ``key``/``value`` are what ``update`` just stashed, take them: returns the layer index."""
-        pending = self._pending
-        if pending is None or pending[1] is not key or pending[2] is not value:
-            return None
-        self._pending = None
-        return pending[0]
-
+    # ------------------------------------------------------------------ writing (attention side)
     def commit(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, new_valid: torch.Tensor | None) -> None:
         """Store a layer's new K/V ``[rows, kv_heads, q, head_dim]``; pad columns (``new_valid`` False) are skipped."""
         rows, _, q_len, _ = key.shape

@@ -18,8 +18,12 @@ from hf_paged import kernels
 class PagedKVStorage:
     """Per-layer K/V block pools that follow the block manager's capacity."""
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, device: torch.device | str | None = None, pin_memory: bool = False):
+        """``device``: where pools live (default: each layer's own device); ``pin_memory`` for a CPU
+        swap pool that a GPU copies to and from asynchronously."""
         self.block_size = block_size
+        self.device = None if device is None else torch.device(device)
+        self.pin_memory = pin_memory
         self.key_pools: dict[int, torch.Tensor] = {}
         self.value_pools: dict[int, torch.Tensor] = {}
 
@@ -44,8 +48,10 @@ class PagedKVStorage:
         pool = self.key_pools.get(layer_idx)
         if pool is None:
             shape = (num_blocks, self.block_size, like.shape[-2], like.shape[-1])
-            self.key_pools[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
-            self.value_pools[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            device = self.device or like.device
+            pin = self.pin_memory and device.type == "cpu" and torch.cuda.is_available()
+            for pools in (self.key_pools, self.value_pools):
+                pools[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=device, pin_memory=pin)
         elif pool.shape[0] < num_blocks:
             self._grow_layer(layer_idx, num_blocks)
 
@@ -94,6 +100,19 @@ class PagedKVStorage:
         keys = keys.masked_fill(invalid, 0).view(*slots.shape, *k_pool.shape[2:])
         values = values.masked_fill(invalid, 0).view(*slots.shape, *v_pool.shape[2:])
         return keys, values
+
+    def transfer(self, dst: PagedKVStorage, pairs: list[tuple[int, int]], dst_num_blocks: int) -> None:
+        """Copy blocks ``src (here) → dst (there)`` for every layer: swap out / swap in."""
+        if not pairs:
+            return
+        src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+        dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long)
+        for layer_idx, k_pool in self.key_pools.items():
+            dst.ensure_layer(layer_idx, k_pool[0], dst_num_blocks)
+            for src_pools, dst_pools in ((self.key_pools, dst.key_pools), (self.value_pools, dst.value_pools)):
+                src_pool, dst_pool = src_pools[layer_idx], dst_pools[layer_idx]
+                moved = src_pool.index_select(0, src_ids.to(src_pool.device))
+                dst_pool.index_copy_(0, dst_ids.to(dst_pool.device), moved.to(dst_pool.device, non_blocking=True))
 
     def clear(self) -> None:
         self.key_pools.clear()

@@ -1,0 +1,115 @@
+"""One engine step through the model: every scheduled token of every sequence in one packed row.
+
+``input_ids`` and ``position_ids`` are ``[1, total_tokens]``; a per-step cache carries the
+per-sequence metadata (slot of each new token, block tables, context lengths, where the decode
+tokens end) to the ``hf_paged`` attention function, which writes the new K/V into their slots and
+attends per sequence. No padding, no dense mask. Logits are computed only at the last token of
+each sequence that needs a next token.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from hf_paged.cache import StashingCache, _layer_structure, _PagedLayerView, packed_forward
+from hf_paged.engine.kv_cache_manager import KVCacheManager
+from hf_paged.engine.sequence import Sequence
+
+
+class PackedStepCache(StashingCache):
+    """The cache object of one packed forward: metadata only; K/V live in the engine's storage."""
+
+    packed = True
+
+    def __init__(self, config, storage, num_blocks: int, metadata: dict[str, torch.Tensor], num_decode: int):
+        _, windows = _layer_structure(config)
+        super().__init__(layers=[_PagedLayerView(self, i, w) for i, w in enumerate(windows)])
+        self.storage, self.num_blocks, self.num_decode = storage, num_blocks, num_decode
+        self._metadata = metadata
+        self._on_device: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def tensor(self, name: str, device: torch.device) -> torch.Tensor:
+        key = (name, device)
+        if key not in self._on_device:
+            self._on_device[key] = self._metadata[name].to(device, non_blocking=True)
+        return self._on_device[key]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions come from position_ids; masks are not built
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return query_length, 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+@dataclass
+class StepInput:
+    seq: Sequence
+    start: int  # first token to compute (== tokens already cached)
+    count: int
+
+    @property
+    def needs_logits(self) -> bool:
+        return self.start + self.count == self.seq.num_tokens
+
+
+class ModelRunner:
+    def __init__(self, model: PreTrainedModel, kv: KVCacheManager):
+        self.model, self.kv = model, kv
+        self.config = model.config.get_text_config(decoder=True)
+        self.device = model.device
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._logits_to_keep = "logits_to_keep" in params
+
+    @torch.inference_mode()
+    def execute(self, inputs: list[StepInput]) -> tuple[list[StepInput], torch.Tensor]:
+        """Run the step. Returns the inputs in the order used (decode tokens first) and the
+        float32 logits ``[n, vocab]`` of those with ``needs_logits``, in that order."""
+        decode = [x for x in inputs if x.count == 1]
+        prefill = [x for x in inputs if x.count > 1]
+        ordered = decode + prefill
+        bs = self.kv.block_size
+        ids, positions, slots, tables, lens, cu, keep = [], [], [], [], [], [0], []
+        for x in ordered:
+            table = self.kv.block_table(x.seq)
+            span = range(x.start, x.start + x.count)
+            ids += x.seq.token_ids[x.start : x.start + x.count]
+            positions += span
+            slots += [table[p // bs] * bs + p % bs for p in span]
+            tables.append(table)
+            lens.append(x.start + x.count)
+            if x.count > 1:
+                cu.append(cu[-1] + x.count)
+            if x.needs_logits:
+                keep.append(len(ids) - 1)
+        width = max(len(t) for t in tables)
+        metadata = {
+            "slot_mapping": torch.tensor(slots, dtype=torch.long),
+            "block_tables": torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            "context_lens": torch.tensor(lens, dtype=torch.int32),
+            "cu_seqlens_q": torch.tensor(cu, dtype=torch.int32),
+        }
+        step_cache = PackedStepCache(self.config, self.kv.storage, self.kv.num_blocks, metadata, len(decode))
+        forward = {
+            "input_ids": torch.tensor([ids], device=self.device),
+            "position_ids": torch.tensor([positions], device=self.device),
+            self._cache_kwarg: step_cache,
+            "use_cache": True,
+        }
+        keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        if self._logits_to_keep:
+            forward["logits_to_keep"] = keep_index
+        with packed_forward():
+            logits = self.model(**forward).logits[0]
+        if not self._logits_to_keep:
+            logits = logits.index_select(0, keep_index)
+        step_cache._check_no_pending()
+        return ordered, logits.float()

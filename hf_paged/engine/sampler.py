@@ -1,0 +1,59 @@
+"""Turning a row of logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded draws.
+
+Each request samples with its own ``torch.Generator`` when it has a seed, row by row in a fixed
+order, so its tokens do not depend on what else is in the batch. Greedy rows (temperature 0)
+take the argmax. Log-probabilities reported are those of the raw model distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_paged.engine.params import SamplingParams
+
+
+def process(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_generated: int,
+            eos_token_ids: list[int]) -> torch.Tensor:
+    """The logits a token is chosen from (one row, float32)."""
+    logits = logits.clone()
+    if params.repetition_penalty != 1.0 and token_ids:
+        seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=logits.device)
+        picked = logits[seen]
+        logits[seen] = torch.where(picked < 0, picked * params.repetition_penalty, picked / params.repetition_penalty)
+    if num_generated < params.min_new_tokens and not params.ignore_eos:
+        for eos in eos_token_ids:
+            logits[eos] = float("-inf")
+    if params.greedy:
+        return logits
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) > params.top_p  # keep the token that crosses top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if params.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           num_samples: int = 1) -> list[int]:
+    """``num_samples`` tokens from processed logits (independent draws; the argmax when greedy)."""
+    if params.greedy:
+        return [int(torch.argmax(logits))] * num_samples
+    probs = logits.softmax(-1)
+    draws = torch.multinomial(probs.expand(num_samples, -1), 1, generator=generator)
+    return draws[:, 0].tolist()
+
+
+def top_logprobs(raw_logprobs: torch.Tensor, token: int, k: int) -> dict[int, float]:
+    """The chosen token's log-probability and the ``k`` most likely tokens'."""
+    result = {token: float(raw_logprobs[token])}
+    if k:
+        values, ids = torch.topk(raw_logprobs, k)
+        result.update(zip(ids.tolist(), values.tolist()))
+    return result

@@ -1,0 +1,91 @@
+"""Sequences and requests (sequence groups): the engine's bookkeeping, no torch."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hf_paged.engine.params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One token stream with its own block table (keyed by ``seq_id`` in the block manager)."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    index: int = 0  # output index within its request
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+    text: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def in_prefill(self) -> bool:
+        """Still computing tokens that are already known (prompt, or recompute after preemption)."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def fork(self, index: int) -> Sequence:
+        return Sequence(
+            token_ids=list(self.token_ids), num_prompt_tokens=self.num_prompt_tokens, index=index,
+            num_computed_tokens=self.num_computed_tokens, cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else list(self.logprobs), text=self.text,
+        )
+
+
+@dataclass
+class Request:
+    """A sequence group: the prompt, its parameters, and the sequences sampled from it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    seqs: list[Sequence] = field(default_factory=list)
+    finished_seqs: list[Sequence] = field(default_factory=list)
+    generator: Any = None  # torch.Generator when seeded
+    beam: Any = None  # BeamSearchState for beam search
+    forked: bool = False  # n > 1 / beams: the single prefill sequence has been split
+    beam_rows: dict[int, Any] = field(default_factory=dict)  # log-probs of beams waiting for siblings
+    first_token_time: float | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.seqs:
+            self.seqs = [Sequence(list(self.prompt_token_ids), len(self.prompt_token_ids))]
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
