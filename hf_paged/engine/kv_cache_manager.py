@@ -29,6 +29,7 @@ class KVCacheManager:
         self.swap_storage = PagedKVStorage(block_size, device="cpu", pin_memory=pin_memory)
         self.enable_prefix_caching = enable_prefix_caching
         self._keys: dict[int, list[Hashable]] = {}  # seq_id -> keys of its registered full blocks
+        self._inflight: dict[Hashable, int] = {}  # key -> seq computing that block right now
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -55,20 +56,38 @@ class KVCacheManager:
             keys.append(parent)
         return keys
 
+    def _prompt_keys(self, seq: Sequence) -> list[Hashable]:
+        """Keys of the full blocks of a sequence's known tokens but the last (which must be computed)."""
+        return self._chain(seq.token_ids, 0, (seq.num_tokens - 1) // self.block_size, None)
+
     def allocate_prefix(self, seq: Sequence) -> int:
         """Register ``seq`` with every cached full block of its known tokens (all but the last,
         which must be computed to get logits). Returns the number of tokens found cached."""
         matched: list[int] = []
         keys: list[Hashable] = []
         if self.enable_prefix_caching:
-            full = (seq.num_tokens - 1) // self.block_size
-            keys = self._chain(seq.token_ids, 0, full, None)
+            keys = self._prompt_keys(seq)
             matched = self.blocks.match_prefix(keys)
             keys = keys[: len(matched)]
         cached = len(matched) * self.block_size
         self.blocks.add_sequence(seq.seq_id, matched, cached)
         self._keys[seq.seq_id] = keys
         return cached
+
+    def waits_for_inflight(self, seq: Sequence) -> bool:
+        """True when the next block ``seq`` would compute is being computed by another sequence:
+        admitting it one step later lets it reuse that block instead of computing it again."""
+        if not self.enable_prefix_caching:
+            return False
+        keys = self._prompt_keys(seq)
+        done = len(self._keys[seq.seq_id])
+        return done < len(keys) and self._inflight.get(keys[done], seq.seq_id) != seq.seq_id
+
+    def mark_inflight(self, seq: Sequence) -> None:
+        """The admitted ``seq`` will compute its prompt blocks: others with the same prefix wait."""
+        if self.enable_prefix_caching:
+            for key in self._prompt_keys(seq)[len(self._keys[seq.seq_id]) :]:
+                self._inflight.setdefault(key, seq.seq_id)
 
     def record_prefix_lookup(self, seq: Sequence) -> None:
         """Count an admitted sequence's known tokens and how many came from the prefix cache."""
@@ -85,6 +104,8 @@ class KVCacheManager:
             new = self._chain(seq.token_ids, len(keys), full - len(keys), keys[-1] if keys else None)
             for i, key in enumerate(new, start=len(keys)):
                 self.blocks.register_block(seq.seq_id, i, key)
+                if self._inflight.get(key) == seq.seq_id:
+                    del self._inflight[key]
             keys.extend(new)
 
     # ------------------------------------------------------------------ slots
@@ -104,6 +125,8 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         """Give back a sequence's blocks, wherever they are (device or swap space)."""
         self._keys.pop(seq.seq_id, None)
+        for key in [k for k, owner in self._inflight.items() if owner == seq.seq_id]:
+            del self._inflight[key]
         if seq.seq_id in self.blocks:
             self.blocks.free(seq.seq_id)
         elif self.swap is not None and seq.seq_id in self.swap:

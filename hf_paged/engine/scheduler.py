@@ -146,6 +146,11 @@ class Scheduler:
                     seq.num_computed_tokens = self.kv.allocate_prefix(seq)
             work = self._work(request, budget)
             needed_alone = sum(self.kv.blocks_for(seq.num_tokens + 1) for seq in seqs)
+            if any(self.kv.waits_for_inflight(seq) for seq in seqs):
+                for seq in seqs:
+                    self.kv.free(seq)
+                    seq.num_computed_tokens = 0
+                break
             if not work or not self.kv.can_append(work):
                 if not self.running and not self.swapped and needed_alone > self.kv.num_blocks:
                     self.waiting.popleft()
@@ -160,6 +165,7 @@ class Scheduler:
             self.waiting.popleft()
             for seq in seqs:
                 self.kv.record_prefix_lookup(seq)
+                self.kv.mark_inflight(seq)
             self.kv.append(work)
             request.status = Status.RUNNING
             self.running.append(request)

@@ -1,0 +1,236 @@
+"""LLMEngine: equality with per-request generate(), preemption, prefix caching, errors, leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged import LLMEngine, SamplingParams
+from hf_paged.engine.sequence import Status
+from tiny_models import VOCAB, build
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build("llama")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    lengths = [1, 2, 300] + torch.randint(1, 300, (30,), generator=g).tolist()
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def references(model, prompts):
+    """Per-request stock generate(), plus its per-step logits for the near-tie rule."""
+    refs = []
+    for p in prompts:
+        out = model.generate(input_ids=torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                             output_logits=True, return_dict_in_generate=True)
+        refs.append((out.sequences[0, len(p):].tolist(), [torch.log_softmax(x[0].float(), -1) for x in out.logits]))
+    return refs
+
+
+def _check_no_leak(engine: LLMEngine) -> None:
+    engine.kv.check_invariants()
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.num_used_blocks() == 0, "blocks leaked"
+
+
+def compare(outputs, references) -> tuple[int, list]:
+    """(exact matches, accepted near-ties). A divergence is accepted only when, at the first
+    differing step, both tokens are in each other's top-2 with a log-prob gap below 1e-4."""
+    exact, ties = 0, []
+    for i, (out, (ref_tokens, ref_logprobs)) in enumerate(zip(outputs, references)):
+        got = out.outputs[0].token_ids
+        if got == ref_tokens:
+            exact += 1
+            continue
+        step = next(j for j, (a, b) in enumerate(zip(got, ref_tokens)) if a != b)
+        lp = ref_logprobs[step]
+        top2 = torch.topk(lp, 2).indices.tolist()
+        gap = abs(float(lp[got[step]] - lp[ref_tokens[step]]))
+        assert set(top2) == {got[step], ref_tokens[step]} and gap < 1e-4, (
+            f"prompt {i}: engine {got} vs generate {ref_tokens} (step {step}, gap {gap:.2e})")
+        ties.append((i, step, gap))
+    return exact, ties
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_equals_generate_under_heavy_preemption(model, prompts, references, mode, prefix_caching):
+    engine = LLMEngine(model, block_size=8, num_blocks=48, max_num_batched_tokens=96, preemption_mode=mode,
+                       enable_prefix_caching=prefix_caching)
+    outputs = engine.generate(prompts, GREEDY, use_tqdm=False)
+    exact, ties = compare(outputs, references)
+    assert exact + len(ties) == len(prompts)
+    print(f"{mode}, prefix caching {prefix_caching}: {exact} exact, near-ties accepted: {ties}")
+    stats = engine.stats()
+    assert stats[f"preemptions_{mode}"] >= 5, stats  # the budget really forced preemption
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outputs)
+    _check_no_leak(engine)
+
+
+def test_greedy_with_an_ample_budget(model, prompts, references):
+    engine = LLMEngine(model, block_size=16, num_blocks=2048, max_num_batched_tokens=512)
+    exact, ties = compare(engine.generate(prompts, GREEDY, use_tqdm=False), references)
+    assert exact + len(ties) == len(prompts) and engine.stats()["preemptions_recompute"] == 0
+    _check_no_leak(engine)
+
+
+def test_prefix_caching_computes_a_shared_prefix_once(model):
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(3, VOCAB, (256,), generator=g).tolist()
+    prompts = [prefix + torch.randint(3, VOCAB, (int(n),), generator=g).tolist()
+               for n in torch.randint(1, 40, (16,), generator=g)]
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    results = {}
+    for caching in (False, True):
+        engine = LLMEngine(model, block_size=16, num_blocks=512, max_num_batched_tokens=4096,
+                           enable_prefix_caching=caching)
+        outs = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+        results[caching] = (outs, engine.stats())
+        _check_no_leak(engine)
+    assert results[True][0] == results[False][0]
+    computed_off = results[False][1]["computed_prompt_tokens"]
+    computed_on = results[True][1]["computed_prompt_tokens"]
+    assert computed_off == sum(map(len, prompts))
+    assert computed_off - computed_on >= 15 * 256  # every request after the first skipped the prefix
+    assert results[True][1]["prefix_cache_hit_tokens"] >= 15 * 256
+
+
+def test_parallel_sampling_is_seeded_and_shares_the_prompt(model, prompts):
+    params = SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, top_k=20, n=3, seed=7)
+    alone = LLMEngine(model, num_blocks=256).generate([prompts[5]], params, use_tqdm=False)[0]
+    crowd = LLMEngine(model, num_blocks=256).generate(prompts[:8], [params] * 8, use_tqdm=False)[5]
+    assert [c.token_ids for c in alone.outputs] == [c.token_ids for c in crowd.outputs]
+    assert len(alone.outputs) == 3 and len({tuple(c.token_ids) for c in alone.outputs}) > 1
+    engine = LLMEngine(model, num_blocks=256, block_size=16)
+    engine.add_request(prompts[2], SamplingParams(max_new_tokens=4, n=4, seed=1))
+    engine.step()  # the prefill, then the fork into 4 samples
+    req = next(iter(engine.requests.values()))
+    tables = [engine.kv.block_table(s) for s in req.seqs]
+    full = (len(prompts[2])) // 16
+    assert len(tables) == 4 and all(t[:full] == tables[0][:full] for t in tables)
+    while engine.has_unfinished_requests():
+        engine.step()
+    _check_no_leak(engine)
+
+
+def test_abort_mid_prefill_and_mid_decode_frees_everything(model, prompts):
+    engine = LLMEngine(model, block_size=8, num_blocks=128, max_num_batched_tokens=32)
+    long_id = engine.add_request(prompts[2], GREEDY)  # 300 tokens: prefill takes many 32-token chunks
+    short_id = engine.add_request(prompts[0], GREEDY)
+    engine.step()
+    assert engine.requests[long_id].seqs[0].num_computed_tokens < 300  # still prefilling
+    engine.abort(long_id)
+    for _ in range(3):
+        engine.step()
+    assert engine.requests[short_id].status is Status.RUNNING and engine.requests[short_id].forked
+    engine.abort(short_id)
+    _check_no_leak(engine)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([], "empty prompt"),
+    ([5, VOCAB + 3], "outside the vocabulary"),
+    ([-1, 4], "outside the vocabulary"),
+    (list(range(3, 90)) * 7, "positions|exceeds the whole KV cache"),
+])
+def test_bad_requests_fail_alone(model, prompts, references, bad, match):
+    engine = LLMEngine(model, block_size=8, num_blocks=64)
+    outputs = engine.generate([prompts[0], bad, prompts[1]], GREEDY, use_tqdm=False)
+    assert outputs[1].error is not None and pytest.approx(0) == len(outputs[1].outputs)
+    import re
+    assert re.search(match, outputs[1].error), outputs[1].error
+    assert outputs[0].outputs[0].token_ids == references[0][0]
+    assert outputs[2].outputs[0].token_ids == references[1][0]
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.add_request([], GREEDY)
+    _check_no_leak(engine)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -1.0), ("top_p", 0.0), ("top_k", -5), ("n", 0), ("max_new_tokens", 0),
+    ("repetition_penalty", 0.0), ("min_p", 2.0), ("num_beams", 0), ("logprobs", -1), ("early_stopping", "sometimes"),
+])
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        SamplingParams(**{field: value})
+
+
+def test_a_request_larger_than_the_cache_fails_while_others_finish(model, prompts):
+    engine = LLMEngine(model, block_size=8, num_blocks=12, max_num_batched_tokens=64)
+    params = SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True)  # grows past 96 slots
+    outputs = engine.generate([prompts[0], [5] * 40], [GREEDY, params], use_tqdm=False)
+    assert outputs[0].error is None and outputs[0].finished
+    assert outputs[1].error and "KV blocks" in outputs[1].error
+    _check_no_leak(engine)
+
+
+def test_stream_yields_deltas_that_add_up(model, prompts, references):
+    engine = LLMEngine(model, num_blocks=128)
+    deltas = list(engine.stream(prompts[3], GREEDY))
+    assert sum(len(d["token_ids"]) for d in deltas) == 12 and deltas[-1]["finished"]
+    assert [t for d in deltas for t in d["token_ids"]] == references[3][0]
+    _check_no_leak(engine)
+
+
+def test_stop_token_ids_logprobs_and_stats(model, prompts, references):
+    ref = references[4][0]
+    engine = LLMEngine(model, num_blocks=128)
+    out = engine.generate([prompts[4]], SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=[ref[3]],
+                                                      logprobs=2), use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert completion.token_ids == ref[: ref.index(ref[3]) + 1] and completion.finish_reason == "stop"
+    assert len(completion.logprobs) == len(completion.token_ids) and len(completion.logprobs[0]) >= 2
+    assert completion.cumulative_logprob == pytest.approx(sum(lp[t] for lp, t in zip(completion.logprobs,
+                                                                                          completion.token_ids)))
+    stats = engine.stats()
+    for key in ("running", "waiting", "swapped", "blocks_used", "blocks_free", "blocks_cached", "prefix_cache_hit_rate",
+                "preemptions_recompute", "preemptions_swap", "tokens_per_second"):
+        assert key in stats
+    _check_no_leak(engine)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_soak(model, mode):
+    """Many requests of random lengths and widths, some aborted, on a tiny budget (reduced size in CI:
+    HF_PAGED_SOAK=500 for the full run)."""
+    import os
+    import random
+
+    rng = random.Random(0)
+    total = int(os.environ.get("HF_PAGED_SOAK", "80"))
+    engine = LLMEngine(model, block_size=8, num_blocks=40, max_num_batched_tokens=64, max_num_seqs=16,
+                       preemption_mode=mode)
+    expected = {}
+    for i in range(total):
+        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 60))]
+        params = SamplingParams(max_new_tokens=rng.randrange(1, 12), n=rng.choice([1, 1, 2, 3]), seed=i,
+                                temperature=rng.choice([0, 0.7]))
+        expected[engine.add_request(prompt, params)] = params
+    finished, aborted = {}, set()
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        steps += 1
+        if steps % 7 == 0 and engine.requests:
+            victim = rng.choice(sorted(engine.requests))
+            engine.abort(victim)
+            aborted.add(victim)
+        engine.kv.check_invariants()
+    for rid, params in expected.items():
+        if rid in aborted:
+            continue
+        out = finished[rid]
+        assert len(out.outputs) == params.n
+        assert all(1 <= len(c.token_ids) <= params.max_new_tokens for c in out.outputs)
+    assert engine.stats()[f"preemptions_{mode}"] > 0
+    _check_no_leak(engine)
