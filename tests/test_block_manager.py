@@ -175,3 +175,66 @@ def test_random_operation_sequences_keep_invariants(ops, block_size, budget):
         bm.free(seq)
     assert bm.num_free_blocks == bm.num_blocks and bm.num_used_blocks == 0
     bm.check_invariants()
+
+
+def test_prefix_cache_keeps_released_blocks_until_evicted():
+    bm = BlockManager(block_size=2, num_blocks=3, enable_prefix_caching=True)
+    bm.add_sequence("a")
+    bm.append_slots("a", 4)
+    bm.register_block("a", 0, "k0")
+    bm.register_block("a", 1, "k1")
+    first = bm.block_table("a")
+    bm.free("a")
+    assert bm.num_free_blocks == 3 and bm.num_cached_blocks == 2
+    assert bm.match_prefix(["k0", "k1", "k2"]) == first
+    bm.add_sequence("b", bm.match_prefix(["k0"]), 2)  # adopts the cached block
+    assert bm.ref_count(first[0]) == 1
+    bm.add_sequence("c")
+    bm.append_slots("c", 4)  # needs 2 blocks: the free one, then evicts k1's block (LRU)
+    assert bm.match_prefix(["k0", "k1"]) == first[:1] and bm.num_cached_blocks == 1
+    with pytest.raises(BlockManagerError, match="not full"):
+        bm.register_block("b", 1, "k9")
+    bm.check_invariants()
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "append", "fork", "free", "register", "adopt"]),
+                              st.integers(0, 7), st.integers(0, 9)), max_size=60),
+       budget=st.sampled_from([None, 8]))
+def test_random_operations_with_prefix_caching_keep_invariants(ops, budget):
+    """Registered keys always name the block holding them; evictable blocks are unreferenced and
+    keyed; adopting a cached prefix moves blocks out of the evictable set; freeing all returns all."""
+    bm = BlockManager(block_size=2, num_blocks=budget, initial_blocks=3, enable_prefix_caching=True)
+    live, next_id = [], 0
+    for op, a, b in ops:
+        try:
+            if op == "add" or not live:
+                bm.add_sequence(next_id)
+                live.append(next_id)
+                next_id += 1
+            elif op == "append":
+                bm.append_slots(live[a % len(live)], b)
+            elif op == "fork":
+                bm.fork(live[a % len(live)], next_id)
+                live.append(next_id)
+                next_id += 1
+            elif op == "free":
+                bm.free(live.pop(a % len(live)))
+            elif op == "register":
+                seq = live[a % len(live)]
+                full = bm.seq_len(seq) // 2
+                if full:
+                    bm.register_block(seq, b % full, ("key", b % 4, b % full))
+            else:
+                keys = [("key", b % 4, i) for i in range(a % 4)]
+                blocks = bm.match_prefix(keys)
+                bm.add_sequence(next_id, blocks, 2 * len(blocks))
+                live.append(next_id)
+                next_id += 1
+        except NoFreeBlocksError:
+            assert budget is not None
+        bm.check_invariants()
+    for seq in live:
+        bm.free(seq)
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+    bm.check_invariants()
