@@ -92,6 +92,7 @@ def check_model_equality(out_dir: str | os.PathLike | None = None) -> dict:
                 status = "PASS" if row.get("equal") and row.get("kernels_used") else "FAIL"
                 print(f"[{status}] {arch:<9} {mode:<13} bs={block_size:<3} "
                       f"{ {k: v for k, v in row.items() if k not in ('arch', 'mode', 'block_size')} }", flush=True)
+    results += check_engine_equality(counter)
     passed = sum(1 for r in results if r.get("equal") and r.get("kernels_used"))
     summary = {"passed": passed, "total": len(results), "results": results}
     print(f"gpu_equality: {passed}/{len(results)} token-identical with kernels active")
@@ -99,6 +100,42 @@ def check_model_equality(out_dir: str | os.PathLike | None = None) -> dict:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         Path(out_dir, "gpu_equality.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def check_engine_equality(counter: dict) -> list[dict]:
+    """LLMEngine on CUDA (packed decode + varlen prefill kernels, preemption) vs per-request CPU generate()."""
+    from hf_paged import LLMEngine, SamplingParams
+
+    results = []
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 96, (int(n),), generator=g).tolist() for n in torch.randint(1, 100, (16,), generator=g)]
+    for arch, mode, num_blocks in (("llama", "recompute", 40), ("gemma2", "swap", 40), ("qwen2", "recompute", None)):
+        row = {"arch": arch, "mode": f"engine-{mode}", "block_size": 8}
+        try:
+            model = build(arch)
+            refs = [model.generate(input_ids=torch.tensor([p]), max_new_tokens=16, do_sample=False,
+                                   eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+            model.to("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a dry run of this check
+            before = dict(counter)
+            start = time.perf_counter()
+            engine = LLMEngine(model, block_size=8, num_blocks=num_blocks, max_num_batched_tokens=128,
+                               preemption_mode=mode)
+            outs = engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True),
+                                   use_tqdm=False)
+            row["cuda_s"] = round(time.perf_counter() - start, 3)
+            row["kernel_calls"] = {k: counter.get(k, 0) - before.get(k, 0) for k in counter}
+            row["kernels_used"] = sum(row["kernel_calls"].values()) > 0
+            mismatches = [i for i, (r, o) in enumerate(zip(refs, outs)) if r != o.outputs[0].token_ids]
+            row["equal"] = not mismatches
+            row["mismatched_prompts"] = mismatches
+            stats = engine.stats()
+            row.update(blocks_total=stats["blocks_total"], preemptions=stats[f"preemptions_{mode}"],
+                       leaked_blocks=engine.kv.num_used_blocks())
+        except Exception as err:
+            row["error"] = f"{type(err).__name__}: {err}"
+        print(f"[{'PASS' if row.get('equal') and row.get('kernels_used') else 'FAIL'}] {row}", flush=True)
+        results.append(row)
+    return results
 
 
 if __name__ == "__main__":
