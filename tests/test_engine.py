@@ -234,3 +234,49 @@ def test_soak(model, mode):
         assert all(1 <= len(c.token_ids) <= params.max_new_tokens for c in out.outputs)
     assert engine.stats()[f"preemptions_{mode}"] > 0
     _check_no_leak(engine)
+
+
+@pytest.mark.parametrize("num_beams, n, length_penalty, early_stopping", [
+    (2, 1, 1.0, False), (4, 2, 1.0, False), (4, 4, 2.0, True), (3, 2, 0.0, "never"), (6, 3, -1.0, False),
+])
+def test_beam_search_equals_transformers(model, num_beams, n, length_penalty, early_stopping):
+    g = torch.Generator().manual_seed(num_beams)
+    prompts = [torch.randint(3, VOCAB, (int(k),), generator=g).tolist() for k in (5, 23, 40)]
+    # EOS = the third token of the first prompt's best beam, so that hypotheses really end early
+    free_run = model.generate(input_ids=torch.tensor([prompts[0]]), max_new_tokens=10, num_beams=num_beams,
+                              do_sample=False, eos_token_id=None)
+    eos = int(free_run[0, len(prompts[0]) + 2])
+    model.generation_config.eos_token_id = eos
+    try:
+        engine = LLMEngine(model, block_size=8, num_blocks=256)
+        params = SamplingParams(max_new_tokens=10, num_beams=num_beams, n=n, length_penalty=length_penalty,
+                                early_stopping=early_stopping)
+        outputs = engine.generate(prompts, params, use_tqdm=False)
+        if n > 1:  # among several returned hypotheses, early-ended ones are really exercised
+            assert any(c.token_ids[-1] == eos for out in outputs for c in out.outputs), "no hypothesis ended with EOS"
+        for prompt, out in zip(prompts, outputs):
+            ref = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=10, num_beams=num_beams,
+                                 num_return_sequences=n, length_penalty=length_penalty, early_stopping=early_stopping,
+                                 do_sample=False, return_dict_in_generate=True, output_scores=True, eos_token_id=eos)
+            assert len(out.outputs) == n
+            for row, completion in enumerate(out.outputs):
+                expected = ref.sequences[row, len(prompt):].tolist()
+                if eos in expected:
+                    expected = expected[: expected.index(eos) + 1]
+                assert completion.token_ids == expected
+                assert completion.cumulative_logprob == pytest.approx(float(ref.sequences_scores[row]), rel=1e-5,
+                                                                      abs=5e-5)
+        _check_no_leak(engine)
+    finally:
+        model.generation_config.eos_token_id = 1
+
+
+def test_beam_search_shares_blocks_between_beams(model):
+    engine = LLMEngine(model, block_size=8, num_blocks=256)
+    engine.add_request(list(range(3, 60)), SamplingParams(max_new_tokens=12, num_beams=4, n=2))
+    shared_seen = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        shared_seen = max(shared_seen, engine.kv.blocks.num_shared_blocks)
+    assert shared_seen >= 7  # the 57-token prompt's 7 full blocks are shared by all beams
+    _check_no_leak(engine)

@@ -33,7 +33,7 @@ import math
 
 import torch
 
-__all__ = ["BeamSearchState", "apply_min_new_tokens", "candidate_count"]
+__all__ = ["BeamSearchState", "apply_min_new_tokens", "candidate_count", "generate_fill_token"]
 
 _NEG = -1.0e9  # transformers' "impossible" score: added, never assigned (except the initial values)
 
@@ -43,13 +43,26 @@ def candidate_count(num_beams: int, num_eos: int) -> int:
     return max(2, 1 + num_eos) * num_beams
 
 
+def generate_fill_token(pad_token_id: int | None, eos_token_ids: list[int]) -> int:
+    """The token transformers' beam search writes after a hypothesis' end in ``sequences``.
+
+    It is ``pad_token_id or eos_token_ids[0]``: a pad id of ``0`` (falsy) or ``None`` gives the
+    first EOS id instead; with no EOS ids at all, ``-1`` (never visible: every hypothesis then
+    has the full length).
+    """
+    if not eos_token_ids:
+        return -1
+    return pad_token_id or eos_token_ids[0]
+
+
 def apply_min_new_tokens(
     log_probs: torch.Tensor, generated_len: int, min_new_tokens: int, eos_token_ids: list[int]
 ) -> torch.Tensor:
-    """EOS log-probs set to ``-inf`` while fewer than ``min_new_tokens`` tokens exist (a new tensor).
+    """EOS log-probs set to ``-inf`` while fewer than ``min_new_tokens`` tokens were generated.
 
-    :meth:`BeamSearchState.step` already calls this; it is exposed for callers that want the
-    processed log-probs themselves (e.g. to report per-step scores as transformers does).
+    Returns a new tensor when it masks, the input itself otherwise. :meth:`BeamSearchState.step`
+    already calls this; it is exposed for callers that want the processed log-probs themselves
+    (e.g. to report per-step ``scores`` as transformers does).
     """
     if generated_len >= min_new_tokens or not eos_token_ids:
         return log_probs
@@ -165,6 +178,12 @@ class BeamSearchState:
         Returns the next running beams as ``(parent_row, token)``: row ``j`` of the next call is
         running beam ``parent_row`` with ``token`` appended. Several rows may share a parent, and
         a parent may have none (its sequence can be dropped). ``[]`` when the search is done.
+        A returned token is never an EOS id (as long as the vocabulary has more than
+        ``len(eos_token_ids)`` tokens); beams that end go to the finished pool, not to the engine.
+
+        The tensor work runs on ``log_probs``' device, as transformers' does (same kernels, so
+        the same rounding, e.g. CUDA divides by a scalar through its reciprocal); it costs a
+        few small kernels and host syncs per step.
         """
         if self._done:
             raise RuntimeError("beam search is already done")
@@ -260,3 +279,23 @@ class BeamSearchState:
             raise RuntimeError("finalize() before the search is done")
         scores = self._pool_scores[0, : self.num_return_sequences].tolist()
         return [(list(self._pool_tokens[i]), scores[i]) for i in range(self.num_return_sequences)]
+
+    def sequences_for_output(
+        self, prompt_ids: list[int], pad_token_id: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sequences, sequences_scores)`` as ``generate`` returns them for this prompt.
+
+        ``sequences``: int64 ``(num_return_sequences, prompt_len + longest returned hypothesis)``,
+        prompt included, shorter hypotheses filled with :func:`generate_fill_token`;
+        ``sequences_scores``: float32 ``(num_return_sequences,)``. On CPU.
+        """
+        if len(prompt_ids) != self.prompt_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens, the state was built for {self.prompt_len}")
+        best = self.finalize()
+        width = self.prompt_len + max(len(tokens) for tokens, _ in best)
+        fill = generate_fill_token(pad_token_id, self.eos_token_ids)
+        sequences = torch.full((len(best), width), fill, dtype=torch.long)
+        for row, (tokens, _) in enumerate(best):
+            sequences[row, : self.prompt_len + len(tokens)] = torch.tensor(list(prompt_ids) + tokens, dtype=torch.long)
+        scores = self._pool_scores[0, : self.num_return_sequences].detach().to("cpu", copy=True)
+        return sequences, scores

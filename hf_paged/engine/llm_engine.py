@@ -255,7 +255,7 @@ class LLMEngine:
         state = request.beam
         pending = request.beam_rows
         for seq, logits in got:
-            pending[seq.seq_id] = torch.log_softmax(logits, -1)
+            pending[seq.seq_id] = torch.log_softmax(logits.float(), -1)
         beams = request.live_seqs
         if any(seq.seq_id not in pending for seq in beams):
             return  # some beams are still being recomputed after a preemption
@@ -286,7 +286,7 @@ class LLMEngine:
             request.finished_seqs = []
             for index, (tokens, score) in enumerate(state.finalize()):
                 seq = Sequence(request.prompt_token_ids + tokens, len(request.prompt_token_ids), index=index)
-                seq.cumulative_logprob = score
+                seq.cumulative_logprob = score  # the length-penalised beam score (generate's sequences_scores)
                 seq.finish_reason = "stop" if tokens and tokens[-1] in self.eos_token_ids else "length"
                 request.finished_seqs.append(seq)
 
