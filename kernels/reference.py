@@ -98,11 +98,16 @@ def paged_attention_decode_ref(
     v = torch.where(valid[:, :, None, None], v, 0)
 
     qf = q.to(cdt).view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("shgd,sthd->shgt", qf, k) * scale  # [S, Hkv, G, T]
     mask = valid
     if sliding_window is not None and sliding_window > 0:
         qpos = ctx - 1
         mask = mask & (pos[None, :] > (qpos[:, None] - sliding_window))
+    if softcap is None or softcap <= 0:  # one fused SDPA call (the group's heads act as query rows)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qf, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale
+        )
+        return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    scores = torch.einsum("shgd,sthd->shgt", qf, k) * scale  # [S, Hkv, G, T]
     probs = _scores_to_probs(scores, mask[:, None, None, :], softcap)
     out = torch.einsum("shgt,sthd->shgd", probs, v)
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
