@@ -9,6 +9,7 @@ from hf_paged.block_manager import BlockManager, BlockManagerError, NoFreeBlocks
 from hf_paged.cache import PagedKVCache
 from hf_paged.engine import CompletionOutput, LLMEngine, RequestOutput, SamplingParams
 from hf_paged.generate import CACHE_IMPLEMENTATION, disable, enable
+from hf_paged.pipeline import PagedTextGenerationPipeline, pipeline
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -22,9 +23,11 @@ __all__ = [
     "NoFreeBlocksError",
     "PagedKVCache",
     "PagedMask",
+    "PagedTextGenerationPipeline",
     "UnknownSequenceError",
     "disable",
     "enable",
+    "pipeline",
     "set_kernel_mode",
 ]
 __version__ = "0.1.0"
