@@ -3,6 +3,7 @@
     python -m hf_paged                      # demo on the built-in model
     python -m hf_paged demo --model PATH    # a local checkpoint instead
     python -m hf_paged generate "Once upon a time" --max-new-tokens 40
+    python -m hf_paged bench [--quick]      # side-by-side benchmarks, JSON and plots
 """
 
 from __future__ import annotations
@@ -148,6 +149,16 @@ def generate(args) -> int:
     return 0
 
 
+def bench(args) -> int:
+    """Side-by-side benchmarks on the same model and requests (see hf_paged/bench)."""
+    from hf_paged import bench as suite
+
+    model, _ = load(args)
+    suite.run(model, num_requests=args.num_requests, scale=args.scale, batch_size=args.batch_size,
+              out_dir=args.out, block_size=args.block_size, num_blocks=args.num_blocks or 4096, quick=args.quick)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", help="local checkpoint directory (default: the built-in demo model)")
@@ -163,6 +174,12 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="*")
     gen.add_argument("--file", help="a text file with one prompt per line")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    b = sub.add_parser("bench", parents=[common], help="side-by-side throughput, latency and memory benchmarks")
+    b.add_argument("--num-requests", type=int, default=64)
+    b.add_argument("--scale", type=float, default=0.25, help="length scale of the ShareGPT-like workload")
+    b.add_argument("--batch-size", type=int, default=8, help="batch size of the generate() baselines")
+    b.add_argument("--out", default="benchmarks/out", help="where JSON and plots go")
+    b.add_argument("--quick", action="store_true", help="skip the Poisson-rate sweep")
     return top
 
 
@@ -171,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.block_size < 1 or (args.num_blocks is not None and args.num_blocks < 1):
             raise CliError("--block-size and --num-blocks must be positive")
-        return {"generate": generate}.get(args.command, demo)(args)
+        return {"generate": generate, "bench": bench}.get(args.command, demo)(args)
     except CliError as err:
         print(f"hf-paged: error: {err}", file=sys.stderr)
         return 2

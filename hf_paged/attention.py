@@ -202,7 +202,9 @@ def _packed_attention(step, layer_idx: int, query, key, value, **kwargs):
     q = q.to(k_pool.dtype)
     nd = step.num_decode
     parts = []
-    if nd:
+    if nd and not q.is_cuda and _kernel_mode != "triton" and not options["softcap"]:
+        parts.append(_decode_by_sdpa(step, q[:nd], k_pool, v_pool, scale, options["sliding_window"]))
+    elif nd:
         parts.append(kernels.paged_attention_decode(
             q[:nd].contiguous(), k_pool, v_pool, tables[:nd], lens[:nd], scale, **options))
     if q.shape[0] > nd:
@@ -211,6 +213,19 @@ def _packed_attention(step, layer_idx: int, query, key, value, **kwargs):
             scale, **options))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.to(query.dtype)[None], None
+
+
+def _decode_by_sdpa(step, q, k_pool, v_pool, scale, window):
+    """CPU decode for an engine step: one gather of every decoding sequence's keys (slot indices
+    built once per step, shared by all layers) and one fused SDPA call with a key-padding mask."""
+    slots, mask = step.decode_gather(window)
+    num_seqs, heads, head_dim = q.shape
+    kv_heads = k_pool.shape[2]
+    keys = k_pool.view(-1, kv_heads, head_dim)[slots].transpose(1, 2)  # [seqs, kv_heads, T, head_dim]
+    values = v_pool.view(-1, kv_heads, head_dim)[slots].transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.view(num_seqs, kv_heads, heads // kv_heads, head_dim), keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(num_seqs, heads, head_dim)
 
 
 def register() -> None:

@@ -305,3 +305,19 @@ def test_string_prompts_text_and_stop_strings():
     assert out.outputs[0].finish_reason == "stop" and stop not in out.outputs[0].text
     assert text.startswith(out.outputs[0].text) and out.prompt == "Hello there"
     _check_no_leak(engine)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma2", "gemma3", "gpt2", "opt", "qwen3"])
+def test_engine_greedy_on_other_architectures(arch):
+    """Sliding windows (Mistral, Qwen2, Gemma2/3), softcap (Gemma2), MQA (Qwen3), learned positions."""
+    other = build(arch)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (int(n),), generator=g).tolist() for n in (1, 9, 30, 70)]
+    refs = [other.generate(input_ids=torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                           output_logits=True, return_dict_in_generate=True) for p in prompts]
+    refs = [(r.sequences[0, len(p):].tolist(), [torch.log_softmax(x[0].float(), -1) for x in r.logits])
+            for p, r in zip(prompts, refs)]
+    engine = LLMEngine(other, block_size=8, num_blocks=40, max_num_batched_tokens=48)
+    exact, ties = compare(engine.generate(prompts, GREEDY, use_tqdm=False), refs)
+    assert exact + len(ties) == len(prompts)
+    _check_no_leak(engine)

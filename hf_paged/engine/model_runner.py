@@ -38,6 +38,24 @@ class PackedStepCache(StashingCache):
             self._on_device[key] = self._metadata[name].to(device, non_blocking=True)
         return self._on_device[key]
 
+    def decode_gather(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the decoding sequences: slot of each of their tokens ``[seqs, longest]`` (padding
+        points at slot 0) and the mask of real (and, with ``window``, recent) keys ``[seqs, 1, 1, longest]``."""
+        key = ("decode_gather", window)
+        if key not in self._on_device:
+            nd = self.num_decode
+            lens = self._metadata["context_lens"][:nd].long()
+            longest = int(lens.max())
+            bs = self.storage.block_size
+            pos = torch.arange(longest)
+            tables = self._metadata["block_tables"][:nd, : -(-longest // bs)].long()
+            slots = tables.gather(1, (pos // bs).expand(nd, -1)) * bs + pos % bs
+            visible = pos[None, :] < lens[:, None]
+            if window:
+                visible &= pos[None, :] > lens[:, None] - 1 - window
+            self._on_device[key] = (slots.where(visible, 0), visible[:, None, None, :])
+        return self._on_device[key]
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions come from position_ids; masks are not built
 

@@ -1,0 +1,161 @@
+"""Side-by-side serving benchmarks (``python -m hf_paged bench``): one process, one model, the same
+requests for every system; ratios are printed and saved as JSON, with plots when matplotlib is
+installed (``pip install -e .[bench]``)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from hf_paged.bench import memory, systems, workloads
+
+
+def _ratio(a: dict, b: dict, key: str = "tokens_per_s") -> float:
+    return a[key] / b[key] if b.get(key) else float("nan")
+
+
+def _mismatches(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(x != y for x, y in zip(a, b))
+
+
+def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int = 8, rates=(1.0, 2.0, 4.0),
+        out_dir: str | Path = "benchmarks/out", block_size: int = 16, num_blocks: int = 4096,
+        max_num_batched_tokens: int = 512, quick: bool = False, log=print) -> dict:
+    """The whole suite; returns (and writes) the results."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    engine_kwargs = dict(block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens,
+                         max_num_seqs=256)
+    results: dict = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {torch.get_num_threads()} "
+                     f"torch threads", "versions": _versions(), "settings": {
+                         "num_requests": num_requests, "scale": scale, "batch_size": batch_size,
+                         "block_size": block_size, "num_blocks": num_blocks,
+                         "max_num_batched_tokens": max_num_batched_tokens}}
+
+    share = workloads.dataset("sharegpt", num_requests, scale=scale, vocab=vocab)
+    log(f"ShareGPT-like offline: {num_requests} requests, mean prompt {share.mean_prompt:.1f}, "
+        f"mean output {share.mean_output:.1f} tokens")
+    offline = {}
+    for name, fn in (("padded_generate", lambda: systems.batched_generate(model, share, batch_size, paged=False)),
+                     ("paged_generate", lambda: systems.batched_generate(model, share, batch_size, paged=True)),
+                     ("transformers_cb", lambda: systems.transformers_cb(
+                         model, share, num_blocks=num_blocks // 4, max_batch_tokens=max_num_batched_tokens)),
+                     ("engine", lambda: systems.engine_run(model, share, **engine_kwargs))):
+        try:
+            offline[name] = fn()
+            log(f"  {name:<16} {offline[name].summary(share)['tokens_per_s']:8.1f} tok/s")
+        except Exception as err:  # one system failing must not hide the others
+            log(f"  {name:<16} failed: {type(err).__name__}: {err}")
+    summaries = {k: v.summary(share) for k, v in offline.items()}
+    base = summaries.get("padded_generate")
+    results["sharegpt_offline"] = {
+        "workload": {"mean_prompt": share.mean_prompt, "mean_output": share.mean_output},
+        "systems": summaries,
+        "throughput_vs_padded_generate": {k: _ratio(v, base) for k, v in summaries.items()} if base else {},
+        "engine_vs_transformers_cb": _ratio(summaries["engine"], summaries["transformers_cb"])
+        if {"engine", "transformers_cb"} <= summaries.keys() else None,
+        "greedy_mismatches_vs_padded_generate": {k: _mismatches(v.tokens, offline["padded_generate"].tokens)
+                                                 for k, v in offline.items() if "padded_generate" in offline},
+    }
+
+    alpaca = workloads.dataset("alpaca", num_requests, scale=1.0, vocab=vocab)
+    results["alpaca_offline"] = {k: v.summary(alpaca) for k, v in {
+        "padded_generate": systems.batched_generate(model, alpaca, batch_size, paged=False),
+        "engine": systems.engine_run(model, alpaca, **engine_kwargs)}.items()}
+
+    results["online"] = []
+    for rate in () if quick else rates:
+        online = workloads.poisson(share, rate)
+        row = {"rate": rate}
+        for name, fn in (("padded_generate", lambda: systems.batched_generate(model, online, batch_size, False)),
+                         ("engine", lambda: systems.engine_run(model, online, **engine_kwargs))):
+            row[name] = fn().summary(online)
+        log(f"  Poisson {rate:g} req/s: normalized latency padded {row['padded_generate']['normalized_latency_s_per_token']:.3f}"
+            f" s/token, engine {row['engine']['normalized_latency_s_per_token']:.3f} s/token")
+        results["online"].append(row)
+
+    prefix_rows = []
+    for shots in (1, 5):
+        wl = workloads.shared_prefix(num_requests // 2, shots, vocab=vocab)
+        on = systems.engine_run(model, wl, **engine_kwargs).summary(wl)
+        off = systems.engine_run(model, wl, **engine_kwargs, enable_prefix_caching=False).summary(wl)
+        prefix_rows.append({"shots": shots, "prefix_caching": on, "no_prefix_caching": off,
+                            "speedup": _ratio(on, off), "computed_prompt_tokens_saved":
+                            off["computed_prompt_tokens"] - on["computed_prompt_tokens"]})
+    results["shared_prefix"] = prefix_rows
+
+    max_len = model.config.get_text_config(decoder=True).max_position_embeddings
+    results["kv_utilization"] = memory.kv_utilization(share, max_len=min(max_len, 2048))
+    small = workloads.dataset("alpaca", 8 if quick else 16, scale=1.0, vocab=vocab)
+    results["sharing_savings"] = {
+        **{f"parallel sampling n={n}": memory.sharing_savings(model, workloads.with_sampling(small, n=n))
+           for n in (2, 4, 6)},
+        **{f"beam search width {k}": memory.sharing_savings(model, workloads.with_sampling(small, num_beams=k))
+           for k in (2, 4, 6)},
+    }
+    (out_dir / "bench.json").write_text(json.dumps(results, indent=1, default=str))
+    _plots(results, out_dir, log)
+    log(report(results))
+    return results
+
+
+def _versions() -> dict:
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def report(results: dict) -> str:
+    """Markdown tables of the headline numbers."""
+    lines = ["| system | tok/s | req/s | vs padded generate | peak KV | max running |", "| --- | --- | --- | --- | --- | --- |"]
+    off = results["sharegpt_offline"]
+    for name, s in off["systems"].items():
+        kv = f"{s['peak_kv_bytes'] / 2**20:.1f} MiB" if s.get("peak_kv_bytes") else "-"
+        lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {s['requests_per_s']:.2f} | "
+                     f"{off['throughput_vs_padded_generate'].get(name, float('nan')):.2f}x | {kv} | {s['max_running']} |")
+    lines.append(f"\nengine vs transformers continuous batching: {off['engine_vs_transformers_cb']}")
+    lines.append(f"greedy mismatches vs padded generate: {off['greedy_mismatches_vs_padded_generate']}")
+    lines += ["", "| KV reservation | utilization |", "| --- | --- |"]
+    lines += [f"| {k} | {v:.1%} |" for k, v in results["kv_utilization"].items()]
+    lines += ["", "| sharing | blocks saved |", "| --- | --- |"]
+    lines += [f"| {k} | {v['saving']:.1%} |" for k, v in results["sharing_savings"].items()]
+    lines += ["", "| shared prefix | speedup with prefix caching | prompt tokens not recomputed |", "| --- | --- | --- |"]
+    lines += [f"| {r['shots']}-shot | {r['speedup']:.2f}x | {r['computed_prompt_tokens_saved']} |"
+              for r in results["shared_prefix"]]
+    return "\n".join(lines)
+
+
+def _plots(results: dict, out_dir: Path, log) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("(matplotlib not installed: no plots; pip install -e .[bench])")
+        return
+    if results["online"]:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        rates = [r["rate"] for r in results["online"]]
+        for name in ("padded_generate", "engine"):
+            ax.plot(rates, [r[name]["normalized_latency_s_per_token"] for r in results["online"]], "o-", label=name)
+        ax.set(xlabel="request rate (req/s)", ylabel="normalized latency (s/token)", title="ShareGPT-like")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / "latency_vs_rate.png", dpi=120)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    util = results["kv_utilization"]
+    a1.barh(list(util), [v * 100 for v in util.values()])
+    a1.set(xlabel="KV slots holding real tokens (%)", title="KV utilization (paper Fig. 2)")
+    share = results["sharing_savings"]
+    a2.bar(list(share), [v["saving"] * 100 for v in share.values()])
+    a2.set(ylabel="blocks saved (%)", title="Sharing savings (paper Fig. 15)")
+    a2.tick_params(axis="x", rotation=60)
+    fig.tight_layout()
+    fig.savefig(out_dir / "memory.png", dpi=120)
+    plt.close("all")
