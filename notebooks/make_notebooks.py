@@ -1,0 +1,137 @@
+"""Writes the notebooks from the cell sources below (outputs cleared): edit here, then run
+``python notebooks/make_notebooks.py``. The tests execute every notebook top to bottom."""
+
+from pathlib import Path
+
+import nbformat
+
+HERE = Path(__file__).parent
+
+SETUP = '''# Set MODEL_PATH to a local checkpoint directory to use a real model; None = the built-in tiny model.
+MODEL_PATH = None
+
+import torch
+import hf_paged
+from hf_paged.demo import byte_tokenizer, demo_model
+
+if MODEL_PATH is None:
+    model, tok = demo_model(), byte_tokenizer()
+else:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(MODEL_PATH, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(MODEL_PATH, dtype=torch.float32).eval()
+    tok.pad_token = tok.pad_token or tok.eos_token
+print(type(model).__name__, f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")'''
+
+NOTEBOOKS = {
+    "01_quickstart.ipynb": [
+        "# hf_paged quickstart\nA paged KV cache inside `model.generate()`: enable, generate with the cache flag, "
+        "check token-equality with stock generate, read the cache's memory statistics.",
+        SETUP,
+        '''prompts = ["PagedAttention stores the KV cache", "Hello", "A much longer prompt that spans more than one block of sixteen tokens"]
+enc = tok(prompts, return_tensors="pt", padding=True)
+stock = model.generate(**enc, max_new_tokens=24, do_sample=False)      # stock: SDPA + DynamicCache
+
+hf_paged.enable(model, block_size=16)                                   # adds the flag; without it generate is stock
+out = model.generate(**enc, max_new_tokens=24, do_sample=False,
+                     cache_implementation="hf_paged", return_dict_in_generate=True)
+print("token-identical to stock generate:", torch.equal(stock, out.sequences))
+assert torch.equal(stock, out.sequences)''',
+        '''stats = out.past_key_values.stats()
+for key in ("block_size", "blocks_used", "tokens_stored", "utilization", "bytes_used", "bytes_contiguous_equivalent"):
+    print(f"{key:>28}: {stats[key]}")
+print(f"paged KV uses {stats['bytes_used'] / stats['bytes_contiguous_equivalent']:.0%} of what DynamicCache holds")''',
+        '''for text in tok.batch_decode(out.sequences, skip_special_tokens=True):
+    print(repr(text[:80]))''',
+    ],
+    "02_memory.ipynb": [
+        "# Memory: block tables, utilization, sharing\nThe block tables of a small batch, then the paper's "
+        "Figure 2 (KV utilization by reservation scheme) and Figure 15 (blocks saved by sharing).",
+        SETUP,
+        '''import matplotlib.pyplot as plt
+hf_paged.enable(model, block_size=4)
+enc = tok(["short", "a medium prompt", "the longest prompt of the three"], return_tensors="pt", padding=True)
+out = model.generate(**enc, max_new_tokens=6, do_sample=False, cache_implementation="hf_paged",
+                     return_dict_in_generate=True)
+cache = out.past_key_values
+tables = cache.block_tables()
+print("block tables (logical block -> physical block, -1 = none):")
+print(tables)
+fig, ax = plt.subplots(figsize=(6, 1.8))
+ax.imshow(tables.clamp(min=-1), cmap="tab20", aspect="auto")
+for (r, c), b in zip([(r, c) for r in range(tables.shape[0]) for c in range(tables.shape[1])], tables.flatten().tolist()):
+    ax.text(c, r, b if b >= 0 else "", ha="center", va="center")
+ax.set(xlabel="logical block", ylabel="sequence", title="physical block of each logical block")
+plt.show()''',
+        '''from hf_paged.bench import memory, workloads
+vocab = model.config.vocab_size
+share = workloads.dataset("sharegpt", 200, scale=0.25, vocab=vocab)
+util = memory.kv_utilization(share, max_len=2048)
+small = workloads.dataset("alpaca", 6, scale=0.5, vocab=vocab)
+savings = {f"n={n}": memory.sharing_savings(model, workloads.with_sampling(small, n=n))["saving"] for n in (2, 4)}
+savings.update({f"beam {k}": memory.sharing_savings(model, workloads.with_sampling(small, num_beams=k))["saving"] for k in (2, 4)})
+fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3))
+a1.barh(list(util), [100 * v for v in util.values()]); a1.set(xlabel="% of reserved KV slots holding tokens")
+a2.bar(list(savings), [100 * v for v in savings.values()]); a2.set(ylabel="% blocks saved by sharing")
+plt.tight_layout(); plt.show()
+util, savings''',
+    ],
+    "03_beam_search_and_sharing.ipynb": [
+        "# Beam search, parallel sampling and prefix caching\nBeams fork block tables (copy-on-write "
+        "of the partial last block only); samples share one prefill; the engine reuses cached prompt blocks.",
+        SETUP,
+        '''hf_paged.enable(model, block_size=16)
+enc = tok(["Beam search over a paged cache"] * 1, return_tensors="pt")
+out = model.generate(**enc, num_beams=4, num_return_sequences=2, max_new_tokens=20, do_sample=False,
+                     cache_implementation="hf_paged", return_dict_in_generate=True)
+hf_paged.disable(model)
+stock = model.generate(**enc, num_beams=4, num_return_sequences=2, max_new_tokens=20, do_sample=False)
+print("beam search token-identical to stock:", torch.equal(stock, out.sequences))
+s = out.past_key_values.stats()
+print({k: s[k] for k in ("blocks_used", "blocks_shared", "blocks_peak", "bytes_used", "bytes_contiguous_equivalent")})''',
+        '''from hf_paged import LLMEngine, SamplingParams
+engine = LLMEngine(model, tok, num_blocks=512, block_size=16)
+res = engine.generate(["Parallel samples share one prefill"], SamplingParams(max_new_tokens=16, n=4, seed=0, temperature=0.9))
+for c in res[0].outputs:
+    print(c.index, repr(c.text))''',
+        '''system = "You are a helpful assistant. Answer briefly and precisely. " * 6
+questions = [system + q for q in ["What is paging?", "Why blocks?", "What is copy-on-write?", "Why share?"]]
+engine = LLMEngine(model, tok, num_blocks=512, block_size=16)
+engine.generate(questions, SamplingParams(max_new_tokens=8, temperature=0), use_tqdm=False)
+st = engine.stats()
+print(f"prefix cache hit rate {st['prefix_cache_hit_rate']:.0%}; prompt tokens computed {st['computed_prompt_tokens']}"
+      f" of {sum(len(tok(q).input_ids) for q in questions)}")''',
+    ],
+    "04_throughput.ipynb": [
+        "# Throughput: engine vs generate vs transformers' continuous batching\nSide by side on the same model "
+        "and requests (a small ShareGPT-like workload; `python -m hf_paged bench` runs the full suite).",
+        SETUP,
+        '''from hf_paged.bench import systems, workloads
+wl = workloads.dataset("sharegpt", 24, scale=0.15, vocab=model.config.vocab_size)
+runs = {
+    "padded generate": systems.batched_generate(model, wl, 8, paged=False),
+    "generate + hf_paged flag": systems.batched_generate(model, wl, 8, paged=True),
+    "transformers generate_batch": systems.transformers_cb(model, wl, num_blocks=512, max_batch_tokens=256),
+    "hf_paged engine": systems.engine_run(model, wl, num_blocks=1024, max_num_batched_tokens=256),
+}
+tps = {k: v.summary(wl)["tokens_per_s"] for k, v in runs.items()}
+base = tps["padded generate"]
+for k, v in tps.items():
+    print(f"{k:>28}: {v:7.1f} tok/s  ({v / base:.2f}x padded generate)")''',
+        '''import matplotlib.pyplot as plt
+plt.figure(figsize=(6, 2.5)); plt.barh(list(tps), list(tps.values())); plt.xlabel("generated tokens / s")
+plt.tight_layout(); plt.show()''',
+    ],
+}
+
+
+def main() -> None:
+    for name, cells in NOTEBOOKS.items():
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_markdown_cell(cells[0])] + [nbformat.v4.new_code_cell(c) for c in cells[1:]]
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        nbformat.write(nb, HERE / name)
+
+
+if __name__ == "__main__":
+    main()
