@@ -212,16 +212,21 @@ def test_decode_public_api_allocates_output():
 # prefill
 # --------------------------------------------------------------------------------------------
 # (head_dim, block_size, num_kv_heads, group, [(ctx, n_q)...], share, window, softcap, config)
+# configs: None = the CPU default (32x32 tiles, GQA heads packed into a tile, PACK_GQA=True)
 PREFILL_CASES = [
     (64, 16, 1, 4, [(40, 40), (9, 0), (70, 20), (5, 1)], (), None, None, None),
     (80, 8, 1, 7, [(17, 17), (33, 10), (8, 8), (12, 0)], (), 6, None, {"BLOCK_M": 16}),
+    # BLOCK_N < block_size: a key tile is part of one cache block
     (96, 32, 2, 1, [(33, 33), (65, 5)], (), None, 4.0, {"BLOCK_N": 16}),
-    (128, 16, 1, 4, [(48, 48), (60, 28)], ((1, 0, 2),), None, None, None),
+    (128, 16, 1, 4, [(48, 48), (60, 28)], ((1, 0, 2),), None, None, {"PACK_GQA": False}),
     (64, 8, 2, 2, [(1, 1), (30, 30), (45, 13)], ((2, 1, 3),), 9, 10.0,
      {"BLOCK_M": 16, "BLOCK_N": 16, "HEADS_FIRST": False}),  # the > 65535-tiles grid layout
     # window wider than a tile: masked head + unmasked body + masked tail all in use
-    (64, 8, 1, 2, [(70, 70), (90, 30), (20, 20)], (), 37, None, {"BLOCK_M": 16, "BLOCK_N": 16}),
+    (64, 8, 1, 2, [(70, 70), (90, 30), (20, 20)], (), 37, None,
+     {"BLOCK_M": 16, "BLOCK_N": 16, "LAZY": True}),
     (80, 16, 1, 3, [(50, 50), (33, 1)], (), 100, 2.0, None),  # window >= context: no effect
+    # block size not a power of two: K/V gathered key by key
+    (64, 12, 1, 4, [(40, 40), (30, 7)], (), None, None, {"BLOCK_M": 32, "BLOCK_N": 16}),
 ]
 
 
@@ -268,6 +273,35 @@ def test_prefill_half(dtype):
     check_close(out, ref, HALF_TOL[dtype])
 
 
+@pytest.mark.parametrize("pack", [True, False])
+def test_prefill_lazy_rescale_growing_logits(pack):
+    """Logits that grow along the context (~7 in base 2 per 16-key tile) move the running max
+    by more than the lazy threshold (a factor 2^8) every tile or two: LAZY's skipped and taken
+    accumulator rescales both happen (skipping them all fails this test)."""
+    from hf_paged.kernels.prefill import paged_attention_prefill_triton
+
+    hd, bs, group = 64, 16, 4
+    seqs = [(100, 100), (90, 33)]
+    g = _gen("prefill-lazy", pack)
+    p = make_paged([c for c, _ in seqs], bs, 1, hd, torch.float32, g)
+    u = torch.randn(hd, generator=g)
+    u = u / u.norm()
+    for i, (c, _) in enumerate(seqs):  # k[t] += 0.3 * sqrt(hd) * t * u (0.3 per key in q.k*scale)
+        t = torch.arange(c)
+        blk = p.block_tables[i, t // bs].long()
+        p.k_cache[blk, t % bs] += (0.3 * hd**0.5 * t[:, None] * u)[:, None, :]
+    cu = _cu([n for _, n in seqs])
+    q = torch.randn(int(cu[-1]), group, hd, generator=g) * 0.1 + u
+    out = torch.full_like(q, float("nan"))
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 16, "PACK_GQA": pack, "LAZY": True}
+    paged_attention_prefill_triton(q, p.k_cache, p.v_cache, p.block_tables, cu, p.context_lens,
+                                   hd**-0.5, out=out, config=cfg)
+    kc, vc = _as64(p)
+    ref = paged_attention_prefill_ref(q.double(), kc, vc, p.block_tables, cu, p.context_lens,
+                                      hd**-0.5)
+    check_close(out, ref, FP32_TOL)
+
+
 def test_prefill_single_token_matches_decode():
     """A decode token is a prefill sequence with n_q = 1 (mixed batches)."""
     g = _gen("prefill-vs-decode")
@@ -305,6 +339,9 @@ def test_random_shapes_fp32(seed):
     cu = _cu(nqs)
     q = torch.randn(int(cu[-1]), group, hd, generator=g)
     cfg = {"BLOCK_M": pick([16, 32]), "BLOCK_N": pick([16, 32])}
+    gv = _gen("random-variant", seed)  # its own stream: the shapes above stay as they were
+    cfg["PACK_GQA"] = bool(torch.randint(2, (1,), generator=gv))
+    cfg["LAZY"] = bool(torch.randint(2, (1,), generator=gv))
     out = torch.full_like(q, float("nan"))
     paged_attention_prefill_triton(q, p.k_cache, p.v_cache, p.block_tables, cu, p.context_lens,
                                    scale, window, softcap, out=out, config=cfg)
