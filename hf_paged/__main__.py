@@ -117,12 +117,50 @@ def demo(args) -> int:
               f"{stock_s:>9.2f}{paged_s:>9.2f}")
     text = tokenizer.decode(out.sequences[0], skip_special_tokens=True)
     print(f"\nfirst sample: {text[:120]!r}")
-    print("\npaged KV = blocks in use at the end; contiguous = what DynamicCache holds for the same batch "
-          "(pads and repeated beams included).")
+    print("paged KV = blocks in use at the end; contiguous = what DynamicCache holds for the same batch "
+          "(pads and repeated beams included).\n")
+    _engine_demo(model, tokenizer, args)
     if not all_equal and model.dtype == torch.float32:
         print("MISMATCH: the paged path produced different tokens", file=sys.stderr)
         return 1
     return 0
+
+
+def _engine_demo(model, tokenizer, args) -> None:
+    """The request batcher on a batch of mixed-length prompts, against padded generate()."""
+    import random
+
+    from hf_paged import LLMEngine, SamplingParams
+
+    rng = random.Random(0)
+    prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)][: rng.randrange(8, 60)] for i in range(32)]
+    lengths = [rng.randrange(4, 2 * args.max_new_tokens) for _ in prompts]
+    params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    engine = LLMEngine(model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks or 2048,
+                       max_num_batched_tokens=512)
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params, use_tqdm=True)
+    engine_s = time.perf_counter() - start
+    import hf_paged
+
+    hf_paged.disable(model)
+    start = time.perf_counter()
+    for i in range(0, len(prompts), 8):
+        enc = tokenizer(prompts[i : i + 8], return_tensors="pt", padding=True).to(model.device)
+        model.generate(**enc, max_new_tokens=max(lengths[i : i + 8]), do_sample=False, eos_token_id=None)
+    padded_s = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    stats = engine.stats()
+    per_block = engine.kv.storage.bytes_per_block()
+    per_token = per_block / args.block_size
+    contiguous = max(8 * (max(len(tokenizer(p).input_ids) for p in prompts[i : i + 8]) + max(lengths[i : i + 8]))
+                     for i in range(0, len(prompts), 8)) * per_token
+    print(f"\n{'engine (32 requests)':<26}{'tok/s':>10}{'speedup':>10}")
+    print(f"{'padded generate, batch 8':<26}{generated / padded_s:>10.1f}{1.0:>9.2f}x")
+    print(f"{'hf_paged LLMEngine':<26}{generated / engine_s:>10.1f}{padded_s / engine_s:>9.2f}x")
+    print(f"KV blocks used at peak by the engine: {engine.kv.blocks.blocks_peak} x {_human(per_block)} = "
+          f"{_human(engine.kv.blocks.blocks_peak * per_block)} for 32 requests at once; the largest padded batch "
+          f"of 8 held {_human(contiguous)}; {stats['steps']} engine steps")
 
 
 def generate(args) -> int:
