@@ -22,7 +22,7 @@ from hf_paged.engine.model_runner import ModelRunner, StepInput
 from hf_paged.engine.outputs import CompletionOutput, RequestOutput
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.scheduler import Scheduler
-from hf_paged.engine.sequence import Request, Sequence, Status
+from hf_paged.engine.sequence import Request, Sequence
 from hf_paged.generate import _check_supported
 from hf_paged.generate import enable as _enable
 
