@@ -177,8 +177,9 @@ class LLMEngine:
             inputs = [StepInput(seq, seq.num_computed_tokens, n) for _, seq, n in batch.work]
             owner = {seq.seq_id: request for request, seq, _ in batch.work}
             ordered, logits = self.runner.execute(inputs)
-            rows = iter(logits)
+            row = 0
             ready: dict[str, list[tuple[Sequence, torch.Tensor]]] = {}
+            plain: list[tuple[Request, Sequence, int]] = []  # greedy rows that need nothing but the argmax
             for x in ordered:
                 x.seq.num_computed_tokens += x.count
                 self.kv.commit(x.seq)
@@ -186,13 +187,36 @@ class LLMEngine:
                 if x.start < x.seq.num_prompt_tokens:
                     self._counters["computed_prompt_tokens"] += min(x.count, x.seq.num_prompt_tokens - x.start)
                 if x.needs_logits:
-                    ready.setdefault(request.request_id, []).append((x.seq, next(rows)))
+                    if self._is_plain_greedy(request, x.seq):
+                        plain.append((request, x.seq, row))
+                    else:
+                        ready.setdefault(request.request_id, []).append((x.seq, logits[row]))
+                    row += 1
                 changed[request.request_id] = request
+            self._advance_plain_greedy(plain, logits)
             for request_id, got in ready.items():
                 self._advance(self.requests[request_id], got)
             self._counters["steps"] += 1
         self._counters["busy_s"] += time.perf_counter() - start
         return [self._output(r) for r in changed.values() if r.request_id in self.requests or r.is_finished]
+
+    @staticmethod
+    def _is_plain_greedy(request: Request, seq: Sequence) -> bool:
+        params = request.params
+        return (request.beam is None and request.forked and params.greedy and params.repetition_penalty == 1.0
+                and params.logprobs is None and len(seq.output_token_ids) >= params.min_new_tokens)
+
+    def _advance_plain_greedy(self, plain: list[tuple[Request, Sequence, int]], logits: torch.Tensor) -> None:
+        """All plain greedy rows of a step at once: one argmax and one log-softmax for the batch."""
+        if not plain:
+            return
+        rows = logits[torch.tensor([r for _, _, r in plain], device=logits.device)]
+        tokens = rows.argmax(-1)
+        chosen = torch.log_softmax(rows, -1).gather(1, tokens[:, None])[:, 0]
+        for (request, seq, _), token, logprob in zip(plain, tokens.tolist(), chosen.tolist()):
+            self._append(request, seq, token, logprob)
+            if not request.live_seqs:
+                self._finish(request)
 
     def _advance(self, request: Request, got: list[tuple[Sequence, torch.Tensor]]) -> None:
         if request.first_token_time is None:
@@ -220,12 +244,13 @@ class LLMEngine:
         else:
             children = [seq]
         for child, token in zip(children, tokens):
-            self._append(request, child, token, raw)
+            self._append(request, child, token, float(raw[token]), raw)
 
-    def _append(self, request: Request, seq: Sequence, token: int, raw_logprobs: torch.Tensor) -> None:
+    def _append(self, request: Request, seq: Sequence, token: int, logprob: float,
+                raw_logprobs: torch.Tensor | None = None) -> None:
         params = request.params
         seq.token_ids.append(token)
-        seq.cumulative_logprob += float(raw_logprobs[token])
+        seq.cumulative_logprob += logprob
         if params.logprobs is not None:
             seq.logprobs = (seq.logprobs or []) + [sampler.top_logprobs(raw_logprobs, token, params.logprobs)]
         self._counters["generated_tokens"] += 1
