@@ -103,6 +103,18 @@ class StashingCache(Cache):
     engine's per-step cache: ``update`` stashes, the attention function claims by identity."""
 
     _pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
+    _metadata: dict[str, torch.Tensor] = {}  # per-forward metadata, shared by all layers
+    _on_device: dict[Any, Any] = {}
+
+    def _set_metadata(self, metadata: dict[str, torch.Tensor]) -> None:
+        self._metadata, self._on_device = metadata, {}
+
+    def tensor(self, name: str, device: torch.device) -> torch.Tensor:
+        """Per-forward metadata, moved to each device once (layers may sit on different devices)."""
+        key = (name, device)
+        if key not in self._on_device:
+            self._on_device[key] = self._metadata[name].to(device, non_blocking=True)
+        return self._on_device[key]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Stash this layer's new K/V for the ``hf_paged`` attention call that follows."""
@@ -167,7 +179,7 @@ class PagedKVCache(StashingCache):
         self._layer_columns = [0] * len(self.layers)
         self._token_index = torch.empty(0, 0, dtype=torch.long)  # [rows, columns], -1 for pads
         self._has_holes = False  # a pad column after a real one: kernels need contiguous tokens
-        self._step: dict[str, Any] = {}  # per-forward metadata, shared by all layers
+        self._set_metadata({})
 
     # ------------------------------------------------------------------ transformers API
     @property
@@ -220,7 +232,7 @@ class PagedKVCache(StashingCache):
         self._token_index = self._token_index[:, :keep]
         self._columns = keep
         self._layer_columns = [keep] * len(self._layer_columns)
-        self._step = {}
+        self._set_metadata({})
 
     def reset(self) -> None:
         """Free every block and forget every row (the pools stay allocated for reuse)."""
@@ -231,7 +243,7 @@ class PagedKVCache(StashingCache):
         self._token_index = torch.empty(0, 0, dtype=torch.long)
         self._has_holes = False
         self._pending = None
-        self._step = {}
+        self._set_metadata({})
 
     def release(self) -> None:
         """Return all blocks and drop the pools (the cache can be reused afterwards)."""
@@ -247,7 +259,7 @@ class PagedKVCache(StashingCache):
         elif self._layer_columns[layer_idx] + q_len != self._columns:
             raise RuntimeError(f"PagedKVCache: layer {layer_idx} is out of step with the other layers")
         self.storage.ensure_layer(layer_idx, key.transpose(1, 2), self.manager.num_blocks)
-        slots = self._step_tensor("new_slots", key.device)
+        slots = self.tensor("new_slots", key.device)
         self.storage.write(
             layer_idx,
             key.transpose(1, 2).reshape(rows * q_len, *key.shape[1:2], key.shape[-1]),
@@ -276,15 +288,14 @@ class PagedKVCache(StashingCache):
         tables = self.block_tables()
         all_slots = self._slots_of(self._token_index, tables)
         new_counts = torch.tensor(counts, dtype=torch.int32)
-        self._step = {
+        self._set_metadata({
             "new_slots": all_slots[:, -q_len:],
             "all_slots": all_slots,
             "block_tables": tables,
             "context_lens": lengths.to(torch.int32) + new_counts,
             "cu_seqlens_q": torch.nn.functional.pad(new_counts.cumsum(0, dtype=torch.int32), (1, 0)),
             "new_valid": valid,
-            "on_device": {},
-        }
+        })
 
     def _slots_of(self, token_index: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         bs = self.block_size
@@ -292,17 +303,12 @@ class PagedKVCache(StashingCache):
         blocks = tables.long().gather(1, (safe // bs).clamp(max=max(tables.shape[1] - 1, 0)))
         return torch.where(token_index >= 0, blocks * bs + safe % bs, -1)
 
-    def _step_tensor(self, name: str, device: torch.device) -> torch.Tensor:
-        """Per-forward metadata, moved to each device once (layers may sit on different devices)."""
-        cached = self._step["on_device"].get((name, device))
-        if cached is None:
-            cached = self._step[name].to(device, non_blocking=True)
-            self._step["on_device"][(name, device)] = cached
-        return cached
+    def _fresh_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id - 1
 
     def _new_seq(self) -> int:
-        seq_id = self._next_seq_id
-        self._next_seq_id += 1
+        seq_id = self._fresh_seq_id()
         self.manager.add_sequence(seq_id)
         return seq_id
 
@@ -315,15 +321,14 @@ class PagedKVCache(StashingCache):
             raise IndexError(f"row index out of range for a cache of {len(self._rows)} rows: {sources}")
         new_rows = []
         for src in sources:
-            seq_id = self._next_seq_id
-            self._next_seq_id += 1
+            seq_id = self._fresh_seq_id()
             self.manager.fork(self._rows[src], seq_id)
             new_rows.append(seq_id)
         for seq_id in self._rows:
             self.manager.free(seq_id)
         self._rows = new_rows
         self._token_index = self._token_index[sources]
-        self._step = {}
+        self._set_metadata({})
 
     # ------------------------------------------------------------------ reading (attention side)
     def block_tables(self) -> torch.Tensor:
@@ -353,7 +358,7 @@ class PagedKVCache(StashingCache):
         """
         offset, length = self.kv_window(layer_idx, q_len)
         device = self.storage.key_pools[layer_idx].device
-        slots = self._step_tensor("all_slots", device)[:, offset : offset + length]
+        slots = self.tensor("all_slots", device)[:, offset : offset + length]
         keys, values = self.storage.gather(layer_idx, slots)
         return keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
 
@@ -361,12 +366,12 @@ class PagedKVCache(StashingCache):
         """For the kernels, on ``device``: int32 block tables, context lengths (tokens stored,
         new ones included), cumulative new-token counts, and which new columns are real."""
         names = ("block_tables", "context_lens", "cu_seqlens_q", "new_valid")
-        return {name: self._step_tensor(name, device) for name in names}
+        return {name: self.tensor(name, device) for name in names}
 
     @property
     def kernels_applicable(self) -> bool:
         """Kernels assume each row's tokens are contiguous (left padding only) and non-empty."""
-        return not self._has_holes and bool(self._step) and int(self._step["context_lens"].min()) > 0
+        return not self._has_holes and bool(self._metadata) and int(self._metadata["context_lens"].min()) > 0
 
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, float | int]:

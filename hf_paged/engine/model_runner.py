@@ -29,14 +29,7 @@ class PackedStepCache(StashingCache):
         _, windows = _layer_structure(config)
         super().__init__(layers=[_PagedLayerView(self, i, w) for i, w in enumerate(windows)])
         self.storage, self.num_blocks, self.num_decode = storage, num_blocks, num_decode
-        self._metadata = metadata
-        self._on_device: dict[tuple[str, torch.device], torch.Tensor] = {}
-
-    def tensor(self, name: str, device: torch.device) -> torch.Tensor:
-        key = (name, device)
-        if key not in self._on_device:
-            self._on_device[key] = self._metadata[name].to(device, non_blocking=True)
-        return self._on_device[key]
+        self._set_metadata(metadata)
 
     def decode_gather(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """For the decoding sequences: slot of each of their tokens ``[seqs, longest]`` (padding
