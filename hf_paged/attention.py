@@ -216,15 +216,22 @@ def _packed_attention(step, layer_idx: int, query, key, value, **kwargs):
 
 
 def _decode_by_sdpa(step, q, k_pool, v_pool, scale, window):
-    """CPU decode for an engine step: one gather of every decoding sequence's keys (slot indices
-    built once per step, shared by all layers) and one fused SDPA call with a key-padding mask."""
-    slots, mask = step.decode_gather(window)
+    """CPU decode for an engine step: per group of similar-length sequences, one gather of their
+    keys and values (slot indices built once per step, shared by all layers) and one fused SDPA
+    call with a key-padding mask."""
     num_seqs, heads, head_dim = q.shape
     kv_heads = k_pool.shape[2]
-    keys = k_pool.view(-1, kv_heads, head_dim)[slots].transpose(1, 2)  # [seqs, kv_heads, T, head_dim]
-    values = v_pool.view(-1, kv_heads, head_dim)[slots].transpose(1, 2)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.view(num_seqs, kv_heads, heads // kv_heads, head_dim), keys, values, attn_mask=mask, scale=scale)
+    k_rows, v_rows = k_pool.view(-1, kv_heads * head_dim), v_pool.view(-1, kv_heads * head_dim)
+    parts = []
+    for lo, hi, slots, mask in step.decode_groups(window, q.dtype):
+        flat = slots.reshape(-1)  # index_select of [kv_heads * head_dim] rows: ~4x faster than tensor[slots]
+        shape = (hi - lo, slots.shape[1], kv_heads, head_dim)
+        keys = k_rows.index_select(0, flat).view(shape).transpose(1, 2)  # [seqs, kv_heads, T, head_dim]
+        values = v_rows.index_select(0, flat).view(shape).transpose(1, 2)
+        parts.append(torch.nn.functional.scaled_dot_product_attention(
+            q[lo:hi].view(hi - lo, kv_heads, heads // kv_heads, head_dim), keys, values, attn_mask=mask,
+            scale=scale))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.reshape(num_seqs, heads, head_dim)
 
 

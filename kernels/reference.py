@@ -147,14 +147,20 @@ def paged_attention_prefill_ref(
         k = gather_kv_ref(k_cache, block_tables[i], ctx).to(cdt)  # [T, Hkv, D]
         v = gather_kv_ref(v_cache, block_tables[i], ctx).to(cdt)
         qi = q[start:end].to(cdt).view(n_q, num_kv_heads, group, head_dim)
-        scores = torch.einsum("qhgd,thd->hgqt", qi, k) * scale  # [Hkv, G, nq, T]
         qpos = torch.arange(ctx - n_q, ctx, device=q.device)
         kpos = torch.arange(ctx, device=q.device)
         mask = kpos[None, :] <= qpos[:, None]
         if sliding_window is not None and sliding_window > 0:
             mask = mask & (kpos[None, :] > qpos[:, None] - sliding_window)
-        probs = _scores_to_probs(scores, mask, softcap)
-        oi = torch.einsum("hgqt,thd->qhgd", probs, v)
+        if softcap is None or softcap <= 0:  # one fused SDPA call; a group's heads are extra query rows
+            rows = qi.permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * n_q, head_dim)  # 4D: the fused CPU kernel
+            oi = torch.nn.functional.scaled_dot_product_attention(
+                rows, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask.repeat(group, 1),
+                scale=scale)
+            oi = oi.view(num_kv_heads, group, n_q, head_dim).permute(2, 0, 1, 3)
+        else:
+            scores = torch.einsum("qhgd,thd->hgqt", qi, k) * scale  # [Hkv, G, nq, T]
+            oi = torch.einsum("hgqt,thd->qhgd", _scores_to_probs(scores, mask, softcap), v)
         out[start:end] = oi.reshape(n_q, num_heads, head_dim).to(q.dtype)
     return out
 
@@ -169,6 +175,11 @@ def reshape_and_cache_ref(
     """Write ``key[t]`` / ``value[t]`` into slot ``slot_mapping[t]`` (in place); slot -1 is skipped."""
     block_size = k_cache.shape[1]
     slots = slot_mapping.to(device=key.device, dtype=torch.long)
+    if k_cache.is_contiguous() and v_cache.is_contiguous() and (slots.numel() == 0 or int(slots.min()) >= 0):
+        # No padding (the engine's case): one index_copy_ per pool, several times faster than index_put.
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+        return
     keep = slots >= 0
     slots = slots[keep]
     blk, off = slots // block_size, slots % block_size

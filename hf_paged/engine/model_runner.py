@@ -25,28 +25,35 @@ class PackedStepCache(StashingCache):
 
     packed = True
 
-    def __init__(self, config, storage, num_blocks: int, metadata: dict[str, torch.Tensor], num_decode: int):
-        _, windows = _layer_structure(config)
+    def __init__(self, windows: list[int | None], storage, num_blocks: int, metadata: dict[str, torch.Tensor],
+                 num_decode: int):
         super().__init__(layers=[_PagedLayerView(self, i, w) for i, w in enumerate(windows)])
         self.storage, self.num_blocks, self.num_decode = storage, num_blocks, num_decode
         self._set_metadata(metadata)
 
-    def decode_gather(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """For the decoding sequences: slot of each of their tokens ``[seqs, longest]`` (padding
-        points at slot 0) and the mask of real (and, with ``window``, recent) keys ``[seqs, 1, 1, longest]``."""
-        key = ("decode_gather", window)
+    def decode_groups(self, window: int | None, dtype: torch.dtype) -> list[tuple]:
+        """The decoding sequences (sorted longest first by the runner) in groups of similar length,
+        each ``(first row, end row, slots [rows, longest], additive mask [rows, 1, 1, longest])``:
+        padding points at slot 0 and gets -inf (a float mask: SDPA on CPU is faster than with a bool one). Built once per step and shared by all layers (on CPU the gather
+        and one fused SDPA call per group replace a per-sequence loop; groups keep a short sequence
+        from paying for the longest one's padding)."""
+        key = ("decode_groups", window, dtype)
         if key not in self._on_device:
-            nd = self.num_decode
-            lens = self._metadata["context_lens"][:nd].long()
-            longest = int(lens.max())
+            lens = self._metadata["context_lens"][: self.num_decode].long()
+            tables = self._metadata["block_tables"]
             bs = self.storage.block_size
-            pos = torch.arange(longest)
-            tables = self._metadata["block_tables"][:nd, : -(-longest // bs)].long()
-            slots = tables.gather(1, (pos // bs).expand(nd, -1)) * bs + pos % bs
-            visible = pos[None, :] < lens[:, None]
-            if window:
-                visible &= pos[None, :] > lens[:, None] - 1 - window
-            self._on_device[key] = (slots.where(visible, 0), visible[:, None, None, :])
+            groups = []
+            for lo, hi in split_by_length(lens.tolist()):
+                longest = int(lens[lo])
+                pos = torch.arange(longest)
+                table = tables[lo:hi, : -(-longest // bs)].long()
+                slots = table.gather(1, (pos // bs).expand(hi - lo, -1)) * bs + pos % bs
+                visible = pos[None, :] < lens[lo:hi, None]
+                if window:
+                    visible &= pos[None, :] > lens[lo:hi, None] - 1 - window
+                mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+                groups.append((lo, hi, slots.where(visible, 0), mask[:, None, None, :]))
+            self._on_device[key] = groups
         return self._on_device[key]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -58,6 +65,27 @@ class PackedStepCache(StashingCache):
     @property
     def is_compileable(self) -> bool:
         return False
+
+
+# Padding a group to its longest sequence costs gather + attention work per key slot; a separate
+# group costs a fixed overhead of calls worth about this many key slots (measured on CPU).
+GROUP_OVERHEAD_SLOTS = 100000
+
+
+def split_by_length(lengths: list[int], overhead: int = GROUP_OVERHEAD_SLOTS) -> list[tuple[int, int]]:
+    """Split ``lengths`` (sorted, longest first) into contiguous groups ``[lo, hi)``: a group is
+    split where that saves the most padded slots, as long as the saving beats ``overhead``."""
+    if not lengths:
+        return []
+    best_saving, cut = 0, 0
+    for k in range(1, len(lengths)):
+        saving = (len(lengths) - k) * (lengths[0] - lengths[k])
+        if saving > best_saving:
+            best_saving, cut = saving, k
+    if best_saving <= overhead:
+        return [(0, len(lengths))]
+    head = split_by_length(lengths[:cut], overhead)
+    return head + [(lo + cut, hi + cut) for lo, hi in split_by_length(lengths[cut:], overhead)]
 
 
 @dataclass
@@ -75,6 +103,7 @@ class ModelRunner:
     def __init__(self, model: PreTrainedModel, kv: KVCacheManager):
         self.model, self.kv = model, kv
         self.config = model.config.get_text_config(decoder=True)
+        _, self.windows = _layer_structure(self.config)  # per layer; derived once (reading configs is slow)
         self.device = model.device
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -84,7 +113,7 @@ class ModelRunner:
     def execute(self, inputs: list[StepInput]) -> tuple[list[StepInput], torch.Tensor]:
         """Run the step. Returns the inputs in the order used (decode tokens first) and the
         float32 logits ``[n, vocab]`` of those with ``needs_logits``, in that order."""
-        decode = [x for x in inputs if x.count == 1]
+        decode = sorted((x for x in inputs if x.count == 1), key=lambda x: -x.start)  # longest context first
         prefill = [x for x in inputs if x.count > 1]
         ordered = decode + prefill
         bs = self.kv.block_size
@@ -108,7 +137,7 @@ class ModelRunner:
             "context_lens": torch.tensor(lens, dtype=torch.int32),
             "cu_seqlens_q": torch.tensor(cu, dtype=torch.int32),
         }
-        step_cache = PackedStepCache(self.config, self.kv.storage, self.kv.num_blocks, metadata, len(decode))
+        step_cache = PackedStepCache(self.windows, self.kv.storage, self.kv.num_blocks, metadata, len(decode))
         forward = {
             "input_ids": torch.tensor([ids], device=self.device),
             "position_ids": torch.tensor([positions], device=self.device),
