@@ -22,7 +22,7 @@ def _mismatches(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x != y for x, y in zip(a, b))
 
 
-def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int = 8, rates=(1.0, 2.0, 4.0),
+def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int = 8, rates=(1.0, 2.0, 4.0, 8.0, 16.0),
         out_dir: str | Path = "benchmarks/out", block_size: int = 16, num_blocks: int = 4096,
         max_num_batched_tokens: int = 512, quick: bool = False, log=print) -> dict:
     """The whole suite; returns (and writes) the results."""
@@ -78,6 +78,9 @@ def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int =
         log(f"  Poisson {rate:g} req/s: normalized latency padded {row['padded_generate']['normalized_latency_s_per_token']:.3f}"
             f" s/token, engine {row['engine']['normalized_latency_s_per_token']:.3f} s/token")
         results["online"].append(row)
+    results["sustainable_rate"] = sustainable_rates(results["online"])
+    if results["online"]:
+        log(f"  highest rate with normalized latency within 2x of the lowest rate's: {results['sustainable_rate']}")
 
     prefix_rows = []
     for shots in (1, 5):
@@ -105,6 +108,23 @@ def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int =
     _plots(results, out_dir, log)
     log(report(results))
     return results
+
+
+def sustainable_rates(online: list[dict], factor: float = 2.0) -> dict:
+    """Per system, the highest swept rate whose normalized latency stays within ``factor`` times its
+    latency at the lowest rate (where the curve of the paper's Figure 12 has not yet turned up)."""
+    out = {}
+    for name in ("padded_generate", "engine"):
+        rows = sorted(online, key=lambda r: r["rate"])
+        if not rows:
+            continue
+        base = rows[0][name]["normalized_latency_s_per_token"]
+        out[name] = rows[0]["rate"]
+        for r in rows[1:]:
+            if r[name]["normalized_latency_s_per_token"] > factor * base:
+                break
+            out[name] = r["rate"]
+    return out
 
 
 def _versions() -> dict:
@@ -147,7 +167,8 @@ def _plots(results: dict, out_dir: Path, log) -> None:
         rates = [r["rate"] for r in results["online"]]
         for name in ("padded_generate", "engine"):
             ax.plot(rates, [r[name]["normalized_latency_s_per_token"] for r in results["online"]], "o-", label=name)
-        ax.set(xlabel="request rate (req/s)", ylabel="normalized latency (s/token)", title="ShareGPT-like")
+        ax.set(xlabel="request rate (req/s)", ylabel="normalized latency (s/token)", title="ShareGPT-like",
+               xscale="log", yscale="log")
         ax.legend()
         fig.tight_layout()
         fig.savefig(out_dir / "latency_vs_rate.png", dpi=120)

@@ -4,8 +4,9 @@ Time is simulated around real work: a system starts work no earlier than the arr
 works on, idles by jumping the clock to the next arrival (no sleeping), and every piece of work
 advances the clock by its measured wall time. Offline runs have all arrivals at 0.
 
-* ``padded_generate``: stock ``model.generate()`` in left-padded batches (a batch starts when its
-  last request has arrived, and runs until its longest request is done);
+* ``padded_generate``: stock ``model.generate()`` in left-padded batches, static batching as a
+  server would do it: when free, it takes up to ``batch_size`` requests that have arrived (or waits
+  for the next one), and a batch runs until its longest request is done;
 * ``paged_generate``: the same batches with ``cache_implementation="hf_paged"``;
 * ``transformers_cb``: transformers' continuous batching manager (offline only: it runs its own
   thread in real time);
@@ -89,9 +90,14 @@ def batched_generate(model, workload: Workload, batch_size: int, paged: bool) ->
     tokens, ttft, latency = [None] * len(reqs), [0.0] * len(reqs), [0.0] * len(reqs)
     peak = 0
     per_token = _kv_bytes_per_token(model)
-    for lo in range(0, len(reqs), batch_size):
-        batch = reqs[lo : lo + batch_size]
-        clock = max(clock, max(r.arrival for r in batch))
+    lo = 0
+    while lo < len(reqs):
+        # When free, take what has arrived (up to batch_size); when nothing has, wait for the next one.
+        clock = max(clock, reqs[lo].arrival)
+        hi = lo + 1
+        while hi < min(lo + batch_size, len(reqs)) and reqs[hi].arrival <= clock:
+            hi += 1
+        batch = reqs[lo:hi]
         width = max(len(r.prompt) for r in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -118,6 +124,7 @@ def batched_generate(model, workload: Workload, batch_size: int, paged: bool) ->
             ttft[lo + i] = clock + stamps.times[1] - r.arrival  # times[0]: the prompt itself
             latency[lo + i] = clock + stamps.times[min(r.max_new_tokens, len(stamps.times) - 1)] - r.arrival
         clock += elapsed
+        lo = hi
     hf_paged.disable(model)
     wall = time.perf_counter() - start_wall
     return RunResult("paged_generate" if paged else "padded_generate", max(clock, 1e-9) if workload_is_online(workload)
