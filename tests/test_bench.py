@@ -1,0 +1,115 @@
+"""The benchmark harness itself (hf_paged.bench): workloads, the memory figures, the simulated clock
+and batching policies, and a whole quick run. No timing is asserted here; speed is measured by
+``python -m hf_paged bench`` (results in benchmarks/RESULTS.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hf_paged.bench import memory, run, sustainable_rates, systems, workloads
+from hf_paged.bench.workloads import Request, Workload
+from tests.tiny_models import build
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build("llama").eval()
+
+
+def test_workloads_follow_the_paper_means_and_are_reproducible():
+    for kind, (mean_in, mean_out) in workloads.PAPER_MEANS.items():
+        w = workloads.dataset(kind, 4000, scale=1.0, max_len=100_000, seed=3)
+        assert abs(w.mean_prompt / mean_in - 1) < 0.06, (kind, w.mean_prompt)
+        assert abs(w.mean_output / mean_out - 1) < 0.06, (kind, w.mean_output)
+    a = workloads.dataset("sharegpt", 20, scale=0.25, vocab=96)
+    b = workloads.dataset("sharegpt", 20, scale=0.25, vocab=96)
+    c = workloads.dataset("sharegpt", 20, scale=0.25, vocab=96, seed=1)
+    assert [r.prompt for r in a.requests] == [r.prompt for r in b.requests]
+    assert [r.prompt for r in a.requests] != [r.prompt for r in c.requests]
+    assert all(3 <= t < 96 for r in a.requests for t in r.prompt)
+    with pytest.raises(ValueError, match="unknown dataset 'nope'"):
+        workloads.dataset("nope", 1)
+
+
+def test_shared_prefix_and_sampling_variants():
+    w = workloads.shared_prefix(6, 5, shot_len=10, vocab=96)
+    prefix = w.requests[0].prompt[:50]
+    assert all(r.prompt[:50] == prefix and len(r.prompt) > 50 for r in w.requests)
+    beams = workloads.with_sampling(w, num_beams=4)
+    assert [r.num_beams for r in beams.requests] == [4] * 6 and beams.requests[0].prompt == w.requests[0].prompt
+
+
+def test_poisson_arrivals_have_the_requested_rate():
+    base = workloads.dataset("alpaca", 4000, vocab=96)
+    online = workloads.poisson(base, rate=4.0)
+    arrivals = [r.arrival for r in online.requests]
+    assert arrivals == sorted(arrivals) and arrivals[0] > 0
+    assert abs(arrivals[-1] / len(arrivals) - 0.25) < 0.25 * 0.05
+    assert [r.prompt for r in online.requests] == [r.prompt for r in base.requests]
+
+
+def test_kv_utilization_by_hand():
+    w = Workload("hand", [Request([5] * 4, 6), Request([5] * 10, 7)])  # final lengths 10 and 17
+    u = memory.kv_utilization(w, max_len=32)
+    assert u["contiguous, reserve max length"] == 27 / 64
+    assert u["contiguous, reserve next power of two"] == 27 / (16 + 32)
+    assert u["contiguous, reserve exact final length (oracle)"] == 1.0
+    assert u["paged, block size 8"] == 27 / (16 + 24)
+    assert u["paged, block size 16"] == 27 / (16 + 32)
+    assert u["paged, block size 32"] == 27 / 64
+
+
+def test_sharing_savings_are_zero_without_sharing_and_large_for_beams(model):
+    small = workloads.dataset("alpaca", 3, scale=0.5, vocab=96)
+    none = memory.sharing_savings(model, small)
+    assert none["saving"] == 0.0 and none["blocks_with_sharing"] == none["blocks_without_sharing"] > 0
+    n4 = memory.sharing_savings(model, workloads.with_sampling(small, n=4))
+    beams = memory.sharing_savings(model, workloads.with_sampling(small, num_beams=4))
+    assert 0 < n4["saving"] < beams["saving"] < 1
+
+
+def test_static_batching_starts_with_what_has_arrived(model):
+    """Two requests at t=0 and one at t=1000 s: the first batch must not wait for the third."""
+    reqs = [Request([7, 8, 9], 5, 0.0), Request([10, 11], 4, 0.0), Request([12, 13, 14, 15], 6, 1000.0)]
+    w = Workload("gaps", reqs)
+    padded = systems.batched_generate(model, w, batch_size=8, paged=False)
+    engine = systems.engine_run(model, w, block_size=4, num_blocks=64)
+    for result in (padded, engine):
+        assert all(lat < 100 for lat in result.latency), result.latency  # nobody waited for a later arrival
+        assert all(0 < t <= lat for t, lat in zip(result.ttft, result.latency))
+    assert [len(t) for t in padded.tokens] == [5, 4, 6]
+    assert engine.tokens == padded.tokens  # greedy: the engine reproduces stock generate
+
+
+def test_online_workload_waits_for_arrivals(model):
+    reqs = [Request([7, 8, 9], 3, 0.0), Request([10, 11], 3, 50.0)]
+    result = systems.engine_run(model, Workload("late", reqs), block_size=4, num_blocks=64)
+    assert result.wall_s >= 50.0  # the simulated clock jumped to the second arrival
+    assert result.summary(Workload("late", reqs))["requests_per_s"] <= 2 / 50
+
+
+def test_sustainable_rate_is_the_last_rate_before_the_curve_turns_up():
+    def row(rate, padded, engine):
+        return {"rate": rate, "padded_generate": {"normalized_latency_s_per_token": padded},
+                "engine": {"normalized_latency_s_per_token": engine}}
+
+    rows = [row(1, 0.10, 0.010), row(2, 0.15, 0.011), row(4, 0.50, 0.012), row(8, 0.15, 0.030)]
+    assert sustainable_rates(rows) == {"padded_generate": 2, "engine": 4}
+    assert sustainable_rates([]) == {}
+
+
+def test_quick_run_writes_results(model, tmp_path):
+    results = run(model, num_requests=6, scale=0.05, batch_size=4, out_dir=tmp_path, block_size=8, num_blocks=256,
+                  quick=True, log=lambda *a: None)
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    offline = saved["sharegpt_offline"]
+    assert set(offline["systems"]) == {"padded_generate", "paged_generate", "transformers_cb", "engine"}
+    assert offline["greedy_mismatches_vs_padded_generate"] == {
+        "padded_generate": 0, "paged_generate": 0, "transformers_cb": 0, "engine": 0}
+    assert all(v > 0 for v in offline["throughput_vs_padded_generate"].values())
+    assert saved["kv_utilization"]["paged, block size 16"] > 0.95
+    assert results["shared_prefix"][1]["computed_prompt_tokens_saved"] > 0
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "memory.png").stat().st_size > 0
