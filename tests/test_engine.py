@@ -321,3 +321,14 @@ def test_engine_greedy_on_other_architectures(arch):
     exact, ties = compare(engine.generate(prompts, GREEDY, use_tqdm=False), refs)
     assert exact + len(ties) == len(prompts)
     _check_no_leak(engine)
+
+
+def test_decode_groups_split_where_padding_would_cost_more_than_a_call():
+    from hf_paged.engine.model_runner import split_by_length
+
+    assert split_by_length([]) == []
+    assert split_by_length([300] * 40) == [(0, 40)]  # equal lengths: nothing to save
+    groups = split_by_length([900, 880, 100, 90, 80, 70, 60, 50, 40, 30, 20, 10], overhead=1000)
+    assert groups[0] == (0, 2) and groups[-1][1] == 12  # the two long ones alone, every row covered once
+    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
+    assert split_by_length([900, 10], overhead=10_000) == [(0, 2)]  # a small saving is not worth a call

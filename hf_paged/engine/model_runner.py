@@ -33,10 +33,13 @@ class PackedStepCache(StashingCache):
 
     def decode_groups(self, window: int | None, dtype: torch.dtype) -> list[tuple]:
         """The decoding sequences (sorted longest first by the runner) in groups of similar length,
-        each ``(first row, end row, slots [rows, longest], additive mask [rows, 1, 1, longest])``:
-        padding points at slot 0 and gets -inf (a float mask: SDPA on CPU is faster than with a bool one). Built once per step and shared by all layers (on CPU the gather
-        and one fused SDPA call per group replace a per-sequence loop; groups keep a short sequence
-        from paying for the longest one's padding)."""
+        each ``(first row, end row, slots [rows, keys], additive mask [rows, 1, 1, keys])``; padding
+        points at slot 0 and gets -inf (SDPA on CPU is faster with a float mask than a bool one).
+        With a sliding ``window`` only the columns some row of the group can see are gathered.
+
+        Built once per step and shared by all layers: on CPU one gather and one fused SDPA call per
+        group replace a per-sequence loop, and groups keep short sequences from paying for the
+        longest one's padding."""
         key = ("decode_groups", window, dtype)
         if key not in self._on_device:
             lens = self._metadata["context_lens"][: self.num_decode].long()
@@ -45,7 +48,8 @@ class PackedStepCache(StashingCache):
             groups = []
             for lo, hi in split_by_length(lens.tolist()):
                 longest = int(lens[lo])
-                pos = torch.arange(longest)
+                first = max(0, int(lens[hi - 1]) - window) if window else 0
+                pos = torch.arange(first, longest)
                 table = tables[lo:hi, : -(-longest // bs)].long()
                 slots = table.gather(1, (pos // bs).expand(hi - lo, -1)) * bs + pos % bs
                 visible = pos[None, :] < lens[lo:hi, None]
@@ -69,7 +73,7 @@ class PackedStepCache(StashingCache):
 
 # Padding a group to its longest sequence costs gather + attention work per key slot; a separate
 # group costs a fixed overhead of calls worth about this many key slots (measured on CPU).
-GROUP_OVERHEAD_SLOTS = 100000
+GROUP_OVERHEAD_SLOTS = 1024
 
 
 def split_by_length(lengths: list[int], overhead: int = GROUP_OVERHEAD_SLOTS) -> list[tuple[int, int]]:
