@@ -193,7 +193,8 @@ def bench(args) -> int:
 
     model, _ = load(args)
     suite.run(model, num_requests=args.num_requests, scale=args.scale, batch_size=args.batch_size,
-              out_dir=args.out, block_size=args.block_size, num_blocks=args.num_blocks or 4096, quick=args.quick)
+              out_dir=args.out, block_size=args.block_size, num_blocks=args.num_blocks or 4096, quick=args.quick,
+              repeats=1 if args.quick else args.repeats)
     return 0
 
 
@@ -217,7 +218,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--scale", type=float, default=0.25, help="length scale of the ShareGPT-like workload")
     b.add_argument("--batch-size", type=int, default=8, help="batch size of the generate() baselines")
     b.add_argument("--out", default="benchmarks/out", help="where JSON and plots go")
-    b.add_argument("--quick", action="store_true", help="skip the Poisson-rate sweep")
+    b.add_argument("--quick", action="store_true", help="skip the Poisson-rate sweep; one round offline")
+    b.add_argument("--repeats", type=int, default=3, help="offline rounds (median reported)")
     return top
 
 

@@ -102,14 +102,25 @@ def test_sustainable_rate_is_the_last_rate_before_the_curve_turns_up():
 
 def test_quick_run_writes_results(model, tmp_path):
     results = run(model, num_requests=6, scale=0.05, batch_size=4, out_dir=tmp_path, block_size=8, num_blocks=256,
-                  quick=True, log=lambda *a: None)
+                  quick=True, repeats=2, log=lambda *a: None)
     saved = json.loads((tmp_path / "bench.json").read_text())
     offline = saved["sharegpt_offline"]
     assert set(offline["systems"]) == {"padded_generate", "paged_generate", "transformers_cb", "engine"}
     assert offline["greedy_mismatches_vs_padded_generate"] == {
         "padded_generate": 0, "paged_generate": 0, "transformers_cb": 0, "engine": 0}
     assert all(v > 0 for v in offline["throughput_vs_padded_generate"].values())
+    assert all(len(s["tokens_per_s_all_runs"]) == 2 for s in offline["systems"].values())
+    assert len(offline["engine_vs_padded_generate_per_round"]) == 2
     assert saved["kv_utilization"]["paged, block size 16"] > 0.95
     assert results["shared_prefix"][1]["computed_prompt_tokens_saved"] > 0
     pytest.importorskip("matplotlib")
     assert (tmp_path / "memory.png").stat().st_size > 0
+
+
+def test_transformers_cb_online_is_fed_in_real_time(model):
+    reqs = [Request([7, 8, 9], 4, 0.0), Request([10, 11], 3, 0.6)]
+    w = Workload("cb online", reqs)
+    result = systems.transformers_cb(model, w, num_blocks=64, max_batch_tokens=64)
+    assert result.wall_s >= 0.6  # the second request was added at its arrival, not before
+    assert result.tokens == systems.batched_generate(model, w, batch_size=8, paged=False).tokens
+    assert len(result.ttft) == 2 and all(0 < t <= lat < 30 for t, lat in zip(result.ttft, result.latency))

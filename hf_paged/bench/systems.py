@@ -180,26 +180,55 @@ def engine_run(model, workload: Workload, **engine_kwargs) -> RunResult:
 
 @torch.inference_mode()
 def transformers_cb(model, workload: Workload, *, num_blocks: int, max_batch_tokens: int) -> RunResult:
-    """transformers' own continuous batching (offline), each request with its own max_new_tokens."""
+    """transformers' own continuous batching, each request with its own max_new_tokens.
+
+    Its manager serves from its own thread in real time, so an online workload is fed in real time
+    too (each request added at its arrival time, sleeping in between): this run takes as long as
+    the arrivals span. Latencies come from the manager's own per-token timestamps.
+    """
+    import threading
+
     import hf_paged
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     hf_paged.disable(model)
-    config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_new_tokens for r in workload.requests),
+    reqs = workload.requests
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_new_tokens for r in reqs),
                               eos_token_id=None, pad_token_id=model.generation_config.pad_token_id or 0)
     cb = ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
-    start = time.perf_counter()
+    results, failure = {}, []
     with model.continuous_batching_context_manager(generation_config=config, continuous_batching_config=cb,
                                                    warmup=False) as manager:
-        for i, r in enumerate(workload.requests):
-            manager.add_request(r.prompt, request_id=str(i), max_new_tokens=r.max_new_tokens)
-        results = {}
-        while len(results) < len(workload.requests):
+        start = time.perf_counter()
+
+        def feed():
+            try:
+                for i, r in enumerate(reqs):
+                    time.sleep(max(0.0, start + r.arrival - time.perf_counter()))
+                    manager.add_request(r.prompt, request_id=str(i), max_new_tokens=r.max_new_tokens,
+                                        record_timestamps=True)
+            except Exception as err:  # surfaced below, in the caller's thread
+                failure.append(err)
+
+        feeder = threading.Thread(target=feed, daemon=True)
+        feeder.start()
+        while len(results) < len(reqs) and not failure:
             result = manager.get_result(timeout=60)
             if result is None:
                 raise RuntimeError("transformers continuous batching stalled")
             if result.is_finished():
                 results[result.request_id] = result
+        feeder.join()
+    if failure:
+        raise failure[0]
     wall = time.perf_counter() - start
-    tokens = [list(results[str(i)].generated_tokens) for i in range(len(workload.requests))]
-    return RunResult("transformers_cb", wall, tokens)
+    tokens = [list(results[str(i)].generated_tokens) for i in range(len(reqs))]
+    ttft, latency = [], []
+    for i, r in enumerate(reqs):
+        stamps = results[str(i)].timestamps or []
+        if stamps:
+            ttft.append(stamps[0] - start - r.arrival)
+            latency.append(stamps[-1] - start - r.arrival)
+    if len(latency) != len(reqs):  # no per-token timestamps in this transformers version: throughput only
+        ttft, latency = [], []
+    return RunResult("transformers_cb", wall, tokens, ttft, latency)
