@@ -273,7 +273,6 @@ def correctness(K):
     import torch
 
     from hf_paged.kernels.decode import paged_attention_decode_triton
-    from hf_paged.kernels.prefill import paged_attention_prefill_triton
 
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     tol = {"ieee": 1e-4, "tf32": 5e-3, "half": 1e-2}
@@ -527,7 +526,7 @@ def copy_bandwidth():
     bw = 2 * src.numel() * 2 / (ms * 1e-3)
     log(f"  copy 2 GiB: {ms:.3f} ms -> {bw / 1e9:.0f} GB/s (read + write)")
     RESULTS["bench"]["copy_bw_GBps"] = bw / 1e9
-    del src, dst
+    src = dst = None  # free before the next section (closures above still refer to the names)
     empty_cache()
     return bw
 
@@ -542,7 +541,6 @@ DECODE_CONFIGS = [  # (TILE, num_warps, num_stages); the first is the library de
 
 def _sdpa_variants(q4, k4, v4, group, causal=False):
     """[(label, fn)] for SDPA on contiguous data: native GQA and repeated KV heads."""
-    import torch
     import torch.nn.functional as F
 
     out = []
@@ -941,7 +939,7 @@ def copy_blocks_bench(K, copy_bw):
     log(f"   python per-block loop: {entry['loop_ms']:.1f} ms (wall);"
         f" per-cache index_copy_: {t_vec:.3f} ms; speedup vs loop {entry['speedup_vs_loop']:.0f}x")
     RESULTS["bench"]["copy_blocks"] = entry
-    del ks, vs, caches
+    ks = vs = caches = None  # free before the next section
     empty_cache()
     return entry
 

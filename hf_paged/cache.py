@@ -351,16 +351,18 @@ class PagedKVCache(StashingCache):
         return offset, self._layer_columns[layer_idx] - offset
 
     def dense_kv(self, layer_idx: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V ``[rows, kv_heads, kv_length, head_dim]`` laid out as DynamicCache holds them (pads zero).
+        """K/V ``[rows, kv_heads, kv_length, head_dim]`` as DynamicCache holds them (pads zero): a
+        transposed view of the gather (attention functions read strides; copying it contiguous
+        changed no bit of the logits and cost a second copy per layer).
 
-        This is the reference read path (CPU): same layout, same mask, same attention function as
-        stock transformers, hence identical outputs.
+        This is the reference read path (CPU): same values, same mask, same attention function as
+        stock transformers, hence identical outputs (tests/test_equality.py checks the logits bit for bit).
         """
         offset, length = self.kv_window(layer_idx, q_len)
         device = self.storage.key_pools[layer_idx].device
         slots = self.tensor("all_slots", device)[:, offset : offset + length]
         keys, values = self.storage.gather(layer_idx, slots)
-        return keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
+        return keys.transpose(1, 2), values.transpose(1, 2)
 
     def paged_metadata(self, device: torch.device) -> dict[str, torch.Tensor]:
         """For the kernels, on ``device``: int32 block tables, context lengths (tokens stored,

@@ -138,6 +138,38 @@ def test_paged_generate_is_token_exact(arch, mode, block_size):
     assert outputs_match(arch, mode, block_size)
 
 
+def logits_bit_identical(arch: str) -> bool:
+    model = _model(arch)
+    ids, mask = left_padded(PROMPT_LENGTHS)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True, pad_token_id=0)
+    hf_paged.disable(model)
+    stock = model.generate(**kwargs)
+    hf_paged.enable(model, block_size=16)
+    try:
+        paged = model.generate(**kwargs, cache_implementation="hf_paged")
+    finally:
+        hf_paged.disable(model)
+    _cache_of(paged).reset()
+    assert len(stock.logits) == len(paged.logits) == MAX_NEW
+    return all(torch.equal(a, b) for a, b in zip(stock.logits, paged.logits))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_paged_logits_are_bit_identical_on_cpu(arch):
+    """Stronger than token equality: on CPU the reference read path hands the model's own attention
+    function the K/V DynamicCache would hold, so every step's logits are the same floats."""
+    assert logits_bit_identical(arch)
+
+
+def test_negative_control_logits_see_a_one_ulp_change(monkeypatch):
+    """Keys stored one part in 10^7 off change the logits: the bit-level comparison can fail."""
+    write = PagedKVStorage.write
+    monkeypatch.setattr(PagedKVStorage, "write", lambda self, layer, k, v, slots: write(self, layer, k * (1 + 1e-7), v,
+                                                                                          slots))
+    assert not logits_bit_identical("llama")
+
+
 def test_modes_are_not_trivial():
     """The early-EOS and stopping modes really stop rows early; the streamer really streams."""
     ids, _ = stock_output("llama", "early_eos")

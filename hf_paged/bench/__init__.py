@@ -22,7 +22,7 @@ def _mismatches(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x != y for x, y in zip(a, b))
 
 
-def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int = 8, rates=(1.0, 2.0, 4.0, 8.0, 16.0),
+def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int = 8, rates=(1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0),
         out_dir: str | Path = "benchmarks/out", block_size: int = 16, num_blocks: int = 4096,
         max_num_batched_tokens: int = 512, quick: bool = False, repeats: int = 3, log=print) -> dict:
     """The whole suite; returns (and writes) the results.
