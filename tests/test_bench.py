@@ -110,6 +110,10 @@ def test_quick_run_writes_results(model, tmp_path):
         "padded_generate": 0, "paged_generate": 0, "transformers_cb": 0, "engine": 0}
     assert all(v > 0 for v in offline["throughput_vs_padded_generate"].values())
     assert all(len(s["tokens_per_s_all_runs"]) == 2 for s in offline["systems"].values())
+    assert offline["systems"]["transformers_cb"]["max_running"] is None
+    assert [v["decoding"] for v in saved["decoding_variants"]] == [
+        "parallel sampling n=2", "parallel sampling n=4", "parallel sampling n=6",
+        "beam search width 2", "beam search width 4", "beam search width 6"]
     assert len(offline["engine_vs_padded_generate_per_round"]) == 2
     assert saved["kv_utilization"]["paged, block size 16"] > 0.95
     assert results["shared_prefix"][1]["computed_prompt_tokens_saved"] > 0
@@ -124,3 +128,19 @@ def test_transformers_cb_online_is_fed_in_real_time(model):
     assert result.wall_s >= 0.6  # the second request was added at its arrival, not before
     assert result.tokens == systems.batched_generate(model, w, batch_size=8, paged=False).tokens
     assert len(result.ttft) == 2 and all(0 < t <= lat < 30 for t, lat in zip(result.ttft, result.latency))
+
+
+def test_beam_search_and_parallel_sampling_runs(model):
+    """The decoding variants: beam search equals stock beam search; sampling returns every request."""
+    base = Workload("equal lengths", [Request([7 + i, 8, 9, 10 + i], 6) for i in range(3)])
+    beams = workloads.with_sampling(base, num_beams=3)
+    padded = systems.batched_generate(model, beams, batch_size=8, paged=False)
+    engine = systems.engine_run(model, beams, block_size=4, num_blocks=128)
+    assert padded.tokens == engine.tokens and all(len(t) == 6 for t in padded.tokens)
+    assert padded.latency == [] and padded.summary(beams)["requests_per_s"] > 0
+    sampled = workloads.with_sampling(base, n=3)
+    for result in (systems.batched_generate(model, sampled, batch_size=8, paged=False),
+                   systems.engine_run(model, sampled, block_size=4, num_blocks=128)):
+        assert [len(t) for t in result.tokens] == [6, 6, 6]
+        summary = result.summary(sampled)
+        assert summary["tpot_s_p50"] > 0 and summary["normalized_latency_s_p99"] >= summary["normalized_latency_s_p50"]

@@ -93,6 +93,19 @@ def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int =
         "padded_generate": systems.batched_generate(model, alpaca, batch_size, paged=False),
         "engine": systems.engine_run(model, alpaca, **engine_kwargs)}.items()}
 
+    # Parallel sampling and beam search (the paper's Figure 14 workloads), engine vs padded generate.
+    variants_base = workloads.dataset("alpaca", 8 if quick else 32, scale=1.0, vocab=vocab, seed=2)
+    results["decoding_variants"] = []
+    for label, wl in ([(f"parallel sampling n={n}", workloads.with_sampling(variants_base, n=n)) for n in (2, 4, 6)]
+                      + [(f"beam search width {k}", workloads.with_sampling(variants_base, num_beams=k))
+                         for k in (2, 4, 6)]):
+        padded = systems.batched_generate(model, wl, batch_size, paged=False).summary(wl)
+        engine = systems.engine_run(model, wl, **engine_kwargs).summary(wl)
+        results["decoding_variants"].append({"decoding": label, "padded_generate": padded, "engine": engine,
+                                             "engine_vs_padded_generate": _ratio(engine, padded, "requests_per_s")})
+        log(f"  {label}: engine {engine['requests_per_s']:.2f} req/s vs padded generate "
+            f"{padded['requests_per_s']:.2f} req/s ({results['decoding_variants'][-1]['engine_vs_padded_generate']:.2f}x)")
+
     results["online"] = []
     for rate in () if quick else rates:
         online = workloads.poisson(share, rate)
@@ -172,9 +185,12 @@ def report(results: dict) -> str:
     for name, s in off["systems"].items():
         kv = f"{s['peak_kv_bytes'] / 2**20:.1f} MiB" if s.get("peak_kv_bytes") else "-"
         lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {s['requests_per_s']:.2f} | "
-                     f"{off['throughput_vs_padded_generate'].get(name, float('nan')):.2f}x | {kv} | {s['max_running']} |")
+                     f"{off['throughput_vs_padded_generate'].get(name, float('nan')):.2f}x | {kv} | {'-' if s['max_running'] is None else s['max_running']} |")
     lines.append(f"\nengine vs transformers continuous batching: {off['engine_vs_transformers_cb']}")
     lines.append(f"greedy mismatches vs padded generate: {off['greedy_mismatches_vs_padded_generate']}")
+    lines += ["", "| decoding (Alpaca-like) | engine req/s | padded generate req/s | ratio |", "| --- | --- | --- | --- |"]
+    lines += [f"| {v['decoding']} | {v['engine']['requests_per_s']:.2f} | {v['padded_generate']['requests_per_s']:.2f} | "
+              f"{v['engine_vs_padded_generate']:.2f}x |" for v in results.get("decoding_variants", [])]
     lines += ["", "| KV reservation | utilization |", "| --- | --- |"]
     lines += [f"| {k} | {v:.1%} |" for k, v in results["kv_utilization"].items()]
     lines += ["", "| sharing | blocks saved |", "| --- | --- |"]

@@ -31,7 +31,7 @@ class RunResult:
     ttft: list[float] = field(default_factory=list)  # seconds, per request
     latency: list[float] = field(default_factory=list)  # arrival to last token, per request
     peak_kv_bytes: int | None = None
-    max_running: int = 0
+    max_running: int | None = 0  # None: the system does not say
     extra: dict = field(default_factory=dict)
 
     def summary(self, workload: Workload) -> dict:
@@ -44,8 +44,13 @@ class RunResult:
                 out.update({f"{name}_p{p}": _percentile(values, p) for p in (50, 90, 99)})
         if self.latency:
             per_token = [lat / max(1, len(t)) for lat, t in zip(self.latency, self.tokens)]
-            out["normalized_latency_s_per_token"] = sum(per_token) / len(per_token)
-            out.update({f"tpot_s_p{p}": _percentile(per_token, p) for p in (50, 90, 99)})
+            out["normalized_latency_s_per_token"] = sum(per_token) / len(per_token)  # the paper's Figure 12
+            out.update({f"normalized_latency_s_p{p}": _percentile(per_token, p) for p in (50, 90, 99)})
+            # time per output token after the first (inter-token latency)
+            tpot = [(lat - first) / (len(t) - 1) for lat, first, t in zip(self.latency, self.ttft, self.tokens)
+                    if len(t) > 1]
+            if tpot and len(self.ttft) == len(self.latency):
+                out.update({f"tpot_s_p{p}": _percentile(tpot, p) for p in (50, 90, 99)})
         out.update(self.extra)
         return out
 
@@ -77,7 +82,9 @@ def _kv_bytes_per_token(model) -> int:
 
 @torch.inference_mode()
 def batched_generate(model, workload: Workload, batch_size: int, paged: bool) -> RunResult:
-    """Stock (or flagged) generate() in left-padded batches of ``batch_size``, in arrival order."""
+    """Stock (or flagged) generate() in left-padded batches of ``batch_size``, in arrival order.
+    Requests with ``n > 1`` sample (temperature 0.8, ``num_return_sequences``); with ``num_beams > 1``
+    they run beam search (no streamer there, so no latencies)."""
     import hf_paged
 
     if paged:
@@ -105,12 +112,19 @@ def batched_generate(model, workload: Workload, batch_size: int, paged: bool) ->
             ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
             mask[i, width - len(r.prompt) :] = 1
         max_new = max(r.max_new_tokens for r in batch)
+        n, beams = max(r.n for r in batch), max(r.num_beams for r in batch)
         t0 = time.perf_counter()
         stamps = _Timestamps(lambda: time.perf_counter() - t0)
         kwargs = {"cache_implementation": "hf_paged", "return_dict_in_generate": True} if paged else {}
+        if beams > 1:
+            kwargs.update(num_beams=beams, do_sample=False)
+        elif n > 1:
+            kwargs.update(num_return_sequences=n, do_sample=True, temperature=0.8, top_k=0, streamer=stamps)
+        else:
+            kwargs.update(do_sample=False, streamer=stamps)
         out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                             max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, eos_token_id=None,
-                             pad_token_id=pad, streamer=stamps, **kwargs)
+                             max_new_tokens=max_new, min_new_tokens=max_new, eos_token_id=None, pad_token_id=pad,
+                             **kwargs)
         elapsed = time.perf_counter() - t0
         sequences = out.sequences if paged else out
         if paged:
@@ -118,15 +132,19 @@ def batched_generate(model, workload: Workload, batch_size: int, paged: bool) ->
             peak = max(peak, stats["blocks_peak"] * stats["block_size"] * per_token)
             (getattr(out, "cache", None) or out.past_key_values).release()
         else:
-            peak = max(peak, len(batch) * (width + max_new - 1) * per_token)
+            peak = max(peak, len(batch) * max(n, beams) * (width + max_new - 1) * per_token)
+        step = n if beams == 1 else 1  # rows of one request in `sequences`
         for i, r in enumerate(batch):
-            tokens[lo + i] = sequences[i, width : width + r.max_new_tokens].tolist()
-            ttft[lo + i] = clock + stamps.times[1] - r.arrival  # times[0]: the prompt itself
-            latency[lo + i] = clock + stamps.times[min(r.max_new_tokens, len(stamps.times) - 1)] - r.arrival
+            tokens[lo + i] = sequences[i * step, width : width + r.max_new_tokens].tolist()
+            if stamps.times:
+                ttft[lo + i] = clock + stamps.times[1] - r.arrival  # times[0]: the prompt itself
+                latency[lo + i] = clock + stamps.times[min(r.max_new_tokens, len(stamps.times) - 1)] - r.arrival
         clock += elapsed
         lo = hi
     hf_paged.disable(model)
     wall = time.perf_counter() - start_wall
+    if any(r.num_beams > 1 for r in reqs):
+        ttft, latency = [], []
     return RunResult("paged_generate" if paged else "padded_generate", max(clock, 1e-9) if workload_is_online(workload)
                      else wall, tokens, ttft, latency, peak, batch_size)
 
@@ -153,8 +171,9 @@ def engine_run(model, workload: Workload, **engine_kwargs) -> RunResult:
             clock = reqs[nxt][1].arrival  # idle: jump to the next arrival
         while nxt < len(reqs) and reqs[nxt][1].arrival <= clock:
             index, r = reqs[nxt]
-            params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0, ignore_eos=True, n=r.n,
-                                    num_beams=r.num_beams)
+            sampled = r.n > 1 and r.num_beams == 1  # parallel sampling; otherwise greedy or beam search
+            params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.8 if sampled else 0,
+                                    seed=index if sampled else None, ignore_eos=True, n=r.n, num_beams=r.num_beams)
             ids[engine.add_request(r.prompt, params)] = index
             nxt += 1
         t0 = time.perf_counter()
@@ -231,4 +250,4 @@ def transformers_cb(model, workload: Workload, *, num_blocks: int, max_batch_tok
             latency.append(stamps[-1] - start - r.arrival)
     if len(latency) != len(reqs):  # no per-token timestamps in this transformers version: throughput only
         ttft, latency = [], []
-    return RunResult("transformers_cb", wall, tokens, ttft, latency)
+    return RunResult("transformers_cb", wall, tokens, ttft, latency, max_running=None)
