@@ -219,7 +219,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", type=int, default=8, help="batch size of the generate() baselines")
     b.add_argument("--out", default="benchmarks/out", help="where JSON and plots go")
     b.add_argument("--quick", action="store_true", help="skip the Poisson-rate sweep; one round offline")
-    b.add_argument("--repeats", type=int, default=3, help="offline rounds (median reported)")
+    b.add_argument("--repeats", type=int, default=5, help="offline rounds (median reported)")
     return top
 
 

@@ -24,7 +24,7 @@ def _mismatches(a: list[list[int]], b: list[list[int]]) -> int:
 
 def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int = 8, rates=(1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0),
         out_dir: str | Path = "benchmarks/out", block_size: int = 16, num_blocks: int = 4096,
-        max_num_batched_tokens: int = 512, quick: bool = False, repeats: int = 3, log=print) -> dict:
+        max_num_batched_tokens: int = 512, quick: bool = False, repeats: int = 5, log=print) -> dict:
     """The whole suite; returns (and writes) the results.
 
     The headline offline comparison runs every system ``repeats`` times, interleaved (one round of
@@ -87,6 +87,22 @@ def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int =
         "greedy_mismatches_vs_padded_generate": {k: _mismatches(v.tokens, offline["padded_generate"].tokens)
                                                  for k, v in offline.items() if "padded_generate" in offline},
     }
+
+    # The padded baseline at other batch sizes (one round each): is batch_size its best setting?
+    if not quick and "engine" in summaries:
+        sweep = {}
+        for size in (4, 8, 16, 32, 64):
+            try:
+                sweep[size] = systems.batched_generate(model, share, size, paged=False).summary(share)["tokens_per_s"]
+            except Exception as err:  # e.g. out of memory at a large batch
+                log(f"  padded generate, batch {size}: failed: {type(err).__name__}: {err}")
+        if sweep:
+            best = max(sweep, key=sweep.get)
+            results["sharegpt_offline"]["padded_generate_batch_sweep"] = {
+                "tokens_per_s": sweep, "best_batch_size": best,
+                "engine_vs_best_padded_generate": summaries["engine"]["tokens_per_s"] / sweep[best]}
+            log(f"  padded generate by batch size (tok/s): {sweep}; engine vs the best ({best}): "
+                f"{summaries['engine']['tokens_per_s'] / sweep[best]:.2f}x")
 
     alpaca = workloads.dataset("alpaca", num_requests, scale=1.0, vocab=vocab)
     results["alpaca_offline"] = {k: v.summary(alpaca) for k, v in {
@@ -187,6 +203,9 @@ def report(results: dict) -> str:
         lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {s['requests_per_s']:.2f} | "
                      f"{off['throughput_vs_padded_generate'].get(name, float('nan')):.2f}x | {kv} | {'-' if s['max_running'] is None else s['max_running']} |")
     lines.append(f"\nengine vs transformers continuous batching: {off['engine_vs_transformers_cb']}")
+    lines.append(f"engine vs padded generate, per round: {off.get('engine_vs_padded_generate_per_round')}")
+    if "padded_generate_batch_sweep" in off:
+        lines.append(f"padded generate by batch size: {off['padded_generate_batch_sweep']}")
     lines.append(f"greedy mismatches vs padded generate: {off['greedy_mismatches_vs_padded_generate']}")
     lines += ["", "| decoding (Alpaca-like) | engine req/s | padded generate req/s | ratio |", "| --- | --- | --- | --- |"]
     lines += [f"| {v['decoding']} | {v['engine']['requests_per_s']:.2f} | {v['padded_generate']['requests_per_s']:.2f} | "
