@@ -22,7 +22,8 @@ def _mismatches(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x != y for x, y in zip(a, b))
 
 
-def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int = 8, rates=(1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0),
+def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int = 8,
+        rates=(1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0),
         out_dir: str | Path = "benchmarks/out", block_size: int = 16, num_blocks: int = 4096,
         max_num_batched_tokens: int = 512, quick: bool = False, repeats: int = 5, log=print) -> dict:
     """The whole suite; returns (and writes) the results.
@@ -45,6 +46,7 @@ def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int =
     share = workloads.dataset("sharegpt", num_requests, scale=scale, vocab=vocab)
     log(f"ShareGPT-like offline: {num_requests} requests, mean prompt {share.mean_prompt:.1f}, "
         f"mean output {share.mean_output:.1f} tokens")
+
     def offline_systems(wl):
         return (("padded_generate", lambda: systems.batched_generate(model, wl, batch_size, paged=False)),
                 ("paged_generate", lambda: systems.batched_generate(model, wl, batch_size, paged=True)),
@@ -117,10 +119,11 @@ def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int =
                          for k in (2, 4, 6)]):
         padded = systems.batched_generate(model, wl, batch_size, paged=False).summary(wl)
         engine = systems.engine_run(model, wl, **engine_kwargs).summary(wl)
+        ratio = _ratio(engine, padded, "requests_per_s")
         results["decoding_variants"].append({"decoding": label, "padded_generate": padded, "engine": engine,
-                                             "engine_vs_padded_generate": _ratio(engine, padded, "requests_per_s")})
+                                             "engine_vs_padded_generate": ratio})
         log(f"  {label}: engine {engine['requests_per_s']:.2f} req/s vs padded generate "
-            f"{padded['requests_per_s']:.2f} req/s ({results['decoding_variants'][-1]['engine_vs_padded_generate']:.2f}x)")
+            f"{padded['requests_per_s']:.2f} req/s ({ratio:.2f}x)")
 
     results["online"] = []
     for rate in () if quick else rates:
