@@ -579,12 +579,12 @@ def decode_bench(K, copy_bw):
 def _decode_one(entry, ctx, copy_bw):
     import torch
 
-    from hf_paged.kernels.decode import _sm_count, paged_attention_decode_triton, pick_num_splits
+    from hf_paged.kernels.decode import paged_attention_decode_triton, pick_num_splits, sm_count
 
     B, H, HKV, D, BS = SIZES["decode_batch"], 32, 8, 128, 16
     group = H // HKV
     dt = torch.bfloat16
-    sms = _sm_count(torch.device(DEV))
+    sms = sm_count(torch.device(DEV))
     nblk = ctx // BS
     num_blocks = B * nblk + 16
     g = torch.Generator(device=DEV).manual_seed(ctx)

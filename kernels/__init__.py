@@ -11,10 +11,18 @@ Public entry points (the library's attention function calls these)::
     reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, backend=None) -> None
     copy_blocks(k_caches, v_caches, block_mapping, *, backend=None) -> None
 
-Backend choice (``backend=None``): Triton when the tensors are on CUDA and triton imports,
-otherwise the torch reference.  ``backend="triton"`` / ``"torch"`` forces one, per call;
-:func:`set_backend` (or the environment variable ``HF_PAGED_KERNEL_BACKEND``) forces one
-globally.  Forcing Triton on CPU tensors only works under ``TRITON_INTERPRET=1`` (the tests).
+Their signatures here are the documented ones: the torch references (``*_ref``, in
+``reference``) and the Triton launchers (``*_triton``, in ``decode``, ``prefill`` and
+``cache_ops``) take the same arguments.
+
+Backend: :func:`set_backend` (or the environment variable ``HF_PAGED_KERNEL_BACKEND``, read at
+import) is the library's one backend switch: ``"triton"``, ``"torch"``, or ``None`` / ``"auto"``
+(the default: Triton when the tensors are on CUDA and triton imports, otherwise the torch
+reference).  It decides for these entry points and also, in hf_paged's attention function,
+whether a paged call reads K/V through the Triton kernels or through the torch reference path.
+A ``backend=`` argument of an entry point overrides it for that call; :func:`use_triton` is the
+decision itself.  Forcing Triton on CPU tensors only works under ``TRITON_INTERPRET=1`` (the
+tests).
 
 Precision of float32 dots in the Triton kernels: ``precision="ieee"`` (exact fp32, default) or
 ``"tf32"`` (faster on tensor cores, ~1e-3 relative error); :func:`set_fp32_precision` sets the
@@ -25,6 +33,7 @@ Importing this package never imports triton; the Triton modules load on first us
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Optional, Sequence
 
@@ -50,6 +59,7 @@ __all__ = [
     "gather_kv_ref",
     "set_backend",
     "get_backend",
+    "use_triton",
     "set_fp32_precision",
     "triton_available",
 ]
@@ -75,7 +85,8 @@ def triton_available() -> bool:
 
 
 def set_backend(backend: Optional[str]) -> None:
-    """Force ``"triton"`` or ``"torch"`` for every call; ``None``/``"auto"`` restores the default."""
+    """The library's backend switch: ``"triton"`` or ``"torch"`` for every call (kernels and
+    hf_paged's attention function); ``None``/``"auto"`` restores the default (Triton on CUDA)."""
     global _backend
     if backend not in _VALID_BACKENDS:
         raise ValueError(f"backend must be one of {_VALID_BACKENDS}, got {backend!r}")
@@ -83,6 +94,7 @@ def set_backend(backend: Optional[str]) -> None:
 
 
 def get_backend() -> Optional[str]:
+    """The forced backend (``"triton"`` / ``"torch"``), or None for the default."""
     return _backend
 
 
@@ -94,7 +106,11 @@ def set_fp32_precision(precision: str) -> None:
     _fp32_precision = precision
 
 
-def _use_triton(t: torch.Tensor, backend: Optional[str]) -> bool:
+def use_triton(tensor: torch.Tensor, backend: Optional[str] = None) -> bool:
+    """Whether a call on ``tensor`` runs the Triton kernels: an explicit ``backend``
+    (``"triton"``/``"torch"``) wins, else the switch of :func:`set_backend`, else Triton when
+    ``tensor`` is on CUDA and triton imports.  Raises ValueError for an unknown backend name and
+    RuntimeError when Triton is forced but triton cannot be imported."""
     choice = backend if backend not in (None, "auto") else _backend
     if choice not in _VALID_BACKENDS:
         raise ValueError(f"backend must be one of {_VALID_BACKENDS}, got {choice!r}")
@@ -104,7 +120,24 @@ def _use_triton(t: torch.Tensor, backend: Optional[str]) -> bool:
         if not triton_available():
             raise RuntimeError("backend='triton' was requested but triton cannot be imported")
         return True
-    return t.is_cuda and triton_available()
+    return tensor.is_cuda and triton_available()
+
+
+def _dispatch(tensor, backend, launcher: str, reference, args, out=None, **launch_options):
+    """Run one operation on ``args``: the Triton ``launcher`` (``"module:function"`` of this
+    package, imported on first use) with ``out=`` (when given) and ``launch_options``, or the
+    torch ``reference``, whose result is copied into ``out`` when one is given."""
+    if use_triton(tensor, backend):
+        module, name = launcher.split(":")
+        fn = getattr(importlib.import_module(f".{module}", __name__), name)
+        if out is not None:
+            launch_options["out"] = out
+        return fn(*args, **launch_options)
+    res = reference(*args)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
 
 
 def paged_attention_decode(
@@ -130,20 +163,11 @@ def paged_attention_decode(
     ``max_context_len`` (optional, host int) is only a hint for how many splits to use; without
     it the bound ``block_tables.shape[1] * block_size`` is used.
     """
-    if _use_triton(q, backend):
-        from .decode import paged_attention_decode_triton
-
-        return paged_attention_decode_triton(
-            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, softcap,
-            out=out, precision=precision or _fp32_precision, max_context_len=max_context_len,
-        )
-    res = paged_attention_decode_ref(
-        q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, softcap
+    return _dispatch(
+        q, backend, "decode:paged_attention_decode_triton", paged_attention_decode_ref,
+        (q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, softcap), out,
+        precision=precision or _fp32_precision, max_context_len=max_context_len,
     )
-    if out is not None:
-        out.copy_(res)
-        return out
-    return res
 
 
 def paged_attention_prefill(
@@ -166,21 +190,11 @@ def paged_attention_prefill(
     q ``[num_tokens, num_heads, head_dim]``; sequence ``i`` owns rows ``cu[i]:cu[i+1]``, the last
     ``n_q`` tokens of its ``context_lens[i]`` tokens (``0 <= n_q <= context_lens[i]``).
     """
-    if _use_triton(q, backend):
-        from .prefill import paged_attention_prefill_triton
-
-        return paged_attention_prefill_triton(
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-            sliding_window, softcap, out=out, precision=precision or _fp32_precision,
-        )
-    res = paged_attention_prefill_ref(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window,
-        softcap,
+    return _dispatch(
+        q, backend, "prefill:paged_attention_prefill_triton", paged_attention_prefill_ref,
+        (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window,
+         softcap), out, precision=precision or _fp32_precision,
     )
-    if out is not None:
-        out.copy_(res)
-        return out
-    return res
 
 
 def reshape_and_cache(
@@ -194,12 +208,8 @@ def reshape_and_cache(
 ) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into their slots, in place.
     Slot ``-1`` is skipped (padding)."""
-    if _use_triton(key, backend):
-        from .cache_ops import reshape_and_cache_triton
-
-        reshape_and_cache_triton(key, value, k_cache, v_cache, slot_mapping)
-    else:
-        reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping)
+    _dispatch(key, backend, "cache_ops:reshape_and_cache_triton", reshape_and_cache_ref,
+              (key, value, k_cache, v_cache, slot_mapping))
 
 
 def copy_blocks(
@@ -215,9 +225,5 @@ def copy_blocks(
     caches = list(k_caches) + list(v_caches)
     if not caches:
         return
-    if _use_triton(caches[0], backend):
-        from .cache_ops import copy_blocks_triton
-
-        copy_blocks_triton(k_caches, v_caches, block_mapping)
-    else:
-        copy_blocks_ref(k_caches, v_caches, block_mapping)
+    _dispatch(caches[0], backend, "cache_ops:copy_blocks_triton", copy_blocks_ref,
+              (k_caches, v_caches, block_mapping))

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode import _next_pow2
+from ._common import next_pow2
 
 
 @triton.jit
@@ -49,13 +49,8 @@ def _reshape_and_cache_kernel(
     tl.store(vdst, vx.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def reshape_and_cache_triton(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def reshape_and_cache_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """The Triton path of :func:`hf_paged.kernels.reshape_and_cache` (same arguments)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     assert value.shape == key.shape
     assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
@@ -71,7 +66,7 @@ def reshape_and_cache_triton(
         slot_mapping = slot_mapping.contiguous()
     block_size = k_cache.shape[1]
     hd = num_kv_heads * head_dim
-    block_e = min(_next_pow2(hd), 2048)
+    block_e = min(next_pow2(hd), 2048)
     block_t = max(1, 4096 // block_e)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hd, block_e))
     _reshape_and_cache_kernel[grid](
@@ -106,7 +101,7 @@ def _copy_blocks_kernel(
 _offsets_cache: Dict[Tuple, torch.Tensor] = {}
 
 
-def _cache_offsets(caches: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, int]:
+def cache_offsets(caches: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, int]:
     """Offsets of every cache from caches[0] in units of ``align`` elements (``align`` = 16 bytes
     worth when every distance allows it, else 1), memoised per set of allocations: building the
     tensor needs a host->device copy, and the library's caches are long-lived."""
@@ -127,11 +122,9 @@ def _cache_offsets(caches: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, int]:
     return hit
 
 
-def copy_blocks_triton(
-    k_caches: Sequence[torch.Tensor],
-    v_caches: Sequence[torch.Tensor],
-    block_mapping: torch.Tensor,
-) -> None:
+def copy_blocks_triton(k_caches, v_caches, block_mapping) -> None:
+    """The Triton path of :func:`hf_paged.kernels.copy_blocks` (same arguments): one launch
+    over (pair, cache, chunk), caches addressed by :func:`cache_offsets`."""
     caches = list(k_caches) + list(v_caches)
     if not caches or block_mapping.numel() == 0:
         return
@@ -147,9 +140,9 @@ def copy_blocks_triton(
         mapping = mapping.to(ref.device)
     if mapping.dtype != torch.int64 or not mapping.is_contiguous():
         mapping = mapping.to(torch.int64).contiguous()
-    offsets, align = _cache_offsets(caches)
+    offsets, align = cache_offsets(caches)
     block_numel = ref[0].numel()
-    chunk = min(_next_pow2(block_numel), 4096)
+    chunk = min(next_pow2(block_numel), 4096)
     grid = (mapping.shape[0], len(caches), triton.cdiv(block_numel, chunk))
     _copy_blocks_kernel[grid](
         ref, offsets, mapping, block_numel, ref.stride(0), CHUNK=chunk, ALIGN=align,

@@ -13,24 +13,18 @@ This module imports triton at import time; ``hf_paged.kernels`` only imports it 
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-# Under the interpreter, tl.dot on bfloat16 operands computes garbage (numpy has no bfloat16),
-# so the kernels upcast their dot operands to fp32 there.  On a GPU operands stay native.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+from ._common import (dot, dot_modes, launch_with_stage_fallback, load_2d, next_pow2,
+                      prepare_attention_args, sm_count)
 
 
 # --------------------------------------------------------------------------------------------
-# shared device helpers (also used by prefill.py)
+# device helpers
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _tanh(x):
@@ -43,29 +37,6 @@ def _tanh(x):
     big = (1.0 - e) / (1.0 + e)
     big = tl.where(x < 0, -big, big)
     return tl.where(ax < 0.3, poly, big)
-
-
-@triton.jit
-def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b, input_precision=PREC)
-
-
-@triton.jit
-def _load_2d(ptrs, rmask, cmask, USE_RMASK: tl.constexpr, USE_CMASK: tl.constexpr):
-    """Load a [R, C] tile, masking rows and/or (when the dim is padded) columns only if asked."""
-    if USE_RMASK:
-        if USE_CMASK:
-            return tl.load(ptrs, mask=rmask[:, None] & cmask[None, :], other=0.0)
-        else:
-            return tl.load(ptrs, mask=rmask[:, None], other=0.0)
-    else:
-        if USE_CMASK:
-            return tl.load(ptrs, mask=cmask[None, :], other=0.0)
-        else:
-            return tl.load(ptrs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,8 +77,8 @@ def _decode_kernel(
     gmask = g < GROUP
     dmask = d < HEAD_DIM
     heads = kvh * GROUP + g
-    q = _load_2d(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + d[None, :],
-                 gmask, dmask, True, HEAD_DIM != HEAD_DIM_P)
+    q = load_2d(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + d[None, :],
+                gmask, dmask, True, HEAD_DIM != HEAD_DIM_P)
 
     qk_scale = scale
     if not USE_SOFTCAP:
@@ -125,9 +96,9 @@ def _decode_kernel(
         tmask = tok < seg_hi
         blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
         off = tok % BLOCK_SIZE
-        k = _load_2d(k_base + (blk * stride_kb + off * stride_kt)[:, None] + d[None, :],
-                     tmask, dmask, True, HEAD_DIM != HEAD_DIM_P)
-        s = _dot(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [GROUP_P, TILE]
+        k = load_2d(k_base + (blk * stride_kb + off * stride_kt)[:, None] + d[None, :],
+                    tmask, dmask, True, HEAD_DIM != HEAD_DIM_P)
+        s = dot(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [GROUP_P, TILE]
         if USE_SOFTCAP:
             s = (softcap * 1.4426950408889634) * _tanh(s / softcap)
         s = tl.where(tmask[None, :], s, float("-inf"))
@@ -136,9 +107,9 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_2d(v_base + (blk * stride_vb + off * stride_vt)[:, None] + d[None, :],
-                     tmask, dmask, True, HEAD_DIM != HEAD_DIM_P)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
+        v = load_2d(v_base + (blk * stride_vb + off * stride_vt)[:, None] + d[None, :],
+                    tmask, dmask, True, HEAD_DIM != HEAD_DIM_P)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PREC, UPCAST)
         m_i = m_new
 
     has = l_i > 0.0
@@ -186,50 +157,6 @@ def _decode_reduce_kernel(
 # --------------------------------------------------------------------------------------------
 # host side
 # --------------------------------------------------------------------------------------------
-try:  # raised at first launch when a config needs more shared memory than the device has
-    from triton.runtime.errors import OutOfResources
-except Exception:  # pragma: no cover - very old/new triton
-    OutOfResources = RuntimeError
-
-# (kernel name, device, compile-relevant key) -> num_stages that fitted, for default configs
-_STAGES_THAT_FIT: dict = {}
-
-
-def launch_with_stage_fallback(kernel, grid, args, kwargs, cfg: dict, key, strict: bool) -> None:
-    """Launch ``kernel``; if the config's software pipeline does not fit in shared memory on this
-    device (deep pipelines are tuned for Hopper's 227 KB), retry with fewer stages and remember
-    what fitted.  ``strict`` (an explicitly requested config) disables the fallback."""
-    stages = int(cfg["num_stages"])
-    if not strict:
-        stages = _STAGES_THAT_FIT.get(key, stages)
-    while True:
-        try:
-            kernel[grid](*args, **kwargs, num_warps=int(cfg["num_warps"]), num_stages=stages)
-            if not strict:
-                _STAGES_THAT_FIT[key] = stages
-            return
-        except Exception as e:  # noqa: BLE001 - filtered below
-            fits_problem = isinstance(e, OutOfResources) or "out of resource" in str(e).lower()
-            if strict or not fits_problem or stages <= 1:
-                raise
-            stages -= 1
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return 8  # interpreter: keep the grid small
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
 def pick_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, tile: int,
                     num_sms: int, min_tokens_per_split: int = 256) -> int:
     """Enough programs to fill the GPU (about 2 per SM), each with >= min_tokens_per_split keys.
@@ -253,48 +180,22 @@ def default_decode_config(head_dim: int, dtype: torch.dtype, device: torch.devic
     return {"TILE": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 3}
 
 
-def _check_cache(q, k_cache, v_cache):
-    assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape, \
-        "k_cache/v_cache must be [num_blocks, block_size, num_kv_heads, head_dim] and equal shape"
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache head_dim must be contiguous"
-    assert k_cache.dtype == v_cache.dtype == q.dtype, "q, k_cache and v_cache must share a dtype"
-    assert q.shape[-1] == k_cache.shape[3], "head_dim mismatch"
-    assert q.shape[1] % k_cache.shape[2] == 0, "num_heads must be a multiple of num_kv_heads"
-    assert q.device == k_cache.device == v_cache.device
-
-
-def paged_attention_decode_triton(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    *,
-    out: Optional[torch.Tensor] = None,
-    precision: str = "ieee",
-    max_context_len: Optional[int] = None,
-    num_splits: Optional[int] = None,
-    config: Optional[dict] = None,
-) -> torch.Tensor:
-    assert q.dim() == 3
-    _check_cache(q, k_cache, v_cache)
+def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                  sliding_window=None, softcap=None, *, out=None,
+                                  precision: str = "ieee", max_context_len: Optional[int] = None,
+                                  num_splits: Optional[int] = None,
+                                  config: Optional[dict] = None) -> torch.Tensor:
+    """The Triton path of :func:`hf_paged.kernels.paged_attention_decode` (same arguments, and
+    ``precision`` a name, not None).  ``num_splits`` overrides the split-K heuristic
+    (:func:`pick_num_splits`), ``config`` updates :func:`default_decode_config` (and disables
+    the shared-memory fallback of :func:`launch_with_stage_fallback`)."""
+    q, out, block_tables, context_lens = prepare_attention_args(
+        q, k_cache, v_cache, out, block_tables, context_lens)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if out is None:
-        out = torch.empty_like(q)
-    assert out.shape == q.shape and out.stride(-1) == 1
     if num_seqs == 0:
         return out
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
-    if context_lens.dtype != torch.int32 or not context_lens.is_contiguous():
-        context_lens = context_lens.to(torch.int32).contiguous()
 
     cfg = default_decode_config(head_dim, q.dtype, q.device)
     if config:
@@ -308,12 +209,12 @@ def paged_attention_decode_triton(
         sliding_window = None
     if num_splits is None:
         num_splits = pick_num_splits(num_seqs, num_kv_heads, max_context_len, tile,
-                                     _sm_count(q.device))
+                                     sm_count(q.device))
     num_splits = max(1, int(num_splits))
     use_softcap = softcap is not None and softcap > 0
 
-    head_dim_p = max(16, _next_pow2(head_dim))
-    group_p = max(16, _next_pow2(group))
+    head_dim_p = max(16, next_pow2(head_dim))
+    group_p = max(16, next_pow2(group))
     single = num_splits == 1
     if single:
         part_o = out  # unused
@@ -326,8 +227,7 @@ def paged_attention_decode_triton(
                                dtype=torch.float32)
         sps, sph, spp = part_o.stride(0), part_o.stride(1), part_o.stride(2)
         sls, slh = part_lse.stride(0), part_lse.stride(1)
-    prec = precision if q.dtype == torch.float32 else "ieee"
-    upcast = INTERPRET and q.dtype != torch.float32
+    prec, upcast = dot_modes(q.dtype, precision)
 
     grid = (num_seqs, num_kv_heads, num_splits)
     args = (
@@ -354,7 +254,7 @@ def paged_attention_decode_triton(
             part_o, part_lse, out, num_splits,
             sps, sph, spp, sls, slh,
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLITS_P=max(2, _next_pow2(num_splits)),
+            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLITS_P=max(2, next_pow2(num_splits)),
             num_warps=4 if head_dim_p * num_splits >= 2048 else 2,
         )
     return out

@@ -44,8 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode import (INTERPRET, _check_cache, _dot, _load_2d, _next_pow2,
-                     launch_with_stage_fallback)
+from ._common import (INTERPRET, dot, dot_modes, launch_with_stage_fallback, load_2d,
+                      next_pow2, prepare_attention_args)
 
 # sequences per vector load when a program looks up its sequence in cu_seqlens
 _SCAN = 64
@@ -123,7 +123,7 @@ def _prefill_tile(
 ):
     k, v = _load_kv(k_base, v_base, bt_row, n0, hi, stride_kb, stride_kt, stride_vb, stride_vt,
                     d, dmask, BLOCK_SIZE, BLOCK_N, ROWS, HEAD_DIM_P, PAD_D, LOAD_MASK)
-    s = _dot(q, tl.trans(k), PREC, UPCAST)  # [BLOCK_M, BLOCK_N], raw q.k
+    s = dot(q, tl.trans(k), PREC, UPCAST)  # [BLOCK_M, BLOCK_N], raw q.k
     if USE_SOFTCAP:  # capped logits, already in base 2
         s = (softcap * 1.4426950408889634) * _tanh_fast(s * (scale / softcap))
         sc = 1.0
@@ -152,9 +152,9 @@ def _prefill_tile(
     if LAZY:  # rescale the accumulator only when some row's reference max moved
         if tl.max(grow.to(tl.int32), 0) > 0:
             acc = acc * alpha[:, None]
-        acc = acc + _dot(p.to(v.dtype), v, PREC, UPCAST)
+        acc = acc + dot(p.to(v.dtype), v, PREC, UPCAST)
     else:
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PREC, UPCAST)
     return acc, l_i, m_new
 
 
@@ -222,8 +222,8 @@ def _prefill_kernel(
     d = tl.arange(0, HEAD_DIM_P)
     dmask = d < HEAD_DIM
     pos = ctx - n_q + m  # absolute query positions, per row
-    q = _load_2d(q_ptr + rows[:, None] * stride_qt + (heads * stride_qh)[:, None] + d[None, :],
-                 mmask, dmask, True, HEAD_DIM != HEAD_DIM_P)
+    q = load_2d(q_ptr + rows[:, None] * stride_qt + (heads * stride_qh)[:, None] + d[None, :],
+                mmask, dmask, True, HEAD_DIM != HEAD_DIM_P)
 
     qk_scale = scale * 1.4426950408889634  # work in base 2
     k_base = k_ptr + kvh * stride_kh
@@ -327,42 +327,21 @@ def _capability_major(device: torch.device) -> int:
                                 else torch.cuda.current_device())
 
 
-def paged_attention_prefill_triton(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    *,
-    out: Optional[torch.Tensor] = None,
-    precision: str = "ieee",
-    config: Optional[dict] = None,
-) -> torch.Tensor:
-    assert q.dim() == 3
-    _check_cache(q, k_cache, v_cache)
-    num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                   scale, sliding_window=None, softcap=None, *, out=None,
+                                   precision: str = "ieee",
+                                   config: Optional[dict] = None) -> torch.Tensor:
+    """The Triton path of :func:`hf_paged.kernels.paged_attention_prefill` (same arguments, and
+    ``precision`` a name, not None).  ``config`` updates :func:`default_prefill_config` (and
+    disables the shared-memory fallback of :func:`launch_with_stage_fallback`)."""
     num_seqs = context_lens.shape[0]
     assert cu_seqlens_q.shape[0] == num_seqs + 1, "cu_seqlens_q must have num_seqs + 1 entries"
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if out is None:
-        out = torch.empty_like(q)
-    assert out.shape == q.shape and out.stride(-1) == 1
+    q, out, block_tables, context_lens, cu_seqlens_q = prepare_attention_args(
+        q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, int32_tables=True)
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
     if num_tokens == 0 or num_seqs == 0:
         return out
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
-    if block_tables.dtype != torch.int32:
-        block_tables = block_tables.to(torch.int32)
-    if context_lens.dtype != torch.int32 or not context_lens.is_contiguous():
-        context_lens = context_lens.to(torch.int32).contiguous()
-    if cu_seqlens_q.dtype != torch.int32 or not cu_seqlens_q.is_contiguous():
-        cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
 
     cfg = default_prefill_config(head_dim, q.dtype, q.device, precision)
     if config:
@@ -377,8 +356,7 @@ def paged_attention_prefill_triton(
     rows = min(block_n, block_size) if block_size & (block_size - 1) == 0 else 1
     use_window = sliding_window is not None and sliding_window > 0
     use_softcap = softcap is not None and softcap > 0
-    prec = precision if q.dtype == torch.float32 else "ieee"
-    upcast = INTERPRET and q.dtype != torch.float32
+    prec, upcast = dot_modes(q.dtype, precision)
 
     num_progs = num_tokens // tok_m + num_seqs
     grid_heads = num_kv_heads if pack else num_heads
@@ -397,7 +375,7 @@ def paged_attention_prefill_triton(
     kwargs = dict(
         stride_kt=k_cache.stride(1), stride_vt=v_cache.stride(1),  # constexpr (see _load_kv)
         GROUP=group, PACK_GQA=pack, TOK_M=tok_m, HEAD_DIM=head_dim,
-        HEAD_DIM_P=max(16, _next_pow2(head_dim)),
+        HEAD_DIM_P=max(16, next_pow2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, ROWS=rows,
         USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, PREC=prec, UPCAST=upcast,
         HEADS_FIRST=heads_first, SCAN=_SCAN, LAZY=bool(cfg.get("LAZY", False)),

@@ -21,7 +21,7 @@ Masking semantics:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -59,27 +59,41 @@ def _scores_to_probs(
     return torch.softmax(scores, dim=-1)
 
 
-def paged_attention_decode_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
-) -> torch.Tensor:
-    """One query token per sequence at position ``context_lens[i] - 1``.
+def _group_size(q: torch.Tensor, k_cache: torch.Tensor) -> int:
+    """Query heads per KV head (q ``[rows, num_heads, head_dim]``)."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    return num_heads // num_kv_heads
 
-    q: ``[num_seqs, num_heads, head_dim]``; returns the same shape and dtype.
+
+def _attend(q, k, v, mask, scale: float, softcap: Optional[float]) -> torch.Tensor:
+    """Masked attention of ``q [B, N, Hkv, G, D]`` (N query tokens, G query heads per KV head)
+    over ``k``/``v [B, T, Hkv, D]``; ``mask [B, N, T]`` is True where a key is visible.  Returns
+    ``[B, N, Hkv, G, D]``.  Without softcap: one fused SDPA call, a group's heads being extra
+    query rows; with it, explicit scores -> softcap -> mask -> softmax."""
+    B, N, Hkv, G, D = q.shape
+    if softcap is None or softcap <= 0:
+        rows = q.permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * N, D)  # 4D: the fused CPU kernel
+        row_mask = mask[:, None, None].expand(-1, -1, G, -1, -1).reshape(B, 1, G * N, -1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            rows, k.transpose(1, 2), v.transpose(1, 2), attn_mask=row_mask, scale=scale)
+        return out.view(B, Hkv, G, N, D).permute(0, 3, 1, 2, 4)
+    scores = torch.einsum("bnhgd,bthd->bhgnt", q, k) * scale
+    probs = _scores_to_probs(scores, mask[:, None, None], softcap)
+    return torch.einsum("bhgnt,bthd->bnhgd", probs, v)
+
+
+def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale,
+                               sliding_window=None, softcap=None) -> torch.Tensor:
+    """The torch path of :func:`hf_paged.kernels.paged_attention_decode` (same arguments): one
+    query token per sequence at position ``context_lens[i] - 1``; returns q's shape and dtype.
     Vectorised over sequences: K/V are gathered into ``[num_seqs, max_ctx, kv_heads, head_dim]``.
     """
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
-    group = num_heads // num_kv_heads
+    group = _group_size(q, k_cache)
     if num_seqs == 0:
         return torch.empty_like(q)
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     ctx = context_lens.to(device=q.device, dtype=torch.long)
     max_ctx = int(ctx.max().item())
     assert int(ctx.min().item()) >= 1, "decode needs context_lens >= 1"
@@ -102,38 +116,21 @@ def paged_attention_decode_ref(
     if sliding_window is not None and sliding_window > 0:
         qpos = ctx - 1
         mask = mask & (pos[None, :] > (qpos[:, None] - sliding_window))
-    if softcap is None or softcap <= 0:  # one fused SDPA call (the group's heads act as query rows)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qf, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale
-        )
-        return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
-    scores = torch.einsum("shgd,sthd->shgt", qf, k) * scale  # [S, Hkv, G, T]
-    probs = _scores_to_probs(scores, mask[:, None, None, :], softcap)
-    out = torch.einsum("shgt,sthd->shgd", probs, v)
+    out = _attend(qf[:, None], k, v, mask[:, None], scale, softcap)
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
-def paged_attention_prefill_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
-) -> torch.Tensor:
-    """Varlen causal attention over a paged cache.
+def paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                scale, sliding_window=None, softcap=None) -> torch.Tensor:
+    """The torch path of :func:`hf_paged.kernels.paged_attention_prefill` (same arguments).
 
     Sequence ``i`` owns query rows ``q[cu[i]:cu[i+1]]``: the last ``n_q`` tokens of its
     ``context_lens[i]`` tokens, so query ``j`` sits at position ``context_lens[i] - n_q + j``.
     Sequences with ``n_q == 0`` are skipped.  Loops over sequences (one matmul pair each).
     """
     num_tokens, num_heads, head_dim = q.shape
+    group = _group_size(q, k_cache)
     num_kv_heads = k_cache.shape[2]
-    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
-    group = num_heads // num_kv_heads
     cdt = _compute_dtype(q.dtype)
     out = torch.zeros_like(q)
     cu = cu_seqlens_q.tolist()
@@ -152,27 +149,14 @@ def paged_attention_prefill_ref(
         mask = kpos[None, :] <= qpos[:, None]
         if sliding_window is not None and sliding_window > 0:
             mask = mask & (kpos[None, :] > qpos[:, None] - sliding_window)
-        if softcap is None or softcap <= 0:  # one fused SDPA call; a group's heads are extra query rows
-            rows = qi.permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * n_q, head_dim)  # 4D: the fused CPU kernel
-            oi = torch.nn.functional.scaled_dot_product_attention(
-                rows, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask.repeat(group, 1),
-                scale=scale)
-            oi = oi.view(num_kv_heads, group, n_q, head_dim).permute(2, 0, 1, 3)
-        else:
-            scores = torch.einsum("qhgd,thd->hgqt", qi, k) * scale  # [Hkv, G, nq, T]
-            oi = torch.einsum("hgqt,thd->qhgd", _scores_to_probs(scores, mask, softcap), v)
+        oi = _attend(qi[None], k[None], v[None], mask[None], scale, softcap)[0]
         out[start:end] = oi.reshape(n_q, num_heads, head_dim).to(q.dtype)
     return out
 
 
-def reshape_and_cache_ref(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write ``key[t]`` / ``value[t]`` into slot ``slot_mapping[t]`` (in place); slot -1 is skipped."""
+def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """The torch path of :func:`hf_paged.kernels.reshape_and_cache` (same arguments): write
+    ``key[t]`` / ``value[t]`` into slot ``slot_mapping[t]`` (in place); slot -1 is skipped."""
     block_size = k_cache.shape[1]
     slots = slot_mapping.to(device=key.device, dtype=torch.long)
     if k_cache.is_contiguous() and v_cache.is_contiguous() and (slots.numel() == 0 or int(slots.min()) >= 0):
@@ -187,12 +171,9 @@ def reshape_and_cache_ref(
     v_cache[blk, off] = value[keep].to(v_cache.dtype)
 
 
-def copy_blocks_ref(
-    k_caches: Sequence[torch.Tensor],
-    v_caches: Sequence[torch.Tensor],
-    block_mapping: torch.Tensor,
-) -> None:
-    """For every layer, copy block ``src`` onto block ``dst`` for each row ``(src, dst)``.
+def copy_blocks_ref(k_caches, v_caches, block_mapping) -> None:
+    """The torch path of :func:`hf_paged.kernels.copy_blocks` (same arguments): for every
+    layer, copy block ``src`` onto block ``dst`` for each row ``(src, dst)``.
 
     All sources are read before any destination is written.  A block must not be both a
     source and a destination in one call (the kernel gives no ordering guarantee for that).

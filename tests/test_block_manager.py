@@ -21,11 +21,17 @@ def test_append_allocates_only_when_last_block_is_full():
     assert bm.slot("a", 4) == 4
 
 
-def test_fork_shares_and_copy_on_write_copies_only_the_partial_block():
-    bm = BlockManager(block_size=4, num_blocks=8)
+def _forked(block_size: int, num_blocks: int, parent_tokens: int) -> BlockManager:
+    """A manager whose sequence "p" holds ``parent_tokens`` tokens and was just forked into "c"."""
+    bm = BlockManager(block_size=block_size, num_blocks=num_blocks)
     bm.add_sequence("p")
-    bm.append_slots("p", 6)  # blocks [0 full, 1 half]
+    bm.append_slots("p", parent_tokens)
     bm.fork("p", "c")
+    return bm
+
+
+def test_fork_shares_and_copy_on_write_copies_only_the_partial_block():
+    bm = _forked(block_size=4, num_blocks=8, parent_tokens=6)  # blocks [0 full, 1 half]
     assert bm.block_table("c") == bm.block_table("p")
     assert bm.ref_count(0) == 2 and bm.ref_count(1) == 2 and bm.num_shared_blocks == 2
     slots, copies = bm.append_slots("c", 1)
@@ -38,19 +44,13 @@ def test_fork_shares_and_copy_on_write_copies_only_the_partial_block():
 
 
 def test_full_shared_last_block_needs_no_copy():
-    bm = BlockManager(block_size=4, num_blocks=8)
-    bm.add_sequence("p")
-    bm.append_slots("p", 4)
-    bm.fork("p", "c")
+    bm = _forked(block_size=4, num_blocks=8, parent_tokens=4)
     _, copies = bm.append_slots("c", 1)
     assert copies == [] and bm.block_table("c")[0] == bm.block_table("p")[0]
 
 
 def test_free_returns_blocks_at_zero_references():
-    bm = BlockManager(block_size=2, num_blocks=4)
-    bm.add_sequence("p")
-    bm.append_slots("p", 4)
-    bm.fork("p", "c")
+    bm = _forked(block_size=2, num_blocks=4, parent_tokens=4)
     bm.free("p")
     assert bm.num_free_blocks == 2  # still held by c
     bm.free("c")
@@ -107,10 +107,7 @@ def test_growable_pool_grows_on_demand():
 
 def test_copy_on_write_budget_is_exact_when_two_sharers_append():
     """Two sequences share a partial block: only the first writer copies; 1 block suffices."""
-    bm = BlockManager(block_size=4, num_blocks=2)
-    bm.add_sequence("p")
-    bm.append_slots("p", 2)
-    bm.fork("p", "c")
+    bm = _forked(block_size=4, num_blocks=2, parent_tokens=2)
     _, copies = bm.append_many([("p", 1), ("c", 1)])
     assert len(copies) == 1 and bm.num_free_blocks == 0
 

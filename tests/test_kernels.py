@@ -545,9 +545,9 @@ def test_copy_blocks_unaligned_views():
     n = math.prod(shape)
     buf = torch.randn(4 * (n + 1) + 1, generator=g)
     caches = [buf[1 + i * (n + 1) : 1 + i * (n + 1) + n].view(shape) for i in range(4)]
-    from hf_paged.kernels.cache_ops import _cache_offsets
+    from hf_paged.kernels.cache_ops import cache_offsets
 
-    assert _cache_offsets(caches)[1] == 1  # distances not a multiple of 16 bytes
+    assert cache_offsets(caches)[1] == 1  # distances not a multiple of 16 bytes
     mapping = torch.tensor([[0, 3], [5, 1]])
     before = [c.clone() for c in caches]
     gaps = [0] + [1 + i * (n + 1) + n for i in range(4)]  # elements between the caches
