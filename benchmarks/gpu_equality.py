@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.helpers
 
 import hf_paged  # noqa: E402
 from hf_paged import kernels  # noqa: E402
-from tiny_models import build, left_padded  # noqa: E402
+from tests.helpers.tiny_models import build, left_padded  # noqa: E402
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "opt"]
 MODES = {

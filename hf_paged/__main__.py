@@ -131,6 +131,7 @@ def _engine_demo(model, tokenizer, args) -> None:
     import random
 
     from hf_paged import LLMEngine, SamplingParams
+    from hf_paged.model_info import kv_bytes_per_token
 
     rng = random.Random(0)
     prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)][: rng.randrange(8, 60)] for i in range(32)]
@@ -151,15 +152,16 @@ def _engine_demo(model, tokenizer, args) -> None:
     padded_s = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats = engine.stats()
-    per_block = engine.kv.storage.bytes_per_block()
+    kv = engine.kv.stats()
+    per_block = kv_bytes_per_token(model.config.get_text_config(decoder=True), model.dtype) * args.block_size
     per_token = per_block / args.block_size
     contiguous = max(8 * (max(len(tokenizer(p).input_ids) for p in prompts[i : i + 8]) + max(lengths[i : i + 8]))
                      for i in range(0, len(prompts), 8)) * per_token
     print(f"\n{'engine (32 requests)':<26}{'tok/s':>10}{'speedup':>10}")
     print(f"{'padded generate, batch 8':<26}{generated / padded_s:>10.1f}{1.0:>9.2f}x")
     print(f"{'hf_paged LLMEngine':<26}{generated / engine_s:>10.1f}{padded_s / engine_s:>9.2f}x")
-    print(f"KV blocks used at peak by the engine: {engine.kv.blocks.blocks_peak} x {_human(per_block)} = "
-          f"{_human(engine.kv.blocks.blocks_peak * per_block)} for 32 requests at once; the largest padded batch "
+    print(f"KV blocks used at peak by the engine: {kv['blocks_peak']} x {_human(per_block)} = "
+          f"{_human(kv['blocks_peak'] * per_block)} for 32 requests at once; the largest padded batch "
           f"of 8 held {_human(contiguous)}; {stats['steps']} engine steps")
 
 

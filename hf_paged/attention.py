@@ -5,53 +5,52 @@ Paged-ness is a property of the call, not of the model: a call whose key/value w
 DynamicCache) goes to the model's own implementation (``sdpa``, or ``eager`` for models such as
 Gemma2 whose softcap SDPA cannot do), with the mask that implementation would have received.
 
-Read paths of a paged call:
+Read paths of a paged call, chosen by the kernels' one backend switch (:func:`hf_paged.kernels.set_backend`):
 
-* CUDA, rows stored contiguously: the Triton kernels read the blocks directly
+* Triton (CUDA by default), rows stored contiguously: the kernels read the blocks directly
   (``paged_attention_decode`` for one new token per row, ``paged_attention_prefill`` otherwise).
 * Otherwise (CPU): the reference path gathers the blocks into the layout DynamicCache would hold
   and calls the fallback implementation with the same mask, so outputs equal stock transformers.
+
+An engine step (a :class:`~hf_paged.channel.PackedStep`) packs many sequences in one row; each
+attends only to its own blocks (decode tokens first, then the prefill chunks).
+
+:func:`install` is how a model gets this implementation; ``enable()`` and the engine both call it.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from hf_paged.cache import active_cache, in_packed_forward
+from hf_paged import kernels
+from hf_paged.channel import PackedStep, active_cache, in_packed_forward
 
 ATTN_IMPLEMENTATION = "hf_paged"
 _fallbacks: dict[int, str] = {}  # id(config) -> implementation; not an attribute, so never saved
-_KERNEL_MODES = ("auto", "reference", "triton")
-_kernel_mode = "auto"
+_OLD_MODE_NAMES = {"auto": "auto", "reference": "torch", "triton": "triton"}
 
 
 def set_kernel_mode(mode: str) -> None:
-    """How paged calls read K/V.
+    """Deprecated: use :func:`hf_paged.kernels.set_backend` (``"auto"``, ``"torch"``, ``"triton"``).
 
-    ``"auto"``: Triton kernels on CUDA, the reference path elsewhere; ``"reference"``: always the
-    gather + fallback reference path; ``"triton"``: always the kernels, also on CPU tensors (only
-    under ``TRITON_INTERPRET=1``: how the tests run the kernel path through whole models).
+    The old names map onto it: ``"auto"`` → ``"auto"``, ``"reference"`` → ``"torch"``,
+    ``"triton"`` → ``"triton"``.
     """
-    global _kernel_mode
-    if mode not in _KERNEL_MODES:
-        raise ValueError(f"kernel mode must be one of {_KERNEL_MODES}, got {mode!r}")
-    _kernel_mode = mode
-
-
-def _kernel_backend(query: torch.Tensor) -> str | None:
-    """The kernels' backend for this call, or None for the reference path."""
-    if _kernel_mode == "triton":
-        return "triton"
-    return "triton" if _kernel_mode == "auto" and query.is_cuda else None
+    if mode not in _OLD_MODE_NAMES:
+        raise ValueError(f"kernel mode must be one of {tuple(_OLD_MODE_NAMES)}, got {mode!r}")
+    warnings.warn("hf_paged.set_kernel_mode is deprecated; use hf_paged.kernels.set_backend "
+                  f"({_OLD_MODE_NAMES[mode]!r})", DeprecationWarning, stacklevel=2)
+    kernels.set_backend(_OLD_MODE_NAMES[mode])
 
 
 @dataclass
@@ -76,8 +75,8 @@ class PagedMask:
         return mask[:, columns - q_len : columns]
 
 
-def set_fallback_implementation(config, name: str) -> None:
-    """Remember what the model ran before ``enable``: non-paged calls keep running it."""
+def _remember_fallback(config, name: str) -> None:
+    """Remember what the model ran before :func:`install`: non-paged calls keep running it."""
     key = id(config)
     if key not in _fallbacks:
         weakref.finalize(config, _fallbacks.pop, key, None)
@@ -85,8 +84,25 @@ def set_fallback_implementation(config, name: str) -> None:
 
 
 def fallback_implementation(config) -> str | None:
-    """The implementation the model had before ``enable`` (None if unknown, e.g. a copied config)."""
+    """The implementation the model had before :func:`install` (None if unknown, e.g. a copied config)."""
     return _fallbacks.get(id(config))
+
+
+def install(model: PreTrainedModel) -> None:
+    """Run ``model`` with the ``"hf_paged"`` implementation. Calls without a paged cache keep
+    running the implementation it had (remembered here, never written into its config)."""
+    current = model.config._attn_implementation
+    if current == ATTN_IMPLEMENTATION:
+        return
+    for config in (model.config, model.config.get_text_config(decoder=True)):
+        _remember_fallback(config, current or "sdpa")
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def uninstall(model: PreTrainedModel) -> None:
+    """Undo :func:`install`: the model runs its previous implementation again."""
+    if model.config._attn_implementation == ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(fallback_implementation(model.config) or "sdpa")
 
 
 def _fallback_attention(module: torch.nn.Module, kwargs: dict) -> Callable:
@@ -138,84 +154,76 @@ def paged_attention_forward(
     if layer_idx is None:
         return fallback(module, query, key, value, mask.dense, **kwargs)
 
-    if getattr(cache, "packed", False):
+    if isinstance(cache, PackedStep):
         return _packed_attention(cache, layer_idx, query, key, value, **kwargs)
     q_len = query.shape[2]
     cache.commit(layer_idx, key, value, mask.new_columns_valid(q_len, cache.get_seq_length(layer_idx) + q_len))
-    backend = _kernel_backend(query)
-    if backend is not None and cache.kernels_applicable and not kwargs.get("output_attentions"):
-        return _kernel_attention(cache, layer_idx, query, backend, **kwargs)
+    if kernels.use_triton(query) and cache.kernels_applicable and not kwargs.get("output_attentions"):
+        return _kernel_attention(cache, layer_idx, query, **kwargs)
     dense_key, dense_value = cache.dense_kv(layer_idx, q_len)
     return fallback(module, query, dense_key, dense_value, mask.dense, **kwargs)
 
 
-def _kernel_attention(cache, layer_idx: int, query: torch.Tensor, backend: str, **kwargs):
-    """Read K/V straight from the blocks with the Triton kernels (no gather into contiguous tensors)."""
-    from hf_paged import kernels
-
-    k_pool, v_pool = cache.storage.key_pools[layer_idx], cache.storage.value_pools[layer_idx]
-    meta = cache.paged_metadata(query.device)
-    rows, heads, q_len, head_dim = query.shape
+def _scale(kwargs: dict, head_dim: int) -> float:
     scale = kwargs.get("scaling")
-    scale = head_dim**-0.5 if scale is None else scale
-    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-    tables, lens = meta["block_tables"], meta["context_lens"]
+    return head_dim**-0.5 if scale is None else scale
+
+
+def _kernel_attention(cache, layer_idx: int, query: torch.Tensor, **kwargs):
+    """Read K/V straight from the blocks with the Triton kernels (no gather into contiguous tensors)."""
+    k_pool, v_pool = cache.storage.key_pools[layer_idx], cache.storage.value_pools[layer_idx]
+    meta = cache.metadata_on(query.device)
+    rows, heads, q_len, head_dim = query.shape
+    options = dict(sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"), backend="triton")
+    scale = _scale(kwargs, head_dim)
     if q_len == 1:
         out = kernels.paged_attention_decode(
-            query[:, :, 0].contiguous(), k_pool, v_pool, tables, lens, scale, sliding_window=window,
-            softcap=softcap, backend=backend,
-        )
+            query[:, :, 0].contiguous(), k_pool, v_pool, meta.block_tables, meta.context_lens, scale, **options)
         return out[:, None].to(query.dtype), None
-    valid = meta["new_valid"]  # [rows, q_len]: pads of left-padded prompts get no query
+    valid = meta.new_valid  # [rows, q_len]: pads of left-padded prompts get no query
     tokens = query.transpose(1, 2)[valid]  # [num_valid, heads, head_dim]
     flat = kernels.paged_attention_prefill(
-        tokens.contiguous(), k_pool, v_pool, tables, meta["cu_seqlens_q"], lens, scale,
-        sliding_window=window, softcap=softcap, backend=backend,
-    )
+        tokens.contiguous(), k_pool, v_pool, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale,
+        **options)
     out = query.new_zeros(rows, q_len, heads, head_dim)
     out[valid] = flat.to(query.dtype)
     return out, None
 
 
-_BACKENDS = {"auto": None, "reference": "torch", "triton": "triton"}
-
-
-def _packed_attention(step, layer_idx: int, query, key, value, **kwargs):
+def _packed_attention(step: PackedStep, layer_idx: int, query, key, value, **kwargs):
     """An engine step: one packed row ``[1, heads, total_tokens, head_dim]`` of many sequences.
 
     Decode tokens (one per sequence) come first and go to the decode kernel; the rest (prefill
     chunks) to the varlen prefill kernel. Each sequence attends only to its own blocks.
     """
-    from hf_paged import kernels
-
     q = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
     new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [tokens, kv_heads, head_dim]
+    meta = step.metadata_on(q.device)
     storage = step.storage
     storage.ensure_layer(layer_idx, new_keys, step.num_blocks)
-    storage.write(layer_idx, new_keys, new_values, step.tensor("slot_mapping", q.device))
+    storage.write(layer_idx, new_keys, new_values, meta.slot_mapping)
     k_pool, v_pool = storage.key_pools[layer_idx], storage.value_pools[layer_idx]
-    scale = kwargs.get("scaling")
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = _scale(kwargs, q.shape[-1])
+    triton = kernels.use_triton(q)
     options = dict(sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"),
-                   backend=_BACKENDS[_kernel_mode])
-    tables, lens = step.tensor("block_tables", q.device), step.tensor("context_lens", q.device)
+                   backend="triton" if triton else "torch")
+    tables, lens = meta.block_tables, meta.context_lens
     q = q.to(k_pool.dtype)
-    nd = step.num_decode
+    nd = meta.num_decode
     parts = []
-    if nd and not q.is_cuda and _kernel_mode != "triton" and not options["softcap"]:
+    if nd and not q.is_cuda and not triton and not options["softcap"]:
         parts.append(_decode_by_sdpa(step, q[:nd], k_pool, v_pool, scale, options["sliding_window"]))
     elif nd:
         parts.append(kernels.paged_attention_decode(
             q[:nd].contiguous(), k_pool, v_pool, tables[:nd], lens[:nd], scale, **options))
     if q.shape[0] > nd:
         parts.append(kernels.paged_attention_prefill(
-            q[nd:].contiguous(), k_pool, v_pool, tables[nd:], step.tensor("cu_seqlens_q", q.device), lens[nd:],
-            scale, **options))
+            q[nd:].contiguous(), k_pool, v_pool, tables[nd:], meta.cu_seqlens_q, lens[nd:], scale, **options))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.to(query.dtype)[None], None
 
 
-def _decode_by_sdpa(step, q, k_pool, v_pool, scale, window):
+def _decode_by_sdpa(step: PackedStep, q, k_pool, v_pool, scale, window):
     """CPU decode for an engine step: per group of similar-length sequences, one gather of their
     keys and values (slot indices built once per step, shared by all layers) and one fused SDPA
     call with a key-padding mask."""

@@ -52,6 +52,15 @@ class NoFreeBlocksError(RuntimeError):
         )
 
 
+def check_block_options(block_size: int, num_blocks: int | None) -> None:
+    """Raise ``ValueError`` naming the option unless ``block_size`` is a positive int and
+    ``num_blocks`` a positive int or ``None`` (a pool that grows)."""
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
+        raise ValueError(f"num_blocks must be a positive int or None, got {num_blocks!r}")
+
+
 @dataclass
 class _Sequence:
     table: list[int] = field(default_factory=list)
@@ -71,10 +80,7 @@ class BlockManager:
         self, block_size: int = 16, num_blocks: int | None = None, *, initial_blocks: int = 16,
         enable_prefix_caching: bool = False,
     ):
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
-            raise ValueError(f"num_blocks must be a positive int or None, got {num_blocks!r}")
+        check_block_options(block_size, num_blocks)
         self.block_size = block_size
         self.growable = num_blocks is None
         total = initial_blocks if num_blocks is None else num_blocks

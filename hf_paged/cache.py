@@ -1,17 +1,9 @@
 """``PagedKVCache``: a transformers ``Cache`` whose K/V live in blocks addressed by block tables.
 
-How it talks to the model (works on transformers 5.17, where layers call ``update(k, v, idx)``
-without kwargs, and on newer 5.x):
-
-1. ``update(k, v, layer_idx)`` only *stashes* the new states and returns them unchanged.
-2. The ``"hf_paged"`` attention function (``attention.py``) recognises the stashed tensors by
-   identity, asks the cache to commit them (the padding mask it receives says which new columns
-   are pads: those are not stored), then reads K/V through the block tables.
-
-So the cache never needs kwargs, and an attention call that did not come from this cache (a plain
-forward, training, a DynamicCache) is never mistaken for a paged one. If a model does not route
-its attention through ``AttentionInterface``, the stash is left unconsumed and the next cache call
-raises instead of letting the model run on partial keys.
+It talks to the model through the stash/claim channel of :mod:`hf_paged.channel`: ``update``
+stashes the new K/V, the ``"hf_paged"`` attention function claims them, asks this cache to
+:meth:`~PagedKVCache.commit` them (the padding mask it receives says which new columns are pads:
+those are not stored), then reads K/V through the block tables.
 
 Columns vs tokens: transformers counts *columns* (the padded length, pads included). The cache
 reports columns exactly as ``DynamicCache`` would (so masks and positions match stock), but stores
@@ -20,126 +12,13 @@ only real tokens; ``_token_index[row, column]`` maps each column to the row's to
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Any
-
 import torch
-from transformers import Cache, PretrainedConfig
-from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers import PretrainedConfig
 
 from hf_paged.block_manager import BlockManager
+from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, StashingCache
+from hf_paged.model_info import layer_structure
 from hf_paged.storage import PagedKVStorage
-
-_SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
-_active = threading.local()
-
-
-def active_cache() -> StashingCache | None:
-    """The paged cache whose ``update`` ran last in this thread (it may have nothing pending)."""
-    return getattr(_active, "cache", None)
-
-
-@contextlib.contextmanager
-def packed_forward():
-    """Marks an engine forward (one packed row of many sequences): masks are not built at all."""
-    _active.packed = True
-    try:
-        yield
-    finally:
-        _active.packed = False
-
-
-def in_packed_forward() -> bool:
-    return getattr(_active, "packed", False)
-
-
-def _layer_structure(config: PretrainedConfig) -> tuple[list[str], list[int | None]]:
-    """Per-layer (type, sliding window), derived the way ``DynamicCache(config=...)`` derives it."""
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
-    if isinstance(layer_kwargs, dict):  # transformers < 5.24: one dict for all layers
-        layer_kwargs = [layer_kwargs] * len(layer_types)
-    if getattr(config, "num_kv_shared_layers", 0) or len(layer_types) != config.num_hidden_layers:
-        raise NotImplementedError(
-            f"{type(config).__name__}: layers that reuse another layer's KV cache are not supported by PagedKVCache"
-        )
-    unsupported = sorted(set(layer_types) - set(_SUPPORTED_LAYER_TYPES))
-    if unsupported:
-        raise NotImplementedError(
-            f"{type(config).__name__}: PagedKVCache supports {_SUPPORTED_LAYER_TYPES} layers, not {unsupported}"
-        )
-    windows = [kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(layer_types, layer_kwargs)]
-    return list(layer_types), windows
-
-
-class _PagedLayerView:
-    """What transformers' ``Cache`` base expects to find in ``cache.layers``; state lives in the cache."""
-
-    is_compileable = False
-    supports_early_init = False
-    is_croppable = True
-
-    def __init__(self, cache: PagedKVCache, layer_idx: int, sliding_window: int | None):
-        self._cache, self.layer_idx, self.sliding_window = cache, layer_idx, sliding_window
-        self.is_sliding = sliding_window is not None
-
-    @property
-    def is_initialized(self) -> bool:
-        return self.layer_idx in self._cache.storage.key_pools
-
-    def get_seq_length(self) -> int:
-        return self._cache.get_seq_length(self.layer_idx)
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def __repr__(self) -> str:
-        kind = f"sliding({self.sliding_window})" if self.is_sliding else "full"
-        return f"PagedLayer({self.layer_idx}, {kind})"
-
-
-class StashingCache(Cache):
-    """The channel to the ``hf_paged`` attention function, shared by the generate() cache and the
-    engine's per-step cache: ``update`` stashes, the attention function claims by identity."""
-
-    _pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
-    _metadata: dict[str, torch.Tensor] = {}  # per-forward metadata, shared by all layers
-    _on_device: dict[Any, Any] = {}
-
-    def _set_metadata(self, metadata: dict[str, torch.Tensor]) -> None:
-        self._metadata, self._on_device = metadata, {}
-
-    def tensor(self, name: str, device: torch.device) -> torch.Tensor:
-        """Per-forward metadata, moved to each device once (layers may sit on different devices)."""
-        key = (name, device)
-        if key not in self._on_device:
-            self._on_device[key] = self._metadata[name].to(device, non_blocking=True)
-        return self._on_device[key]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Stash this layer's new K/V for the ``hf_paged`` attention call that follows."""
-        self._check_no_pending()
-        self._pending = (layer_idx, key_states, value_states)
-        _active.cache = self
-        return key_states, value_states
-
-    def _check_no_pending(self) -> None:
-        if self._pending is not None:
-            layer_idx = self._pending[0]
-            self._pending = None
-            raise RuntimeError(
-                f"PagedKVCache: layer {layer_idx} stored K/V but its attention never read them. The model must run "
-                "with attn_implementation='hf_paged' (call hf_paged.enable(model)) and route attention through "
-                "transformers' AttentionInterface."
-            )
-
-    def claim(self, key: torch.Tensor, value: torch.Tensor) -> int | None:
-        """If ``key``/``value`` are what ``update`` just stashed, take them: returns the layer index."""
-        pending = self._pending
-        if pending is None or pending[1] is not key or pending[2] is not value:
-            return None
-        self._pending = None
-        return pending[0]
 
 
 class PagedKVCache(StashingCache):
@@ -167,8 +46,8 @@ class PagedKVCache(StashingCache):
         if not isinstance(config, PretrainedConfig):
             raise TypeError(f"PagedKVCache needs the model config, got {type(config).__name__}")
         config = config.get_text_config(decoder=True)
-        self.layer_types, self.sliding_windows = _layer_structure(config)
-        super().__init__(layers=[_PagedLayerView(self, i, w) for i, w in enumerate(self.sliding_windows)])
+        self.layer_types, self.sliding_windows = layer_structure(config)
+        super().__init__(self.sliding_windows)
         self.config = config
         self.block_size = block_size
         self.manager = BlockManager(block_size, num_blocks)
@@ -179,19 +58,14 @@ class PagedKVCache(StashingCache):
         self._layer_columns = [0] * len(self.layers)
         self._token_index = torch.empty(0, 0, dtype=torch.long)  # [rows, columns], -1 for pads
         self._has_holes = False  # a pad column after a real one: kernels need contiguous tokens
-        self._set_metadata({})
 
     # ------------------------------------------------------------------ transformers API
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
     @property
     def batch_size(self) -> int:
         return len(self._rows) if self._rows else -1
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        self._check_no_pending()
+        self.check_no_pending()
         return self._layer_columns[layer_idx] if layer_idx < len(self._layer_columns) else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
@@ -220,7 +94,7 @@ class PagedKVCache(StashingCache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop columns at the end: ``crop(-n)`` removes ``n``; ``crop(n)`` with n > 0 keeps ``n``."""
-        self._check_no_pending()
+        self.check_no_pending()
         tokens_to_remove = int(tokens_to_remove)  # transformers 5.17 passes a 0-d tensor
         keep = self._columns + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, self._columns)
         if tokens_to_remove == 0 or keep == self._columns:
@@ -232,7 +106,7 @@ class PagedKVCache(StashingCache):
         self._token_index = self._token_index[:, :keep]
         self._columns = keep
         self._layer_columns = [keep] * len(self._layer_columns)
-        self._set_metadata({})
+        self.set_metadata(None)
 
     def reset(self) -> None:
         """Free every block and forget every row (the pools stay allocated for reuse)."""
@@ -242,8 +116,8 @@ class PagedKVCache(StashingCache):
         self._layer_columns = [0] * len(self._layer_columns)
         self._token_index = torch.empty(0, 0, dtype=torch.long)
         self._has_holes = False
-        self._pending = None
-        self._set_metadata({})
+        self.drop_pending()
+        self.set_metadata(None)
 
     def release(self) -> None:
         """Return all blocks and drop the pools (the cache can be reused afterwards)."""
@@ -259,7 +133,7 @@ class PagedKVCache(StashingCache):
         elif self._layer_columns[layer_idx] + q_len != self._columns:
             raise RuntimeError(f"PagedKVCache: layer {layer_idx} is out of step with the other layers")
         self.storage.ensure_layer(layer_idx, key.transpose(1, 2), self.manager.num_blocks)
-        slots = self.tensor("new_slots", key.device)
+        slots = self.metadata_on(key.device).slot_mapping
         self.storage.write(
             layer_idx,
             key.transpose(1, 2).reshape(rows * q_len, *key.shape[1:2], key.shape[-1]),
@@ -288,14 +162,14 @@ class PagedKVCache(StashingCache):
         tables = self.block_tables()
         all_slots = self._slots_of(self._token_index, tables)
         new_counts = torch.tensor(counts, dtype=torch.int32)
-        self._set_metadata({
-            "new_slots": all_slots[:, -q_len:],
-            "all_slots": all_slots,
-            "block_tables": tables,
-            "context_lens": lengths.to(torch.int32) + new_counts,
-            "cu_seqlens_q": torch.nn.functional.pad(new_counts.cumsum(0, dtype=torch.int32), (1, 0)),
-            "new_valid": valid,
-        })
+        self.set_metadata(AttentionMetadata(
+            slot_mapping=all_slots[:, -q_len:],
+            block_tables=tables,
+            context_lens=lengths.to(torch.int32) + new_counts,
+            cu_seqlens_q=torch.nn.functional.pad(new_counts.cumsum(0, dtype=torch.int32), (1, 0)),
+            column_slots=all_slots,
+            new_valid=valid,
+        ))
 
     def _slots_of(self, token_index: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         bs = self.block_size
@@ -314,7 +188,7 @@ class PagedKVCache(StashingCache):
 
     def _reindex_rows(self, sources: list[int]) -> None:
         """Row i of the new batch continues old row ``sources[i]``: fork, then free the old rows."""
-        self._check_no_pending()
+        self.check_no_pending()
         if not self._rows:  # nothing stored yet (e.g. a fresh cache): nothing to share
             return
         if any(not 0 <= s < len(self._rows) for s in sources):
@@ -328,14 +202,15 @@ class PagedKVCache(StashingCache):
             self.manager.free(seq_id)
         self._rows = new_rows
         self._token_index = self._token_index[sources]
-        self._set_metadata({})
+        self.set_metadata(None)
 
     # ------------------------------------------------------------------ reading (attention side)
     def block_tables(self) -> torch.Tensor:
-        """int32 ``[rows, max_blocks]`` block tables (−1 past each row's blocks)."""
+        """int32 ``[rows, max_blocks]`` block tables (``BLOCK_TABLE_PAD`` past each row's blocks)."""
         tables = [self.manager.block_table(s) for s in self._rows]
         width = max((len(t) for t in tables), default=0)
-        return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(len(tables), width)
+        padded = [t + [BLOCK_TABLE_PAD] * (width - len(t)) for t in tables]
+        return torch.tensor(padded, dtype=torch.int32).reshape(len(tables), width)
 
     def kv_window(self, layer_idx: int, q_len: int) -> tuple[int, int]:
         """(kv_offset, kv_length) of the columns a layer's attention covers, after committing ``q_len`` columns.
@@ -360,20 +235,14 @@ class PagedKVCache(StashingCache):
         """
         offset, length = self.kv_window(layer_idx, q_len)
         device = self.storage.key_pools[layer_idx].device
-        slots = self.tensor("all_slots", device)[:, offset : offset + length]
+        slots = self.metadata_on(device).column_slots[:, offset : offset + length]
         keys, values = self.storage.gather(layer_idx, slots)
         return keys.transpose(1, 2), values.transpose(1, 2)
-
-    def paged_metadata(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """For the kernels, on ``device``: int32 block tables, context lengths (tokens stored,
-        new ones included), cumulative new-token counts, and which new columns are real."""
-        names = ("block_tables", "context_lens", "cu_seqlens_q", "new_valid")
-        return {name: self.tensor(name, device) for name in names}
 
     @property
     def kernels_applicable(self) -> bool:
         """Kernels assume each row's tokens are contiguous (left padding only) and non-empty."""
-        return not self._has_holes and bool(self._metadata) and int(self._metadata["context_lens"].min()) > 0
+        return not self._has_holes and self.metadata is not None and int(self.metadata.context_lens.min()) > 0
 
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, float | int]:

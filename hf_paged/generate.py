@@ -15,31 +15,19 @@ copied, on write.
 from __future__ import annotations
 
 import functools
-import inspect
 import types
 from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from hf_paged.attention import ATTN_IMPLEMENTATION, fallback_implementation, set_fallback_implementation
+from hf_paged import attention
+from hf_paged.block_manager import check_block_options
 from hf_paged.cache import PagedKVCache
+from hf_paged.model_info import cache_kwarg, check_supported, takes_logits_to_keep, token_id_list
 
 CACHE_IMPLEMENTATION = "hf_paged"
 _OPTIONS_ATTR = "_hf_paged_options"
-
-
-def _check_supported(model: PreTrainedModel) -> None:
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(f"hf_paged.enable expects a transformers PreTrainedModel, got {type(model).__name__}")
-    if not getattr(model, "_supports_attention_backend", False):
-        raise NotImplementedError(
-            f"{type(model).__name__} computes attention inline instead of through transformers' "
-            "AttentionInterface, so its KV cache cannot be paged (hf_paged supports Llama, Mistral, Qwen2/3, "
-            "Gemma2/3, GPT-2, OPT, Phi-3, GPT-NeoX and other models that route through AttentionInterface)"
-        )
-    text_config = model.config.get_text_config(decoder=True)
-    PagedKVCache(text_config)  # raises early, naming the config, for unsupported layer structures
 
 
 def enable(model: PreTrainedModel, block_size: int = 16, num_blocks: int | None = None) -> PreTrainedModel:
@@ -51,17 +39,9 @@ def enable(model: PreTrainedModel, block_size: int = 16, num_blocks: int | None 
       fresh :class:`PagedKVCache` of ``block_size`` tokens per block and ``num_blocks`` blocks
       (``None``: grow on demand).
     """
-    _check_supported(model)
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
-        raise ValueError(f"num_blocks must be a positive int or None, got {num_blocks!r}")
-    current = model.config._attn_implementation
-    if current != ATTN_IMPLEMENTATION:
-        fallback = current or "sdpa"
-        for config in (model.config, model.config.get_text_config(decoder=True)):
-            set_fallback_implementation(config, fallback)
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    check_supported(model)
+    check_block_options(block_size, num_blocks)
+    attention.install(model)
     setattr(model, _OPTIONS_ATTR, {"block_size": block_size, "num_blocks": num_blocks})
     if not isinstance(model.__dict__.get("generate"), types.MethodType):
         model.generate = types.MethodType(_paged_generate, model)
@@ -69,18 +49,13 @@ def enable(model: PreTrainedModel, block_size: int = 16, num_blocks: int | None 
 
 
 def disable(model: PreTrainedModel) -> PreTrainedModel:
-    """Undo :func:`enable`: the previous attention implementation and stock ``generate``."""
-    if getattr(model, _OPTIONS_ATTR, None) is None:
-        return model
-    model.set_attn_implementation(fallback_implementation(model.config) or "sdpa")
-    model.__dict__.pop("generate", None)
-    delattr(model, _OPTIONS_ATTR)
+    """Undo :func:`enable` (or an engine's attention install): the previous attention
+    implementation and stock ``generate``."""
+    attention.uninstall(model)
+    if getattr(model, _OPTIONS_ATTR, None) is not None:
+        model.__dict__.pop("generate", None)
+        delattr(model, _OPTIONS_ATTR)
     return model
-
-
-def _cache_kwarg_name(model: PreTrainedModel) -> str:
-    """``cache`` on transformers >= 5.2x, ``past_key_values`` before."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _paged_generate(self: PreTrainedModel, *args, **kwargs):
@@ -94,7 +69,8 @@ def _paged_generate(self: PreTrainedModel, *args, **kwargs):
     if flagged:
         kwargs.pop("cache_implementation", None)
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if "cache" in kwargs and _cache_kwarg_name(self) != "cache":  # transformers < 5.2x knows only the old name
+    cache_name = cache_kwarg(self)
+    if "cache" in kwargs and cache_name != "cache":  # transformers < 5.2x knows only the old name
         kwargs["past_key_values"] = kwargs.pop("cache")
     created = False
     if flagged:
@@ -105,11 +81,11 @@ def _paged_generate(self: PreTrainedModel, *args, **kwargs):
             )
         if cache is None:
             cache = PagedKVCache(self.config, **getattr(self, _OPTIONS_ATTR))
-            kwargs[_cache_kwarg_name(self)] = cache
+            kwargs[cache_name] = cache
             created = True
     if not isinstance(cache, PagedKVCache):
         return stock_generate(*args, **kwargs)
-    if self.config._attn_implementation != ATTN_IMPLEMENTATION:
+    if self.config._attn_implementation != attention.ATTN_IMPLEMENTATION:
         raise ValueError(
             f"a PagedKVCache needs attn_implementation='hf_paged', but the model uses "
             f"'{self.config._attn_implementation}'; call hf_paged.enable(model)"
@@ -144,9 +120,8 @@ def _padding_mask(model: PreTrainedModel, input_ids: torch.Tensor, kwargs: dict[
     if mask is not None:
         return mask
     config = kwargs.get("generation_config") or model.generation_config
-    pad, eos = config.pad_token_id, config.eos_token_id
-    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    if pad is not None and pad not in eos and bool((input_ids == pad).any()):
+    pad = config.pad_token_id
+    if pad is not None and pad not in token_id_list(config.eos_token_id) and bool((input_ids == pad).any()):
         return input_ids.ne(pad).long()
     return torch.ones_like(input_ids)
 
@@ -168,10 +143,10 @@ def _prefill_shared_prompts(model: PreTrainedModel, cache: PagedKVCache, args: t
         "input_ids": input_ids[:, :-1],
         "attention_mask": prefix_mask,
         "position_ids": position_ids,
-        _cache_kwarg_name(model): cache,
+        cache_kwarg(model): cache,
         "use_cache": True,
     }
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+    if takes_logits_to_keep(model):
         forward_kwargs["logits_to_keep"] = 1
     model(**forward_kwargs)
     cache.batch_repeat_interleave(expand)

@@ -10,7 +10,7 @@ import pytest
 
 from hf_paged.bench import memory, run, sustainable_rates, systems, workloads
 from hf_paged.bench.workloads import Request, Workload
-from tiny_models import build
+from tests.helpers.tiny_models import build
 
 
 @pytest.fixture(scope="module")

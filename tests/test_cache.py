@@ -9,7 +9,7 @@ from transformers import DynamicCache
 import hf_paged
 from hf_paged import NoFreeBlocksError, PagedKVCache
 from hf_paged.storage import PagedKVStorage
-from tiny_models import UNSUPPORTED, build, left_padded
+from tests.helpers.tiny_models import UNSUPPORTED, build, left_padded
 
 STAT_KEYS = {
     "block_size", "blocks_total", "blocks_used", "blocks_shared", "tokens_stored", "slots_allocated",

@@ -7,7 +7,7 @@ import torch
 
 from hf_paged import LLMEngine, SamplingParams
 from hf_paged.engine.sequence import Status
-from tiny_models import VOCAB, build
+from tests.helpers.tiny_models import VOCAB, build
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
@@ -277,7 +277,7 @@ def test_beam_search_shares_blocks_between_beams(model):
     shared_seen = 0
     while engine.has_unfinished_requests():
         engine.step()
-        shared_seen = max(shared_seen, engine.kv.blocks.num_shared_blocks)
+        shared_seen = max(shared_seen, engine.kv.stats()["blocks_shared"])
     assert shared_seen >= 7  # the 57-token prompt's 7 full blocks are shared by all beams
     _check_no_leak(engine)
 
@@ -324,7 +324,7 @@ def test_engine_greedy_on_other_architectures(arch):
 
 
 def test_decode_groups_split_where_padding_would_cost_more_than_a_call():
-    from hf_paged.engine.model_runner import split_by_length
+    from hf_paged.engine.step_cache import split_by_length
 
     assert split_by_length([]) == []
     assert split_by_length([300] * 40) == [(0, 40)]  # equal lengths: nothing to save
@@ -332,3 +332,18 @@ def test_decode_groups_split_where_padding_would_cost_more_than_a_call():
     assert groups[0] == (0, 2) and groups[-1][1] == 12  # the two long ones alone, every row covered once
     assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
     assert split_by_length([900, 10], overhead=10_000) == [(0, 2)]  # a small saving is not worth a call
+
+
+def test_building_an_engine_leaves_generate_untouched():
+    """The engine installs the attention implementation only: ``model.generate`` stays stock."""
+    import transformers
+
+    model, stock = build("llama"), build("llama")
+    ids = torch.tensor([[5, 9, 14, 3, 22]])
+    LLMEngine(model, num_blocks=32)
+    assert "generate" not in model.__dict__ and type(model).generate is transformers.GenerationMixin.generate
+    assert model.config._attn_implementation == "hf_paged"  # installed: engine forwards are paged
+    with pytest.raises(ValueError, match="cache_implementation"):  # the flag belongs to hf_paged.enable
+        model.generate(input_ids=ids, max_new_tokens=2, cache_implementation="hf_paged")
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=6, do_sample=False),
+                       stock.generate(input_ids=ids, max_new_tokens=6, do_sample=False))

@@ -15,7 +15,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import hf_paged
 from hf_paged.storage import PagedKVStorage
-from tiny_models import ARCHITECTURES, build, left_padded
+from tests.helpers.tiny_models import ARCHITECTURES, build, left_padded
 
 BLOCK_SIZES = [1, 16, 32]
 PROMPT_LENGTHS = [5, 19, 40]  # cross block boundaries at 16 and 32

@@ -1,6 +1,6 @@
 """The Triton read path through whole models, on CPU under the Triton interpreter.
 
-``set_kernel_mode("triton")`` makes the attention function take the same route it takes on CUDA
+``kernels.set_backend("triton")`` makes the attention function take the same route it takes on CUDA
 (decode kernel for one new token per row, varlen prefill kernel otherwise, no gather of K/V); the
 outputs must still equal stock ``generate()``. Launches are counted, so a silent fallback to the
 reference path fails the test.
@@ -13,7 +13,7 @@ import torch
 
 import hf_paged
 from hf_paged import kernels
-from tiny_models import build, left_padded
+from tests.helpers.tiny_models import build, left_padded
 
 MODES = {"greedy": dict(do_sample=False), "beam3": dict(do_sample=False, num_beams=3)}
 
@@ -29,9 +29,9 @@ def launches(monkeypatch):
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(kernels, name, counted)
-    hf_paged.set_kernel_mode("triton")
+    kernels.set_backend("triton")
     yield counts
-    hf_paged.set_kernel_mode("auto")
+    kernels.set_backend("auto")
 
 
 @pytest.mark.parametrize(
@@ -51,3 +51,18 @@ def test_kernel_path_is_token_exact(arch, mode, launches):
     cache = getattr(out, "cache", None) or out.past_key_values
     cache.reset()
     assert cache.manager.num_used_blocks == 0
+
+
+def test_set_kernel_mode_is_a_deprecated_alias_of_the_one_switch():
+    try:
+        with pytest.warns(DeprecationWarning, match="kernels.set_backend"):
+            hf_paged.set_kernel_mode("reference")
+        assert kernels.get_backend() == "torch"
+        with pytest.warns(DeprecationWarning):
+            hf_paged.set_kernel_mode("triton")
+        assert kernels.get_backend() == "triton"
+        with pytest.raises(ValueError, match="kernel mode"):
+            hf_paged.set_kernel_mode("cuda")
+    finally:
+        kernels.set_backend("auto")
+    assert kernels.get_backend() is None

@@ -39,7 +39,7 @@ def sharing_savings(model, workload: Workload, block_size: int = 16) -> dict[str
     while engine.has_unfinished_requests():
         engine.step()
         live = [s for q in engine.scheduler.running for s in q.live_seqs if engine.kv.holds(s)]
-        shared += engine.kv.blocks.num_used_blocks
+        shared += engine.kv.stats()["blocks_used"]
         unshared += sum(len(engine.kv.block_table(s)) for s in live)
     return {"blocks_with_sharing": shared, "blocks_without_sharing": unshared,
             "saving": 1 - shared / unshared if unshared else 0.0}

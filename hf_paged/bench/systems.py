@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_paged.bench.workloads import Workload
+from hf_paged.model_info import kv_bytes_per_token
 
 
 @dataclass
@@ -74,10 +75,7 @@ class _Timestamps:
 
 
 def _kv_bytes_per_token(model) -> int:
-    cfg = model.config.get_text_config(decoder=True)
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * heads * head_dim * (torch.finfo(model.dtype).bits // 8)
+    return kv_bytes_per_token(model.config.get_text_config(decoder=True), model.dtype)
 
 
 @torch.inference_mode()
@@ -179,7 +177,7 @@ def engine_run(model, workload: Workload, **engine_kwargs) -> RunResult:
         t0 = time.perf_counter()
         outputs = engine.step()
         clock += time.perf_counter() - t0
-        peak_blocks = max(peak_blocks, engine.kv.blocks.num_used_blocks)
+        peak_blocks = max(peak_blocks, engine.kv.stats()["blocks_used"])
         max_running = max(max_running, sum(len(q.live_seqs) for q in engine.scheduler.running))
         for out in outputs:
             index = ids[out.request_id]

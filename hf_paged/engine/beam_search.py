@@ -33,6 +33,8 @@ import math
 
 import torch
 
+from hf_paged.model_info import token_id_list
+
 __all__ = ["BeamSearchState", "apply_min_new_tokens", "candidate_count", "generate_fill_token"]
 
 _NEG = -1.0e9  # transformers' "impossible" score: added, never assigned (except the initial values)
@@ -101,16 +103,12 @@ class BeamSearchState:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if min_new_tokens < 0:
             raise ValueError(f"min_new_tokens must be >= 0, got {min_new_tokens}")
-        if eos_token_ids is None:
-            eos_token_ids = []
-        elif isinstance(eos_token_ids, int):
-            eos_token_ids = [eos_token_ids]
 
         self.num_beams = num_beams
         self.num_return_sequences = num_return_sequences
         self.length_penalty = length_penalty
         self.early_stopping = early_stopping
-        self.eos_token_ids = list(eos_token_ids)
+        self.eos_token_ids = token_id_list(eos_token_ids)
         self.prompt_len = prompt_len
         self.max_new_tokens = max_new_tokens
         self.min_new_tokens = min_new_tokens

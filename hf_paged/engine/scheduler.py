@@ -5,6 +5,10 @@ for a prefilling one), then swapped-out requests come back, then waiting request
 while the token budget, the sequence limit and the free blocks allow. When a running request
 cannot get its slots, the newest running request is preempted as a whole: dropped and recomputed
 later ("recompute") or moved to the CPU block pool ("swap"; recompute when swap space is full).
+
+The scheduler is the only writer of KV state: :meth:`Scheduler.schedule` allocates (and
+preempts), :meth:`Scheduler.update_from_output` caches, forks and frees what the step's
+outcome says, :meth:`Scheduler.finish_request` frees an aborted request.
 """
 
 from __future__ import annotations
@@ -12,18 +16,25 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from hf_paged.engine.kv_cache_manager import KVCacheManager
+from hf_paged.engine.kv_cache_manager import BlockPairs, KVCacheManager
+from hf_paged.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from hf_paged.engine.sequence import Request, Sequence, Status
+from hf_paged.engine.step_result import FinishRequest, ForkSequence, FreeSequence, StepResult
 
 
 @dataclass
-class ScheduledBatch:
+class _StepPlan:
+    """What one ``schedule()`` call has decided so far (turned into a ``SchedulerOutput``)."""
+
     work: list[tuple[Request, Sequence, int]] = field(default_factory=list)  # (request, seq, new tokens)
     rejected: list[tuple[Request, str]] = field(default_factory=list)  # requests that can never fit
+    copies: BlockPairs = field(default_factory=list)
+    swap_out: BlockPairs = field(default_factory=list)
+    swap_in: BlockPairs = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, _, n in self.work)
+    def add(self, request: Request, work: list[tuple[Sequence, int]]) -> int:
+        self.work += [(request, seq, n) for seq, n in work]
+        return sum(n for _, n in work)
 
 
 class Scheduler:
@@ -40,13 +51,15 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.preemptions = {"recompute": 0, "swap": 0}
+        self.num_computed_prompt_tokens = 0
+        self._scheduled: dict[int, Sequence] | None = None  # the last output's sequences until it is applied
 
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request) -> None:
         request.status = Status.WAITING
         self.waiting.append(request)
 
-    def remove(self, request: Request) -> None:
+    def finish_request(self, request: Request) -> None:
         """Take a request out of whatever queue holds it and free its blocks (finish or abort)."""
         for queue in (self.waiting, self.running, self.swapped):
             if request in queue:
@@ -54,6 +67,12 @@ class Scheduler:
         for seq in request.seqs + request.finished_seqs:
             self.kv.free(seq)
         request.status = Status.FINISHED
+
+    def _release(self, seqs: list[Sequence]) -> None:
+        """Free the sequences' blocks; what they had computed must be computed again."""
+        for seq in seqs:
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -81,8 +100,12 @@ class Scheduler:
                 budget -= n
         return work
 
-    def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step: who computes which tokens, with what slots, copies and swaps.
+        Each output must go back through :meth:`update_from_output` before the next call."""
+        if self._scheduled is not None:
+            raise RuntimeError("Scheduler.schedule() called again before update_from_output() of the last step")
+        plan = _StepPlan()
         budget = self.max_num_batched_tokens
         preempted = False
         i = 0
@@ -95,28 +118,27 @@ class Scheduler:
             while not self.kv.can_append(work):
                 victim = self.running[-1]
                 if victim is request and len(self.running) == 1 and not self.swapped and not self.waiting:
-                    batch.rejected.append((request, "the request alone needs more KV blocks than the cache has"))
+                    plan.rejected.append((request, "the request alone needs more KV blocks than the cache has"))
                     self.running.remove(request)
                     work = []
                     break
-                self._preempt(victim)
+                self._preempt(victim, plan)
                 preempted = True
                 if victim is request:
                     work = []
                     break
             if not work:
                 continue
-            self.kv.append(work)
-            batch.work += [(request, seq, n) for seq, n in work]
-            budget -= sum(n for _, n in work)
+            plan.copies += self.kv.append(work)
+            budget -= plan.add(request, work)
             i += 1
         if not preempted:
-            budget = self._swap_in(batch, budget)
+            budget = self._swap_in(plan, budget)
         if not preempted and not self.swapped:
-            self._admit(batch, budget)
-        return batch
+            self._admit(plan, budget)
+        return self._output(plan)
 
-    def _swap_in(self, batch: ScheduledBatch, budget: int) -> int:
+    def _swap_in(self, plan: _StepPlan, budget: int) -> int:
         while self.swapped and budget > 0:
             request = self.swapped[0]
             seqs = request.live_seqs
@@ -125,17 +147,16 @@ class Scheduler:
             if not self.kv.can_swap_in(seqs, reserve=len(seqs)):
                 break
             self.swapped.popleft()
-            self.kv.swap_in(seqs)
+            plan.swap_in += self.kv.swap_in(seqs)
             request.status = Status.RUNNING
             self.running.append(request)
             work = self._work(request, budget)
             if work and self.kv.can_append(work):
-                self.kv.append(work)
-                batch.work += [(request, seq, n) for seq, n in work]
-                budget -= sum(n for _, n in work)
+                plan.copies += self.kv.append(work)
+                budget -= plan.add(request, work)
         return budget
 
-    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+    def _admit(self, plan: _StepPlan, budget: int) -> None:
         while self.waiting and budget > 0:
             request = self.waiting[0]
             if self._num_running_seqs() + self._width(request) > self.max_num_seqs and self.running:
@@ -147,43 +168,80 @@ class Scheduler:
             work = self._work(request, budget)
             needed_alone = sum(self.kv.blocks_for(seq.num_tokens + 1) for seq in seqs)
             if any(self.kv.waits_for_inflight(seq) for seq in seqs):
-                for seq in seqs:
-                    self.kv.free(seq)
-                    seq.num_computed_tokens = 0
+                self._release(seqs)
                 break
             if not work or not self.kv.can_append(work):
                 if not self.running and not self.swapped and needed_alone > self.kv.num_blocks:
                     self.waiting.popleft()
-                    batch.rejected.append((request, "the request needs more KV blocks than the cache has"))
-                    for seq in seqs:
-                        self.kv.free(seq)
+                    plan.rejected.append((request, "the request needs more KV blocks than the cache has"))
+                    self._release(seqs)
                     continue
-                for seq in seqs:  # give adopted prefix blocks back; they stay cached
-                    self.kv.free(seq)
-                    seq.num_computed_tokens = 0
+                self._release(seqs)  # give adopted prefix blocks back; they stay cached
                 break
             self.waiting.popleft()
             for seq in seqs:
                 self.kv.record_prefix_lookup(seq)
                 self.kv.mark_inflight(seq)
-            self.kv.append(work)
+            plan.copies += self.kv.append(work)
             request.status = Status.RUNNING
             self.running.append(request)
-            batch.work += [(request, seq, n) for seq, n in work]
-            budget -= sum(n for _, n in work)
+            budget -= plan.add(request, work)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self.running.remove(request)
         seqs = request.live_seqs
         if self.preemption_mode == "swap" and self.kv.can_swap_out(seqs):
-            self.kv.swap_out(seqs)
+            plan.swap_out += self.kv.swap_out(seqs)
             request.status = Status.SWAPPED
             self.swapped.append(request)
             self.preemptions["swap"] += 1
             return
-        for seq in seqs:
-            self.kv.free(seq)
-            seq.num_computed_tokens = 0
+        self._release(seqs)
         request.status = Status.WAITING
         self.waiting.appendleft(request)
         self.preemptions["recompute"] += 1
+
+    # ------------------------------------------------------------------ the step's two ends
+    def _output(self, plan: _StepPlan) -> SchedulerOutput:
+        """Pack the plan in forward order (decode tokens first, longest context first) with every
+        token's id, position and slot; the scheduled tokens count as computed from here on."""
+        decode = sorted((w for w in plan.work if w[2] == 1), key=lambda w: -w[1].num_computed_tokens)
+        ordered = decode + [w for w in plan.work if w[2] > 1]
+        bs = self.kv.block_size
+        sequences, ids, positions, slots, tables = [], [], [], [], []
+        for request, seq, n in ordered:
+            start = seq.num_computed_tokens
+            table = self.kv.block_table(seq)
+            span = range(start, start + n)
+            sequences.append(ScheduledSequence(request.request_id, seq.seq_id, start, n, start + n == seq.num_tokens))
+            ids += seq.token_ids[start : start + n]
+            positions += span
+            slots += [table[p // bs] * bs + p % bs for p in span]
+            tables.append(tuple(table))
+            if start < seq.num_prompt_tokens:
+                self.num_computed_prompt_tokens += min(n, seq.num_prompt_tokens - start)
+            seq.num_computed_tokens = start + n
+        self._scheduled = {seq.seq_id: seq for _, seq, _ in ordered}
+        return SchedulerOutput(
+            sequences=tuple(sequences), input_ids=tuple(ids), positions=tuple(positions), slot_mapping=tuple(slots),
+            block_tables=tuple(tables), num_blocks=self.kv.num_blocks, block_copies=tuple(plan.copies),
+            swap_out=tuple(plan.swap_out), swap_in=tuple(plan.swap_in),
+            rejected=tuple((request.request_id, why) for request, why in plan.rejected),
+        )
+
+    def update_from_output(self, output: SchedulerOutput, result: StepResult) -> None:
+        """Apply a step's outcome to KV memory: newly full blocks enter the prefix cache, then the
+        forks, frees and finished requests the output processor decided, in its order."""
+        if self._scheduled is None:
+            raise RuntimeError("Scheduler.update_from_output() without a scheduled step")
+        for scheduled in output.sequences:
+            self.kv.cache_full_blocks(self._scheduled[scheduled.seq_id])
+        self._scheduled = None
+        for update in result.updates:
+            match update:
+                case ForkSequence(parent, child):
+                    self.kv.fork(parent, child)
+                case FreeSequence(seq):
+                    self.kv.free(seq)
+                case FinishRequest(request):
+                    self.finish_request(request)

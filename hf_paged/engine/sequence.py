@@ -82,6 +82,10 @@ class Request:
         if not self.seqs:
             self.seqs = [Sequence(list(self.prompt_token_ids), len(self.prompt_token_ids))]
 
+    def sequence(self, seq_id: int) -> Sequence:
+        """The running sequence with this id."""
+        return next(s for s in self.seqs if s.seq_id == seq_id)
+
     @property
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]

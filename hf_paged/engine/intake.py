@@ -1,0 +1,64 @@
+"""From a user's prompt and ``SamplingParams`` to a validated :class:`Request`.
+
+Everything that can be wrong with a request is found here, before it is queued, and raised as a
+``ValueError`` that names the problem; the engine turns it into that request's error alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+
+import torch
+
+from hf_paged.engine.beam_search import BeamSearchState
+from hf_paged.engine.kv_cache_manager import KVCacheManager
+from hf_paged.engine.params import SamplingParams
+from hf_paged.engine.sequence import Request
+
+
+class RequestIntake:
+    def __init__(self, tokenizer, *, vocab_size: int, max_positions: int | None, eos_token_ids: list[int],
+                 kv: KVCacheManager, device: torch.device):
+        self.tokenizer, self.vocab_size, self.max_positions = tokenizer, vocab_size, max_positions
+        self.eos_token_ids, self.kv, self.device = eos_token_ids, kv, device
+
+    def tokens(self, prompt) -> tuple[str | None, list[int]]:
+        """``(text, token ids)`` of a string, a list of ids or a 1-D tensor of ids."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a string prompt needs a tokenizer (pass tokenizer= to LLMEngine)")
+            return prompt, list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return None, list(prompt)
+
+    def request(self, request_id: str, prompt, params: SamplingParams | None, taken: Container[str]) -> Request:
+        """A new request; ``taken`` holds the ids of the requests in flight."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self.tokens(prompt)
+        if request_id in taken:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not ids:
+            raise ValueError("empty prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary (size {self.vocab_size}): {bad[:5]}")
+        if self.max_positions and len(ids) >= self.max_positions:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit the model's {self.max_positions} positions")
+        if not self.kv.growable and self.kv.blocks_for(len(ids) + 1) > self.kv.num_blocks:
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds the whole KV cache "
+                             f"({self.kv.num_blocks} blocks of {self.kv.block_size})")
+        request = Request(request_id, ids, params, prompt=text)
+        if params.seed is not None:
+            request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if params.beam_search:
+            request.beam = BeamSearchState(
+                num_beams=params.num_beams, num_return_sequences=params.n, length_penalty=params.length_penalty,
+                early_stopping=params.early_stopping, eos_token_ids=[] if params.ignore_eos else self.eos_token_ids,
+                prompt_len=len(ids), max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens,
+            )
+        return request

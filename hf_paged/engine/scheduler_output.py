@@ -1,0 +1,69 @@
+"""``SchedulerOutput``: one step's decision, typed and immutable (vLLM V1's ``SchedulerOutput``).
+
+The scheduler writes it; the model runner executes it against storage and the model; nothing
+else is needed to run a step. It holds plain Python data only, so a tensor-parallel rank 0 can
+broadcast it and every rank execute the same step.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence's share of a step: tokens ``start .. start + num_tokens - 1`` are computed."""
+
+    request_id: str
+    seq_id: int
+    start: int  # tokens already cached before this step
+    num_tokens: int
+    needs_logits: bool  # the step reaches the sequence's last known token: a next token is due
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """Everything one step runs, in forward order.
+
+    ``sequences`` and the per-token fields follow the order of the packed forward: decoding
+    sequences (one token each, longest context first), then prefill chunks. ``block_tables``
+    are unpadded. Storage first grows to ``num_blocks``, then runs ``swap_out`` (device block →
+    CPU block), ``swap_in`` (CPU block → device block) and ``block_copies`` (copy-on-write, src →
+    dst) in that order, before the forward writes the new tokens at ``slot_mapping``.
+    """
+
+    sequences: tuple[ScheduledSequence, ...] = ()
+    input_ids: tuple[int, ...] = ()
+    positions: tuple[int, ...] = ()
+    slot_mapping: tuple[int, ...] = ()
+    block_tables: tuple[tuple[int, ...], ...] = ()
+    num_blocks: int = 0
+    block_copies: tuple[tuple[int, int], ...] = ()
+    swap_out: tuple[tuple[int, int], ...] = ()
+    swap_in: tuple[tuple[int, int], ...] = ()
+    rejected: tuple[tuple[str, str], ...] = ()  # (request_id, why): requests that can never fit
+
+    @functools.cached_property
+    def num_decode(self) -> int:
+        """Leading sequences that compute one token each (the decode kernel's share)."""
+        return next((i for i, s in enumerate(self.sequences) if s.num_tokens != 1), len(self.sequences))
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @functools.cached_property
+    def context_lens(self) -> tuple[int, ...]:
+        """Tokens each sequence has cached once this step's are written."""
+        return tuple(s.start + s.num_tokens for s in self.sequences)
+
+    @functools.cached_property
+    def logits_indices(self) -> tuple[int, ...]:
+        """Positions in the packed row whose logits are needed (one per ``needs_logits`` sequence)."""
+        indices, end = [], 0
+        for s in self.sequences:
+            end += s.num_tokens
+            if s.needs_logits:
+                indices.append(end - 1)
+        return tuple(indices)

@@ -1,0 +1,79 @@
+"""The cache object of one engine forward: metadata only; K/V live in the engine's storage.
+
+Built by the model runner from a ``SchedulerOutput`` and read by the ``hf_paged`` attention
+function through the :class:`~hf_paged.channel.PackedStep` protocol.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_paged.channel import AttentionMetadata, DecodeGroup, PackedStep
+from hf_paged.storage import PagedKVStorage
+
+# Padding a group to its longest sequence costs gather + attention work per key slot; a separate
+# group costs a fixed overhead of calls worth about this many key slots (measured on CPU).
+GROUP_OVERHEAD_SLOTS = 1024
+
+
+class PackedStepCache(PackedStep):
+    """One packed forward ``[1, total_tokens]``: positions come from ``position_ids`` and no mask
+    is built, so the cache reports no past and asks for no mask columns."""
+
+    def __init__(self, windows: list[int | None], storage: PagedKVStorage, num_blocks: int,
+                 metadata: AttentionMetadata):
+        super().__init__(windows)
+        self.storage, self.num_blocks = storage, num_blocks
+        self.set_metadata(metadata)
+        self._decode_groups: dict[tuple, list[DecodeGroup]] = {}
+
+    def decode_groups(self, window: int | None, dtype: torch.dtype) -> list[DecodeGroup]:
+        """The decoding sequences (sorted longest first by the scheduler) in groups of similar
+        length; padding points at slot 0 and gets -inf in the additive mask (SDPA on CPU is
+        faster with a float mask than a bool one). With a sliding ``window`` only the columns
+        some row of the group can see are gathered.
+
+        Built once per step and shared by all layers: on CPU one gather and one fused SDPA call per
+        group replace a per-sequence loop, and groups keep short sequences from paying for the
+        longest one's padding."""
+        key = (window, dtype)
+        if key not in self._decode_groups:
+            meta = self.metadata
+            lens = meta.context_lens[: meta.num_decode].long()
+            bs = self.storage.block_size
+            groups = []
+            for lo, hi in split_by_length(lens.tolist()):
+                longest = int(lens[lo])
+                first = max(0, int(lens[hi - 1]) - window) if window else 0
+                pos = torch.arange(first, longest)
+                table = meta.block_tables[lo:hi, : -(-longest // bs)].long()
+                slots = table.gather(1, (pos // bs).expand(hi - lo, -1)) * bs + pos % bs
+                visible = pos[None, :] < lens[lo:hi, None]
+                if window:
+                    visible &= pos[None, :] > lens[lo:hi, None] - 1 - window
+                mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+                groups.append(DecodeGroup(lo, hi, slots.where(visible, 0), mask[:, None, None, :]))
+            self._decode_groups[key] = groups
+        return self._decode_groups[key]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions come from position_ids; masks are not built
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return query_length, 0
+
+
+def split_by_length(lengths: list[int], overhead: int = GROUP_OVERHEAD_SLOTS) -> list[tuple[int, int]]:
+    """Split ``lengths`` (sorted, longest first) into contiguous groups ``[lo, hi)``: a group is
+    split where that saves the most padded slots, as long as the saving beats ``overhead``."""
+    if not lengths:
+        return []
+    best_saving, cut = 0, 0
+    for k in range(1, len(lengths)):
+        saving = (len(lengths) - k) * (lengths[0] - lengths[k])
+        if saving > best_saving:
+            best_saving, cut = saving, k
+    if best_saving <= overhead:
+        return [(0, len(lengths))]
+    head = split_by_length(lengths[:cut], overhead)
+    return head + [(lo + cut, hi + cut) for lo, hi in split_by_length(lengths[cut:], overhead)]

@@ -1,0 +1,248 @@
+"""The scheduler and ``KVCacheManager`` on their own: no model, no tensors (like vLLM's tests/v1/core).
+
+A step is played by hand: ``schedule()`` gives a ``SchedulerOutput``; ``play()`` stands in for the
+model runner and the output processor (each sequence due a token gets token 7; a request ends
+after ``max_new_tokens``) and hands the outcome back through ``update_from_output``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from hf_paged.engine.kv_cache_manager import KVCacheManager
+from hf_paged.engine.params import SamplingParams
+from hf_paged.engine.scheduler import Scheduler
+from hf_paged.engine.scheduler_output import SchedulerOutput
+from hf_paged.engine.sequence import Request, Status
+from hf_paged.engine.step_result import FinishRequest, ForkSequence, FreeSequence, StepResult
+
+BS = 4  # tokens per block
+_prompt_starts = itertools.count(1000, 1000)
+
+
+def scheduler(num_blocks: int | None = 32, *, budget: int = 64, max_seqs: int = 16, mode: str = "recompute",
+              prefix: bool = True, swap: int = 0) -> Scheduler:
+    kv = KVCacheManager(BS, num_blocks, enable_prefix_caching=prefix, swap_space_blocks=swap)
+    return Scheduler(kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget, preemption_mode=mode)
+
+
+def request(rid: str, prompt: list[int] | int, new: int = 3, **params) -> Request:
+    """A greedy request; an int prompt is that many tokens no other prompt shares."""
+    if isinstance(prompt, int):
+        start = next(_prompt_starts)
+        prompt = list(range(start, start + prompt))
+    tokens = prompt
+    return Request(rid, tokens, SamplingParams(max_new_tokens=new, temperature=0, **params))
+
+
+def play(s: Scheduler, out: SchedulerOutput, requests: dict[str, Request]) -> StepResult:
+    """One token (7) for every sequence due one; finished sequences and requests are given back."""
+    updates = [FinishRequest(requests[rid]) for rid, _ in out.rejected]
+    for scheduled in out.sequences:
+        req = requests[scheduled.request_id]
+        if not scheduled.needs_logits:
+            continue
+        seq = req.sequence(scheduled.seq_id)
+        seq.token_ids.append(7)
+        if len(seq.output_token_ids) >= req.params.max_new_tokens:
+            seq.finish_reason = "length"
+            req.seqs.remove(seq)
+            req.finished_seqs.append(seq)
+            updates.append(FreeSequence(seq))
+            if not req.live_seqs:
+                updates.append(FinishRequest(req))
+    result = StepResult(tuple(updates))
+    s.update_from_output(out, result)
+    return result
+
+
+def run_to_end(s: Scheduler, requests: dict[str, Request], max_steps: int = 500) -> list[SchedulerOutput]:
+    outputs = []
+    while s.has_unfinished():
+        assert len(outputs) < max_steps, "the scheduler made no progress"
+        outputs.append(s.schedule())
+        play(s, outputs[-1], requests)
+        s.kv.check_invariants()
+    assert s.kv.num_used_blocks() == 0, "blocks leaked"
+    return outputs
+
+
+def add(s: Scheduler, *reqs: Request) -> dict[str, Request]:
+    for r in reqs:
+        s.add(r)
+    return {r.request_id: r for r in reqs}
+
+
+def test_admission_is_first_come_first_served_within_the_sequence_limit():
+    s = scheduler(max_seqs=2)
+    reqs = add(s, request("a", 5), request("b", 6), request("c", 7))
+    out = s.schedule()
+    assert [x.request_id for x in out.sequences] == ["a", "b"]  # c waits: two sequences at most
+    assert [r.request_id for r in s.waiting] == ["c"] and reqs["c"].status is Status.WAITING
+    play(s, out, reqs)
+    run_to_end(s, reqs)
+    assert all(r.status is Status.FINISHED for r in reqs.values())
+
+
+def test_a_request_of_several_samples_counts_all_of_them():
+    s = scheduler(max_seqs=4)
+    add(s, request("a", 5), request("wide", 5, n=4))
+    out = s.schedule()
+    assert [x.request_id for x in out.sequences] == ["a"]  # 1 + 4 samples would exceed 4 sequences
+
+
+def test_chunked_prefill_within_the_token_budget():
+    s = scheduler(budget=8)
+    reqs = add(s, request("long", 20))
+    chunks = []
+    for _ in range(3):
+        out = s.schedule()
+        chunks.append([(x.start, x.num_tokens, x.needs_logits) for x in out.sequences])
+        assert out.num_scheduled_tokens <= 8
+        play(s, out, reqs)
+    assert chunks == [[(0, 8, False)], [(8, 8, False)], [(16, 4, True)]]  # logits only at the last prompt token
+    assert reqs["long"].seqs[0].num_computed_tokens == 20
+    run_to_end(s, reqs)
+
+
+def test_the_output_is_packed_in_forward_order_with_consistent_slots():
+    s = scheduler()
+    reqs = add(s, request("short", 3), request("long", 9))
+    play(s, s.schedule(), reqs)  # both prefilled; each now has one new token to compute
+    reqs.update(add(s, request("new", 6)))
+    out = s.schedule()
+    assert [(x.request_id, x.num_tokens) for x in out.sequences] == [("long", 1), ("short", 1), ("new", 6)]
+    assert out.num_decode == 2  # decode tokens first, longest context first, then the prefill chunk
+    assert out.context_lens == (10, 4, 6)
+    assert out.logits_indices == (0, 1, 7)
+    assert out.positions == (9, 3, 0, 1, 2, 3, 4, 5)
+    assert out.input_ids[:2] == (7, 7) and out.input_ids[2:] == tuple(reqs["new"].prompt_token_ids)
+    i = 0
+    for x, table in zip(out.sequences, out.block_tables):
+        assert table == tuple(s.kv.block_table(reqs[x.request_id].sequence(x.seq_id)))
+        for p in range(x.start, x.start + x.num_tokens):
+            assert out.slot_mapping[i] == table[p // BS] * BS + p % BS
+            i += 1
+    assert len(set(out.slot_mapping)) == len(out.slot_mapping)  # no two tokens share a slot
+    play(s, out, reqs)
+    run_to_end(s, reqs)
+
+
+def test_scheduler_output_is_immutable_plain_data():
+    s = scheduler()
+    add(s, request("a", 5))
+    out = s.schedule()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.input_ids = (1, 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.sequences[0].num_tokens = 99
+    for f in dataclasses.fields(out):
+        assert isinstance(getattr(out, f.name), (tuple, int)), f.name
+    hash(out.sequences)  # tuples of frozen records all the way down: nothing can be changed in place
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_of_the_newest_request(mode):
+    # 4 blocks of 4: two 8-token prompts take 2 blocks each; their first decode tokens need a 3rd each
+    s = scheduler(4, mode=mode, swap=4 if mode == "swap" else 0)
+    reqs = add(s, request("old", 8, new=8), request("new", 8, new=8))
+    play(s, s.schedule(), reqs)
+    assert s.kv.stats()["blocks_free"] == 0
+    out = s.schedule()
+    assert [x.request_id for x in out.sequences] == ["old"]  # the newest one made room
+    assert s.preemptions[mode] == 1
+    victim = reqs["new"]
+    if mode == "swap":
+        assert victim.status is Status.SWAPPED and len(out.swap_out) == 2 and not out.swap_in
+        assert s.kv.stats()["swap_blocks_used"] == 2 and not s.kv.holds(victim.seqs[0])
+        assert victim.seqs[0].num_computed_tokens == 8  # kept: its K/V are in swap space
+    else:
+        assert victim.status is Status.WAITING and s.waiting[0] is victim and not out.swap_out
+        assert victim.seqs[0].num_computed_tokens == 0  # to be computed again
+    play(s, out, reqs)
+    outputs = run_to_end(s, reqs)
+    if mode == "swap":
+        assert any(o.swap_in for o in outputs)  # it came back from swap space
+    assert all(len(r.finished_seqs[0].output_token_ids) == 8 for r in reqs.values())
+
+
+def test_a_request_that_can_never_fit_is_rejected_alone():
+    s = scheduler(4)
+    reqs = add(s, request("huge", 30), request("small", 3))
+    out = s.schedule()
+    assert out.rejected == (("huge", "the request needs more KV blocks than the cache has"),)
+    play(s, out, reqs)
+    assert reqs["huge"].status is Status.FINISHED
+    run_to_end(s, reqs)
+    assert reqs["small"].finished_seqs
+
+
+def test_prefix_hits_skip_cached_blocks_and_are_counted():
+    s = scheduler()
+    shared = list(range(20, 28))  # two full blocks
+    reqs = add(s, request("first", shared + [1, 2, 3]))
+    play(s, s.schedule(), reqs)
+    reqs.update(add(s, request("second", shared + [4, 5])))
+    out = s.schedule()
+    second = next(x for x in out.sequences if x.request_id == "second")
+    assert (second.start, second.num_tokens) == (8, 2)  # the shared 8 tokens were found cached
+    first_table = s.kv.block_table(reqs["first"].seqs[0])
+    assert second in out.sequences and out.block_tables[out.sequences.index(second)][:2] == tuple(first_table[:2])
+    stats = s.kv.stats()
+    assert stats["prefix_hit_tokens"] == 8 and stats["prefix_queried_tokens"] == 11 + 10
+    play(s, out, reqs)
+    run_to_end(s, reqs)
+    assert s.kv.stats()["blocks_cached"] >= 2  # cached blocks outlive their requests
+
+
+def test_a_block_being_computed_is_waited_for_not_computed_twice():
+    s = scheduler(budget=64)
+    shared = list(range(20, 28))
+    reqs = add(s, request("a", shared + [1]), request("b", shared + [2]))
+    out = s.schedule()
+    assert [x.request_id for x in out.sequences] == ["a"]  # b would compute the same two blocks
+    play(s, out, reqs)
+    out = s.schedule()
+    b = next(x for x in out.sequences if x.request_id == "b")
+    assert b.start == 8
+    play(s, out, reqs)
+    run_to_end(s, reqs)
+
+
+def test_update_from_output_alone_forks_and_frees():
+    s = scheduler()
+    reqs = add(s, request("a", 6, new=2))
+    out = s.schedule()
+    parent = reqs["a"].seqs[0]
+    used = s.kv.stats()["blocks_used"]
+    child = parent.fork(1)
+    reqs["a"].seqs.append(child)
+    s.update_from_output(out, StepResult((ForkSequence(parent, child),)))
+    assert s.kv.block_table(child) == s.kv.block_table(parent)
+    assert s.kv.stats()["blocks_shared"] == 2 and s.kv.stats()["blocks_used"] == used
+    parent.token_ids.append(7)
+    child.token_ids.append(8)
+    out = s.schedule()  # both write their token into the shared, partly filled second block
+    assert len(out.block_copies) == 1  # copy on write for one of them
+    src, dst = out.block_copies[0]
+    assert src in s.kv.block_table(parent) + s.kv.block_table(child) and src != dst
+    s.update_from_output(out, StepResult((FreeSequence(child),)))
+    assert not s.kv.holds(child)
+    s.update_from_output(s.schedule(), StepResult((FinishRequest(reqs["a"]),)))
+    assert reqs["a"].status is Status.FINISHED and s.kv.num_used_blocks() == 0 and not s.has_unfinished()
+
+
+def test_finish_request_frees_a_request_wherever_it_is():
+    s = scheduler(4, mode="swap", swap=4)
+    reqs = add(s, request("old", 8, new=8), request("new", 8, new=8), request("queued", 3))
+    play(s, s.schedule(), reqs)
+    play(s, s.schedule(), reqs)  # "new" is swapped out now
+    assert reqs["new"].status is Status.SWAPPED
+    for rid in ("new", "queued", "old"):
+        s.finish_request(reqs[rid])
+        assert reqs[rid].status is Status.FINISHED
+    assert s.kv.num_used_blocks() == 0 and not s.has_unfinished()
+    s.kv.check_invariants()
