@@ -87,6 +87,7 @@ class BlockManager:
         self._ref_counts: list[int] = [0] * total
         self._free: list[int] = list(range(total - 1, -1, -1))  # pop() hands out low ids first
         self._seqs: dict[SeqId, _Sequence] = {}
+        self._num_shared = 0  # blocks with a reference count above one
         self.blocks_peak = 0
         self.enable_prefix_caching = enable_prefix_caching
         self._key_of_block: dict[int, Hashable] = {}
@@ -115,7 +116,8 @@ class BlockManager:
 
     @property
     def num_shared_blocks(self) -> int:
-        return sum(1 for rc in self._ref_counts if rc > 1)
+        """Blocks held by more than one sequence (kept up to date, so reading it is free)."""
+        return self._num_shared
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -147,7 +149,7 @@ class BlockManager:
                 if block not in self._evictable:
                     raise BlockManagerError(f"cannot adopt free block {block}")
                 del self._evictable[block]
-            self._ref_counts[block] += 1
+            self._add_ref(block)
         self._seqs[seq_id] = _Sequence(table, length)
         self.blocks_peak = max(self.blocks_peak, self.num_used_blocks)
 
@@ -189,11 +191,16 @@ class BlockManager:
         self._ref_counts[block] = 1
         return block
 
+    def _add_ref(self, block: int) -> None:
+        rc = self._ref_counts[block] = self._ref_counts[block] + 1
+        self._num_shared += rc == 2
+
     def _release(self, block: int) -> None:
         rc = self._ref_counts[block]
         if rc <= 0:
             raise BlockManagerError(f"double free of block {block}")
         self._ref_counts[block] = rc - 1
+        self._num_shared -= rc == 2
         if rc == 1:
             if block in self._key_of_block:
                 self._evictable[block] = None
@@ -299,7 +306,7 @@ class BlockManager:
         if child in self._seqs:
             raise BlockManagerError(f"cannot fork into existing sequence {child!r}")
         for block in src.table:
-            self._ref_counts[block] += 1
+            self._add_ref(block)
         self._seqs[child] = _Sequence(list(src.table), src.length)
 
     def free(self, seq_id: SeqId) -> None:
@@ -337,6 +344,7 @@ class BlockManager:
             for block in seq.table:
                 counts[block] += 1
         assert counts == self._ref_counts, "reference counts differ from the tables holding each block"
+        assert self._num_shared == sum(1 for c in counts if c > 1), "the shared-block count is off"
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"
         unreferenced = {b for b, c in enumerate(counts) if c == 0}
