@@ -42,10 +42,6 @@ class KVCacheManager:
     def growable(self) -> bool:
         return self._blocks.growable
 
-    @property
-    def swap_space_blocks(self) -> int:
-        return self._swap.num_blocks if self._swap is not None else 0
-
     def block_table(self, seq: Sequence) -> list[int]:
         return self._blocks.block_table(seq.seq_id)
 
