@@ -1,9 +1,12 @@
 """The ``"hf_paged"`` attention and mask functions, registered with transformers' interfaces.
 
-Paged-ness is a property of the call, not of the model: a call whose key/value were stashed by a
-:class:`PagedKVCache` reads K/V through block tables; any other call (plain forward, training,
-DynamicCache) goes to the model's own implementation (``sdpa``, or ``eager`` for models such as
-Gemma2 whose softcap SDPA cannot do), with the mask that implementation would have received.
+Paged-ness is a property of the call, not of the model. A model keeps its own implementation
+(``sdpa``, ``eager``...) and ``config._attn_implementation`` says so, except while a paged forward
+runs: :func:`paged_call` switches the model's configs to ``"hf_paged"`` for that forward only, the
+way transformers' own continuous batching switches implementations for its session. Inside a
+paged forward, a call whose key/value were stashed by a paged cache reads K/V through block
+tables; any other call goes to the implementation the model had (its fallback), with the mask
+that implementation would have received.
 
 Read paths of a paged call, chosen by the kernels' one backend switch (:func:`hf_paged.kernels.set_backend`):
 
@@ -15,11 +18,13 @@ Read paths of a paged call, chosen by the kernels' one backend switch (:func:`hf
 An engine step (a :class:`~hf_paged.channel.PackedStep`) packs many sequences in one row; each
 attends only to its own blocks (decode tokens first, then the prefill chunks).
 
-:func:`install` is how a model gets this implementation; ``enable()`` and the engine both call it.
+:func:`paged_call` is how a forward gets this implementation; ``enable()``'s forward hooks and the
+engine's model runner both use it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import warnings
@@ -76,7 +81,7 @@ class PagedMask:
 
 
 def _remember_fallback(config, name: str) -> None:
-    """Remember what the model ran before :func:`install`: non-paged calls keep running it."""
+    """Remember what the model runs outside paged forwards: non-paged calls inside them run it too."""
     key = id(config)
     if key not in _fallbacks:
         weakref.finalize(config, _fallbacks.pop, key, None)
@@ -84,25 +89,46 @@ def _remember_fallback(config, name: str) -> None:
 
 
 def fallback_implementation(config) -> str | None:
-    """The implementation the model had before :func:`install` (None if unknown, e.g. a copied config)."""
+    """The implementation the model had outside its paged forwards (None if unknown, e.g. a copied config)."""
     return _fallbacks.get(id(config))
 
 
-def install(model: PreTrainedModel) -> None:
-    """Run ``model`` with the ``"hf_paged"`` implementation. Calls without a paged cache keep
-    running the implementation it had (remembered here, never written into its config)."""
-    current = model.config._attn_implementation
-    if current == ATTN_IMPLEMENTATION:
-        return
-    for config in (model.config, model.config.get_text_config(decoder=True)):
-        _remember_fallback(config, current or "sdpa")
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+def _switched_configs(model: PreTrainedModel) -> list:
+    """The configs a paged forward switches: the model's own and its text decoder's (a vision tower
+    of a composite model keeps its implementation: its attention is not cached)."""
+    configs = [model.config]
+    text = model.config.get_text_config(decoder=True)
+    if text is not model.config:
+        configs.append(text)
+    return configs
 
 
-def uninstall(model: PreTrainedModel) -> None:
-    """Undo :func:`install`: the model runs its previous implementation again."""
-    if model.config._attn_implementation == ATTN_IMPLEMENTATION:
-        model.set_attn_implementation(fallback_implementation(model.config) or "sdpa")
+def begin_paged_call(model: PreTrainedModel) -> list[tuple[object, str | None]]:
+    """Switch ``model`` to the ``"hf_paged"`` implementation; returns what :func:`end_paged_call`
+    restores. What each config had is remembered as its fallback (never written into the config)."""
+    saved = []
+    for config in _switched_configs(model):
+        current = config._attn_implementation_internal
+        if current != ATTN_IMPLEMENTATION:
+            _remember_fallback(config, current or "sdpa")
+        saved.append((config, current))
+        config._attn_implementation_internal = ATTN_IMPLEMENTATION
+    return saved
+
+
+def end_paged_call(saved: list[tuple[object, str | None]]) -> None:
+    for config, implementation in reversed(saved):
+        config._attn_implementation_internal = implementation
+
+
+@contextlib.contextmanager
+def paged_call(model: PreTrainedModel):
+    """Run the forwards inside with the ``"hf_paged"`` implementation (nesting is fine)."""
+    saved = begin_paged_call(model)
+    try:
+        yield
+    finally:
+        end_paged_call(saved)
 
 
 def _fallback_attention(module: torch.nn.Module, kwargs: dict) -> Callable:

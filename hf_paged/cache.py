@@ -12,6 +12,10 @@ only real tokens; ``_token_index[row, column]`` maps each column to the row's to
 
 from __future__ import annotations
 
+import itertools
+import weakref
+from dataclasses import dataclass, field
+
 import torch
 from transformers import PretrainedConfig
 
@@ -19,6 +23,16 @@ from hf_paged.block_manager import BlockManager
 from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, StashingCache
 from hf_paged.model_info import layer_structure
 from hf_paged.storage import PagedKVStorage
+
+
+@dataclass
+class _Pool:
+    """Blocks and their K/V, shared by a cache and its forks (each fork has rows of its own)."""
+
+    manager: BlockManager
+    storage: PagedKVStorage
+    seq_ids: itertools.count = field(default_factory=itertools.count)
+    users: weakref.WeakSet = field(default_factory=weakref.WeakSet)
 
 
 class PagedKVCache(StashingCache):
@@ -40,6 +54,9 @@ class PagedKVCache(StashingCache):
         cache = PagedKVCache(model.config, block_size=16)
         model.generate(**inputs, past_key_values=cache)
         cache.stats()
+
+    ``copy.deepcopy(cache)`` and :meth:`fork` give a cache that shares every block (copy on write):
+    a prompt cache can be reused for many requests at the cost of their new tokens only.
     """
 
     def __init__(self, config: PretrainedConfig, block_size: int = 16, num_blocks: int | None = None):
@@ -50,14 +67,46 @@ class PagedKVCache(StashingCache):
         super().__init__(self.sliding_windows)
         self.config = config
         self.block_size = block_size
-        self.manager = BlockManager(block_size, num_blocks)
-        self.storage = PagedKVStorage(block_size)
+        self._join(_Pool(BlockManager(block_size, num_blocks), PagedKVStorage(block_size)))
         self._rows: list[int] = []  # block-manager sequence id of each batch row
-        self._next_seq_id = 0
         self._columns = 0  # columns with allocated slots (all layers reach it within a forward)
         self._layer_columns = [0] * len(self.layers)
         self._token_index = torch.empty(0, 0, dtype=torch.long)  # [rows, columns], -1 for pads
         self._has_holes = False  # a pad column after a real one: kernels need contiguous tokens
+        self.prompt_copies = 1  # set by generate(): rows of the first forward are this many copies
+
+    def _join(self, pool: _Pool) -> None:
+        self._pool, self.manager, self.storage = pool, pool.manager, pool.storage
+        pool.users.add(self)
+
+    def fork(self) -> PagedKVCache:
+        """A cache with the same rows, sharing every block (copy on write): both continue on their own."""
+        self.check_no_pending()
+        clone = object.__new__(type(self))
+        StashingCache.__init__(clone, self.sliding_windows)
+        clone.layer_types, clone.sliding_windows = self.layer_types, self.sliding_windows
+        clone.config, clone.block_size = self.config, self.block_size
+        clone._join(self._pool)
+        clone._rows = []
+        for seq_id in self._rows:
+            clone._rows.append(clone._fresh_seq_id())
+            self.manager.fork(seq_id, clone._rows[-1])
+        clone._columns, clone._layer_columns = self._columns, list(self._layer_columns)
+        clone._token_index, clone._has_holes = self._token_index.clone(), self._has_holes
+        clone.prompt_copies = 1
+        return clone
+
+    def __deepcopy__(self, memo) -> PagedKVCache:
+        return self.fork()
+
+    def __del__(self) -> None:
+        # A fork may outlive this cache in the same pool: this cache's rows go back with it.
+        try:
+            for seq_id in self._rows:
+                if seq_id in self.manager:
+                    self.manager.free(seq_id)
+        except Exception:  # noqa: BLE001 - never raise from a finalizer (e.g. at interpreter exit)
+            pass
 
     # ------------------------------------------------------------------ transformers API
     @property
@@ -109,20 +158,24 @@ class PagedKVCache(StashingCache):
         self.set_metadata(None)
 
     def reset(self) -> None:
-        """Free every block and forget every row (the pools stay allocated for reuse)."""
-        self.manager.free_all()
+        """Free every block of this cache's rows and forget them (the pools stay allocated for reuse)."""
+        for seq_id in self._rows:
+            self.manager.free(seq_id)
         self._rows = []
         self._columns = 0
         self._layer_columns = [0] * len(self._layer_columns)
         self._token_index = torch.empty(0, 0, dtype=torch.long)
         self._has_holes = False
+        self.prompt_copies = 1
         self.drop_pending()
         self.set_metadata(None)
 
     def release(self) -> None:
-        """Return all blocks and drop the pools (the cache can be reused afterwards)."""
+        """Return all blocks and drop the pools unless a fork still uses them (the cache can be
+        reused afterwards)."""
         self.reset()
-        self.storage.clear()
+        if all(user is self for user in self._pool.users):
+            self.storage.clear()
 
     # ------------------------------------------------------------------ writing (attention side)
     def commit(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, new_valid: torch.Tensor | None) -> None:
@@ -178,8 +231,7 @@ class PagedKVCache(StashingCache):
         return torch.where(token_index >= 0, blocks * bs + safe % bs, -1)
 
     def _fresh_seq_id(self) -> int:
-        self._next_seq_id += 1
-        return self._next_seq_id - 1
+        return next(self._pool.seq_ids)
 
     def _new_seq(self) -> int:
         seq_id = self._fresh_seq_id()
@@ -203,6 +255,20 @@ class PagedKVCache(StashingCache):
         self._rows = new_rows
         self._token_index = self._token_index[sources]
         self.set_metadata(None)
+
+    def layer_states(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """K/V of one layer as ``DynamicCache`` holds them, ``[rows, kv_heads, columns, head_dim]``
+        (a sliding layer: its last ``window - 1`` columns); pad columns read as zeros (stock keeps
+        whatever the model computed there, which no mask lets through). A copy: ``layers[i].keys``."""
+        self.check_no_pending()
+        if layer_idx not in self.storage.key_pools or not self._rows:
+            return None, None
+        columns = self._layer_columns[layer_idx]
+        window = self.sliding_windows[layer_idx]
+        first = 0 if window is None else max(columns - (window - 1), 0)
+        slots = self._slots_of(self._token_index[:, first:columns], self.block_tables())
+        keys, values = self.storage.gather(layer_idx, slots)
+        return keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
 
     # ------------------------------------------------------------------ reading (attention side)
     def block_tables(self) -> torch.Tensor:

@@ -23,6 +23,7 @@ import abc
 import contextlib
 import dataclasses
 import threading
+import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -38,6 +39,11 @@ _thread = threading.local()
 def active_cache() -> StashingCache | None:
     """The paged cache whose ``update`` ran last in this thread (it may have nothing pending)."""
     return getattr(_thread, "cache", None)
+
+
+def clear_active_cache() -> None:
+    """Forget the active cache at the end of a paged forward (so it is not kept alive)."""
+    _thread.cache = None
 
 
 @contextlib.contextmanager
@@ -101,12 +107,33 @@ class PagedLayerView:
     is_croppable = True
 
     def __init__(self, cache: StashingCache, layer_idx: int, sliding_window: int | None):
-        self._cache, self.layer_idx, self.sliding_window = cache, layer_idx, sliding_window
+        # a weak reference: no cycle, so a cache nobody holds is freed (with its blocks) at once
+        self._cache = weakref.proxy(cache)
+        self.layer_idx, self.sliding_window = layer_idx, sliding_window
         self.is_sliding = sliding_window is not None
 
     @property
     def is_initialized(self) -> bool:
         return self.layer_idx in self._cache.storage.key_pools
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """This layer's keys as ``DynamicCache`` holds them (see ``layer_states``; a copy, read-only in effect)."""
+        return self._cache.layer_states(self.layer_idx)[0]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._cache.layer_states(self.layer_idx)[1]
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        pool = self._cache.storage.key_pools.get(self.layer_idx)
+        return None if pool is None else pool.dtype
+
+    @property
+    def device(self) -> torch.device | None:
+        pool = self._cache.storage.key_pools.get(self.layer_idx)
+        return None if pool is None else pool.device
 
     def get_seq_length(self) -> int:
         return self._cache.get_seq_length(self.layer_idx)
@@ -178,6 +205,10 @@ class StashingCache(Cache):
     def drop_pending(self) -> None:
         """Forget stashed K/V without complaint (the cache is being reset)."""
         self._pending = None
+
+    def layer_states(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A layer's K/V in ``DynamicCache``'s layout, where the cache has one (else ``(None, None)``)."""
+        return None, None
 
 
 class PackedStep(StashingCache, abc.ABC):

@@ -1,152 +1,214 @@
-"""``enable(model)``: the ``cache_implementation="hf_paged"`` flag for ``model.generate``.
+"""``enable(model)``: paged ``generate()`` through the ``cache_implementation="hf_paged"`` flag.
 
-transformers has no registry for cache implementations (``GenerationConfig`` validates a fixed
-tuple), so the flag is handled by wrapping *this model instance's* ``generate``: without the flag
-(and without a :class:`PagedKVCache` passed in) the wrapper calls stock ``generate`` untouched.
+transformers has no registry for cache implementations, so hf_paged adds two narrow hooks when it
+is imported, and nothing else on transformers' classes:
+
+1. ``GenerationConfig`` validation accepts ``"hf_paged"`` (it is appended to transformers' tuple of
+   cache implementations), so the flag can live wherever generation options live: a ``generate``
+   keyword, ``generation_config=``, ``model.generation_config``, a ``generation_config.json``, a
+   pipeline's generate options.
+2. ``GenerationMixin._prepare_cache_for_generation``: when the merged generation config asks for
+   ``"hf_paged"``, an enabled model gets a fresh :class:`PagedKVCache` (a model that was never
+   enabled gets an error saying so). Every other call goes to transformers' own code unchanged.
+   Hooking cache preparation (not ``generate``) makes every route into ``generate`` work,
+   ``GenerationMixin.generate(model, ...)`` and subclasses calling ``super().generate`` included.
+
+``enable`` itself adds torch forward hooks to that one model: a forward whose cache is paged runs
+with the ``"hf_paged"`` attention implementation (``attention.paged_call``); every other forward
+is stock, and ``model.config._attn_implementation`` reads as before outside paged forwards.
 
 Shared prompts (paper §4.4): with ``num_beams=k`` or ``num_return_sequences=n`` stock ``generate``
-repeats every prompt before prefill, so each copy would be computed and stored again. Instead the
-wrapper prefills the distinct prompts (all but their last token) once, forks each prompt's blocks
-to its copies, and hands the pre-filled cache to ``generate``, which then computes only the last
-prompt token per copy. The copies share the prompt's blocks; only the partial last block is
-copied, on write.
+repeats every prompt k times before the first forward. The first forward of a paged call instead
+runs the distinct prompts once and forks each prompt's blocks to its copies; the LM head alone runs
+on the repeated hidden states, so the logits come from a matrix of the shape stock uses and are
+bit-identical (the decoder layers compute a row the same whatever the batch; the LM head on one
+row per prompt would not: a matrix-vector product rounds differently). Calls that ask for
+attentions or hidden states compute every copy, as stock does, so those outputs match too.
 """
 
 from __future__ import annotations
 
 import functools
-import types
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.generation import configuration_utils as generation_configuration
 
 from hf_paged import attention
 from hf_paged.block_manager import check_block_options
 from hf_paged.cache import PagedKVCache
-from hf_paged.model_info import cache_kwarg, check_supported, takes_logits_to_keep, token_id_list
+from hf_paged.channel import StashingCache, clear_active_cache
+from hf_paged.model_info import cache_kwarg, check_supported
 
 CACHE_IMPLEMENTATION = "hf_paged"
 _OPTIONS_ATTR = "_hf_paged_options"
 
 
+@dataclass
+class _Options:
+    """What ``enable`` set on one model (an attribute of the model instance, never saved)."""
+
+    block_size: int
+    num_blocks: int | None
+    hooks: list = field(default_factory=list)
+    calls: list = field(default_factory=list)  # paged forwards in flight (what each must undo)
+
+
 def enable(model: PreTrainedModel, block_size: int = 16, num_blocks: int | None = None) -> PreTrainedModel:
     """Make ``model`` paged-capable; calling it again changes the options.
 
-    * sets ``attn_implementation="hf_paged"`` (calls without a paged cache still run the model's
-      previous implementation, so training and ordinary ``generate`` are unchanged);
-    * wraps this instance's ``generate`` so that ``cache_implementation="hf_paged"`` runs on a
-      fresh :class:`PagedKVCache` of ``block_size`` tokens per block and ``num_blocks`` blocks
-      (``None``: grow on demand).
+    ``cache_implementation="hf_paged"`` then runs ``generate`` on a fresh :class:`PagedKVCache` of
+    ``block_size`` tokens per block and ``num_blocks`` blocks (``None``: grow on demand), and any
+    forward given a ``PagedKVCache`` is paged. Everything else the model does stays stock.
     """
     check_supported(model)
     check_block_options(block_size, num_blocks)
-    attention.install(model)
-    setattr(model, _OPTIONS_ATTR, {"block_size": block_size, "num_blocks": num_blocks})
-    if not isinstance(model.__dict__.get("generate"), types.MethodType):
-        model.generate = types.MethodType(_paged_generate, model)
+    options = getattr(model, _OPTIONS_ATTR, None)
+    if options is None:
+        options = _Options(block_size, num_blocks)
+        options.hooks = [
+            model.register_forward_pre_hook(_before_forward, with_kwargs=True),
+            model.register_forward_hook(_after_forward, with_kwargs=True, always_call=True),
+        ]
+        setattr(model, _OPTIONS_ATTR, options)
+    options.block_size, options.num_blocks = block_size, num_blocks
     return model
 
 
 def disable(model: PreTrainedModel) -> PreTrainedModel:
-    """Undo :func:`enable` (or an engine's attention install): the previous attention
-    implementation and stock ``generate``."""
-    attention.uninstall(model)
-    if getattr(model, _OPTIONS_ATTR, None) is not None:
-        model.__dict__.pop("generate", None)
+    """Undo :func:`enable`: the model is stock again."""
+    options = getattr(model, _OPTIONS_ATTR, None)
+    if options is not None:
+        for handle in options.hooks:
+            handle.remove()
         delattr(model, _OPTIONS_ATTR)
     return model
 
 
-def _paged_generate(self: PreTrainedModel, *args, **kwargs):
-    stock_generate = functools.partial(type(self).generate, self)
-    flagged = kwargs.get("cache_implementation") == CACHE_IMPLEMENTATION
-    config = kwargs.get("generation_config")
-    if isinstance(config, GenerationConfig) and config.cache_implementation == CACHE_IMPLEMENTATION:
-        config = kwargs["generation_config"] = GenerationConfig.from_dict(config.to_dict())
-        config.cache_implementation = None
-        flagged = True
-    if flagged:
-        kwargs.pop("cache_implementation", None)
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    cache_name = cache_kwarg(self)
-    if "cache" in kwargs and cache_name != "cache":  # transformers < 5.2x knows only the old name
-        kwargs["past_key_values"] = kwargs.pop("cache")
-    created = False
-    if flagged:
-        if cache is not None and not isinstance(cache, PagedKVCache):
-            raise ValueError(
-                f"cache_implementation='hf_paged' was given together with a {type(cache).__name__}; pass no cache "
-                "(a PagedKVCache is created) or a PagedKVCache"
-            )
-        if cache is None:
-            cache = PagedKVCache(self.config, **getattr(self, _OPTIONS_ATTR))
-            kwargs[cache_name] = cache
-            created = True
-    if not isinstance(cache, PagedKVCache):
-        return stock_generate(*args, **kwargs)
-    if self.config._attn_implementation != attention.ATTN_IMPLEMENTATION:
+def is_enabled(model: PreTrainedModel) -> bool:
+    return getattr(model, _OPTIONS_ATTR, None) is not None
+
+
+# ---------------------------------------------------------------------- hooks on transformers
+def _accept_flag_in_generation_configs() -> None:
+    if CACHE_IMPLEMENTATION not in generation_configuration.ALL_CACHE_IMPLEMENTATIONS:
+        generation_configuration.ALL_CACHE_IMPLEMENTATIONS += (CACHE_IMPLEMENTATION,)
+
+
+_stock_prepare_cache = GenerationMixin._prepare_cache_for_generation
+
+
+@functools.wraps(_stock_prepare_cache)
+def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+    """transformers' cache preparation, plus ``cache_implementation="hf_paged"``."""
+    flagged = generation_config.cache_implementation == CACHE_IMPLEMENTATION
+    if flagged and not is_enabled(self) and getattr(generation_config, "is_assistant", False):
+        generation_config.cache_implementation = None  # an assistant inherited the flag: its default cache
+        flagged = False
+    if not flagged:
+        result = _stock_prepare_cache(self, generation_config, model_kwargs, *args, **kwargs)
+        _note_prompt_copies(model_kwargs.get(cache_kwarg(self)), generation_config)
+        return result
+    if not is_enabled(self):
+        raise ValueError(f"cache_implementation='hf_paged' needs hf_paged.enable(model) first "
+                         f"({type(self).__name__} was not enabled)")
+    name = cache_kwarg(self)
+    cache = model_kwargs.get(name)
+    if cache is not None and not isinstance(cache, PagedKVCache):
         raise ValueError(
-            f"a PagedKVCache needs attn_implementation='hf_paged', but the model uses "
-            f"'{self.config._attn_implementation}'; call hf_paged.enable(model)"
+            f"cache_implementation='hf_paged' was given together with a {type(cache).__name__}; pass no cache "
+            "(a PagedKVCache is created) or a PagedKVCache"
         )
-    try:
-        _prefill_shared_prompts(self, cache, args, kwargs)
-        result = stock_generate(*args, **kwargs)
-    except BaseException:
-        if created:
-            cache.release()
-        raise
-    if created and not hasattr(result, "sequences"):  # the caller cannot reach the cache: free it now
-        cache.release()
-    return result
+    if generation_config.use_cache is False:
+        return None
+    if cache is None:
+        options = getattr(self, _OPTIONS_ATTR)
+        cache = model_kwargs[name] = PagedKVCache(self.config, options.block_size, options.num_blocks)
+    _note_prompt_copies(cache, generation_config)
+    return None
 
 
-def _expansion(model: PreTrainedModel, kwargs: dict[str, Any]) -> int:
-    config = kwargs.get("generation_config") or model.generation_config
-    beams = kwargs.get("num_beams", config.num_beams) or 1
-    returns = kwargs.get("num_return_sequences", config.num_return_sequences) or 1
-    return max(beams, returns)
+def _note_prompt_copies(cache, generation_config) -> None:
+    """Tell a fresh paged cache how many copies of each prompt ``generate`` will send."""
+    if isinstance(cache, PagedKVCache) and cache.get_seq_length() == 0:
+        cache.prompt_copies = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
 
 
-def _input_ids(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
-    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-    return ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point() else None
+_accept_flag_in_generation_configs()
+GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
 
 
-def _padding_mask(model: PreTrainedModel, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
-    """The 2D mask generate will use (inferred from the pad token when none is given, as generate does)."""
-    mask = kwargs.get("attention_mask")
-    if mask is not None:
-        return mask
-    config = kwargs.get("generation_config") or model.generation_config
-    pad = config.pad_token_id
-    if pad is not None and pad not in token_id_list(config.eos_token_id) and bool((input_ids == pad).any()):
-        return input_ids.ne(pad).long()
-    return torch.ones_like(input_ids)
+# ---------------------------------------------------------------------- forward hooks of an enabled model
+@dataclass
+class _PagedForward:
+    saved: list  # the attention implementations to restore
+    copies: int = 1  # > 1: the distinct prompts run once, forked to this many copies after
+    lm_head_hook: Any = None
 
 
-@torch.no_grad()
-def _prefill_shared_prompts(model: PreTrainedModel, cache: PagedKVCache, args: tuple, kwargs: dict[str, Any]) -> None:
-    """Compute and store each distinct prompt once (but its last token), then fork it to its copies."""
-    expand = _expansion(model, kwargs)
-    input_ids = _input_ids(args, kwargs)
-    if expand <= 1 or input_ids is None or input_ids.shape[1] < 2 or cache.get_seq_length() > 0:
-        return
-    mask = _padding_mask(model, input_ids, kwargs)
-    if not bool(mask[:, -1].all()):  # right padding: the last column is not every row's last token
-        return
-    kwargs["attention_mask"] = mask
-    prefix_mask = mask[:, :-1]
-    position_ids = (prefix_mask.long().cumsum(-1) - 1).masked_fill(prefix_mask == 0, 0)
-    forward_kwargs = {
-        "input_ids": input_ids[:, :-1],
-        "attention_mask": prefix_mask,
-        "position_ids": position_ids,
-        cache_kwarg(model): cache,
-        "use_cache": True,
-    }
-    if takes_logits_to_keep(model):
-        forward_kwargs["logits_to_keep"] = 1
-    model(**forward_kwargs)
-    cache.batch_repeat_interleave(expand)
+def _paged_cache(kwargs: dict) -> StashingCache | None:
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    return cache if isinstance(cache, StashingCache) else None
+
+
+def _before_forward(model: PreTrainedModel, args: tuple, kwargs: dict):
+    cache = _paged_cache(kwargs)
+    if cache is None:
+        return None
+    call = _PagedForward(attention.begin_paged_call(model))
+    getattr(model, _OPTIONS_ATTR).calls.append(call)
+    distinct = _distinct_prompt_kwargs(model, cache, args, kwargs)
+    if distinct is None:
+        return None
+    call.copies = cache.prompt_copies
+    copies = call.copies
+    call.lm_head_hook = model.get_output_embeddings().register_forward_pre_hook(
+        lambda module, inputs: (inputs[0].repeat_interleave(copies, 0), *inputs[1:]))
+    return args, distinct
+
+
+def _after_forward(model: PreTrainedModel, args: tuple, kwargs: dict, output):
+    cache = _paged_cache(kwargs)
+    options = getattr(model, _OPTIONS_ATTR, None)
+    if cache is None or options is None or not options.calls:
+        return None
+    call = options.calls.pop()
+    attention.end_paged_call(call.saved)
+    clear_active_cache()
+    if call.copies == 1:
+        return None
+    call.lm_head_hook.remove()
+    cache.prompt_copies = 1
+    if output is None:  # the forward raised
+        return None
+    cache.batch_repeat_interleave(call.copies)
+    rows = cache.batch_size // call.copies
+    for key, value in output.items():  # every per-row output but the logits (already repeated)
+        if key != "logits" and isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
+            output[key] = value.repeat_interleave(call.copies, 0)
+    return output
+
+
+def _distinct_prompt_kwargs(model: PreTrainedModel, cache, args: tuple, kwargs: dict) -> dict | None:
+    """The first forward's inputs with each prompt once, if it is safe and worth it (else None)."""
+    copies = getattr(cache, "prompt_copies", 1)
+    if copies <= 1 or args or cache.get_seq_length() > 0 or model.get_output_embeddings() is None:
+        return None
+    if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+        return None  # those outputs are per copy: compute every copy, as stock does
+    inputs = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+    if not isinstance(inputs, torch.Tensor) or inputs.shape[0] % copies:
+        return None
+    rows = inputs.shape[0]
+    distinct = dict(kwargs)
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and value.dim():
+            if value.shape[0] != rows:
+                return None  # a per-image (or other) tensor: not safe to thin out
+            first = value[::copies]
+            if not torch.equal(first.repeat_interleave(copies, 0), value):
+                return None
+            distinct[key] = first
+    return distinct

@@ -5,6 +5,7 @@ Triton kernels run under the interpreter on CPU tensors; the variable must be se
 """
 
 import os
+import weakref
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -15,17 +16,27 @@ from hf_paged import PagedKVCache  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def no_block_leaks(monkeypatch):
-    """Every PagedKVCache a test creates must have consistent books, and give every block back."""
+    """Every PagedKVCache a test creates (forks included) must have consistent books, and give every
+    block back. A cache nobody holds any more gave its rows back when it was freed."""
     created = []
-    original_init = PagedKVCache.__init__
+    original_init, original_fork = PagedKVCache.__init__, PagedKVCache.fork
 
     def tracking_init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
-        created.append(self)
+        created.append(weakref.ref(self))
+
+    def tracking_fork(self):
+        clone = original_fork(self)
+        created.append(weakref.ref(clone))
+        return clone
 
     monkeypatch.setattr(PagedKVCache, "__init__", tracking_init)
+    monkeypatch.setattr(PagedKVCache, "fork", tracking_fork)
     yield
-    for cache in created:
+    alive = [cache for cache in (ref() for ref in created) if cache is not None]
+    for cache in alive:
         cache.manager.check_invariants()
+    for cache in alive:  # forks share a block manager: every one of them resets before the books are read
         cache.reset()
+    for cache in alive:
         assert cache.manager.num_used_blocks == 0 and cache.manager.sequences == []

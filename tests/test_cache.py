@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -94,8 +97,8 @@ def test_shared_prompt_prefill_computes_each_prompt_once(paged, monkeypatch):
     ids, mask = left_padded([50, 30])
     paged.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, num_beams=3, num_return_sequences=3,
                    do_sample=False, cache_implementation="hf_paged")
-    assert seen[0] == 2 * 49  # two distinct prompts, all but their last column
-    assert seen[1] == 6 * 1  # then the last prompt token for each of the 2 x 3 copies
+    assert seen[0] == 2 * 50  # two distinct prompts, each once (not once per copy)
+    assert seen[1] == 6 * 1  # then the first new token of each of the 2 x 3 copies
 
 
 def test_utilization_of_a_mixed_batch_of_32(paged):
@@ -185,7 +188,7 @@ def test_enabled_model_still_runs_plain_forward_and_training(llama):
             out = model(input_ids=ids, attention_mask=mask, labels=ids)
             out.loss.backward()
             model.eval()
-        assert llama.config._attn_implementation == "hf_paged"
+        assert llama.config._attn_implementation == "sdpa"  # paged-ness belongs to paged forwards only
         assert torch.equal(llama(input_ids=ids, attention_mask=mask).logits,
                            reference(input_ids=ids, attention_mask=mask).logits)
         for (name, p), q in zip(llama.named_parameters(), reference.parameters()):
@@ -267,9 +270,21 @@ def test_enable_leaves_no_trace_in_a_saved_config(paged, tmp_path):
 
 def test_flagged_generate_frees_its_blocks_when_the_cache_is_not_returned(paged, monkeypatch):
     created = []
-    original = PagedKVCache.release
-    monkeypatch.setattr(PagedKVCache, "release", lambda self: (created.append(self), original(self))[1])
+    original = PagedKVCache.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        created.append((weakref.ref(self), weakref.ref(self.storage), self.manager))
+
+    monkeypatch.setattr(PagedKVCache, "__init__", spy)
     ids, mask = left_padded([20, 9])
-    paged.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, num_beams=2, cache_implementation="hf_paged")
-    assert len(created) == 1 and created[0].stats()["blocks_used"] == 0
-    assert created[0].manager.blocks_peak > 0  # it did hold blocks while generating
+    gc.disable()  # freed by reference counting the moment generate returns, not by a later collection
+    try:
+        paged.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, num_beams=2,
+                       cache_implementation="hf_paged")
+        assert len(created) == 1
+        cache, storage, manager = created[0]
+        assert cache() is None and storage() is None  # the cache and its K/V pools are gone
+    finally:
+        gc.enable()
+    assert manager.blocks_peak > 0  # it did hold blocks while generating

@@ -335,14 +335,14 @@ def test_decode_groups_split_where_padding_would_cost_more_than_a_call():
 
 
 def test_building_an_engine_leaves_generate_untouched():
-    """The engine installs the attention implementation only: ``model.generate`` stays stock."""
+    """The engine's forwards are paged; the model itself stays stock (its generate, its attention)."""
     import transformers
 
     model, stock = build("llama"), build("llama")
     ids = torch.tensor([[5, 9, 14, 3, 22]])
     LLMEngine(model, num_blocks=32)
     assert "generate" not in model.__dict__ and type(model).generate is transformers.GenerationMixin.generate
-    assert model.config._attn_implementation == "hf_paged"  # installed: engine forwards are paged
+    assert model.config._attn_implementation == "sdpa"  # only the engine's own forwards are paged
     with pytest.raises(ValueError, match="cache_implementation"):  # the flag belongs to hf_paged.enable
         model.generate(input_ids=ids, max_new_tokens=2, cache_implementation="hf_paged")
     assert torch.equal(model.generate(input_ids=ids, max_new_tokens=6, do_sample=False),

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from hf_paged import attention
 from hf_paged.block_manager import check_block_options
 from hf_paged.engine.intake import RequestIntake
 from hf_paged.engine.kv_cache_manager import KVCacheManager
@@ -44,8 +43,8 @@ class LLMEngine:
         enable_prefix_caching: reuse cached full blocks of earlier prompts.
         preemption_mode: ``"recompute"`` or ``"swap"`` (to ``swap_space_blocks`` CPU blocks).
 
-    Building an engine installs the ``"hf_paged"`` attention implementation on ``model`` (plain
-    forwards keep running the previous one) and leaves ``model.generate`` as it is.
+    The engine's forwards run with the ``"hf_paged"`` attention implementation; everything else
+    about ``model`` stays as it is (its ``generate``, its attention implementation between steps).
     """
 
     def __init__(
@@ -60,7 +59,6 @@ class LLMEngine:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        attention.install(model)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = model.config.get_text_config(decoder=True)

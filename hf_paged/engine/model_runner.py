@@ -14,7 +14,8 @@ import itertools
 import torch
 from transformers import PreTrainedModel
 
-from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, packed_forward
+from hf_paged.attention import paged_call
+from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, clear_active_cache, packed_forward
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.step_cache import PackedStepCache
 from hf_paged.model_info import cache_kwarg, layer_structure, takes_logits_to_keep
@@ -50,8 +51,9 @@ class ModelRunner:
         keep_index = torch.tensor(step.logits_indices, dtype=torch.long, device=self.device)
         if self._logits_to_keep:
             forward["logits_to_keep"] = keep_index
-        with packed_forward():
+        with packed_forward(), paged_call(self.model):
             logits = self.model(**forward).logits[0]
+        clear_active_cache()
         if not self._logits_to_keep:
             logits = logits.index_select(0, keep_index)
         step_cache.check_no_pending()
