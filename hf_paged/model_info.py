@@ -1,8 +1,8 @@
 """What hf_paged needs to know about a transformers model, derived in one place.
 
-Whether it can be paged, its layer structure (full or sliding attention, and each window), the
-bytes one token of KV takes, which keyword its forward takes the cache under, and its EOS ids.
-The cache, ``enable()``, the engine and the benchmarks all ask here.
+Whether it can be paged (the rule: :mod:`hf_paged.model_support`), its layer structure (full or
+sliding attention, and each window), the bytes one token of KV takes, which keyword its forward
+takes the cache under, and its EOS ids. The cache, ``enable()``, the engine and the benchmarks all ask here.
 """
 
 from __future__ import annotations
@@ -14,48 +14,52 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
-
 
 def check_supported(model: PreTrainedModel) -> None:
-    """Raise, naming the class, unless ``model``'s attention and layers can be paged."""
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(f"hf_paged.enable expects a transformers PreTrainedModel, got {type(model).__name__}")
-    if not getattr(model, "_supports_attention_backend", False):
-        raise NotImplementedError(
-            f"{type(model).__name__} computes attention inline instead of through transformers' "
-            "AttentionInterface, so its KV cache cannot be paged (hf_paged supports Llama, Mistral, Qwen2/3, "
-            "Gemma2/3, GPT-2, OPT, Phi-3, GPT-NeoX and other models that route through AttentionInterface)"
-        )
-    layer_structure(model.config.get_text_config(decoder=True))
+    """Raise, naming the class, unless ``model``'s attention and layers can be paged.
+
+    ``TypeError`` for something that is not a ``PreTrainedModel``, ``NotImplementedError`` with the
+    reason otherwise; the rule is :func:`hf_paged.model_support.classify_model`.
+    """
+    from hf_paged import model_support  # not at import: `python -m hf_paged.model_support` runs it as __main__
+
+    model_support.check_supported(model)
 
 
 def layer_structure(config: PretrainedConfig) -> tuple[list[str], list[int | None]]:
     """Per-layer (type, sliding window), derived the way ``DynamicCache(config=...)`` derives it.
 
-    Reading configs is slow: callers on a hot path derive this once and keep it.
+    Raises ``NotImplementedError`` for layers the paged cache cannot hold (see
+    :func:`hf_paged.model_support.layer_problem`). Reading configs is slow: callers on a hot path
+    derive this once and keep it.
     """
+    from hf_paged import model_support
+
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    problem = model_support.layer_problem(config, layer_types)
+    if problem is not None:
+        raise NotImplementedError(f"{type(config).__name__}: PagedKVCache cannot hold these layers: {problem}")
     if isinstance(layer_kwargs, dict):  # transformers < 5.24: one dict for all layers
         layer_kwargs = [layer_kwargs] * len(layer_types)
-    if getattr(config, "num_kv_shared_layers", 0) or len(layer_types) != config.num_hidden_layers:
-        raise NotImplementedError(
-            f"{type(config).__name__}: layers that reuse another layer's KV cache are not supported by PagedKVCache"
-        )
-    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
-    if unsupported:
-        raise NotImplementedError(
-            f"{type(config).__name__}: PagedKVCache supports {SUPPORTED_LAYER_TYPES} layers, not {unsupported}"
-        )
-    windows = [kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(layer_types, layer_kwargs)]
+    windows = [kw.get("sliding_window") if t == "sliding_attention" else None
+               for t, kw in zip(layer_types, layer_kwargs)]
     return list(layer_types), windows
 
 
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token takes over all layers of ``config`` (a text config) in ``dtype``."""
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * heads * head_dim * (torch.finfo(dtype).bits // 8)
+    """Bytes of K and V one token takes over all layers of ``config`` (a text config) in ``dtype``.
+
+    Heterogeneous configs (Gemma 4: another head size on full-attention layers) are summed layer by layer."""
+    try:
+        layers = list(config.per_layer_config)
+    except Exception:  # noqa: BLE001 - configs without per-layer views
+        layers = [config] * config.num_hidden_layers
+    total = 0
+    for layer in layers:
+        heads = getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads
+        head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
+        total += heads * head_dim
+    return 2 * total * (torch.finfo(dtype).bits // 8)
 
 
 def max_positions(config: PretrainedConfig) -> int | None:

@@ -8,19 +8,21 @@ through ``AttentionInterface`` without setting it. What hf_paged relies on is ch
 2. **layers the cache supports**: every layer is ``full_attention`` or ``sliding_attention``
    (no linear-attention / state-space / convolution / chunked / compressed layers), no layer reuses
    another layer's K/V, and keys and values have the same head size;
-3. **attention through the interface, fed by the cache**: read from the source of every attention
-   module the model holds that writes the cache (``cache.update(k, v, layer_idx)``): the K/V that
+3. **attention through the interface, fed by the cache**: read from the source of every module
+   of the model *instance* that writes the cache (``cache.update(k, v, layer_idx)``): the K/V that
    ``update`` returns go unchanged into a function looked up in ``ALL_ATTENTION_FUNCTIONS`` by
-   ``config._attn_implementation``, with the layer's own ``attention_mask`` (the mask built by
-   ``transformers.masking_utils``); the module imports ``masking_utils``;
-4. **switchable**: transformers agrees to switch the model's attention implementation
-   (``_can_set_attn_implementation``, its own source heuristic) for the model and every sub-model
-   that holds such a layer.
+   ``config._attn_implementation``, with the layer's own ``attention_mask`` argument (the mask
+   ``transformers.masking_utils`` built: its module uses ``masking_utils``), and no keyword the
+   paged kernels and engine steps do not implement (they do scaling, sliding window, softcap; not
+   GPT-OSS's attention sinks ``s_aux``); sliding layers get a sliding-window mask; no module adds
+   or replaces the cache's layers.
 
-The source check looks at the classes the model *instance* holds, so a module that keeps an old
-inline class next to one that routes through the interface (DiffLlama's, say) is judged by the class
-in use. A runtime net remains: K/V stashed by ``update`` and never claimed by the attention function
-make the next cache call raise, so a model that slips past this gate fails loudly, never silently.
+Only modules that write the cache are judged, and only the classes the instance holds: a vision
+tower's inline attention (it caches nothing) does not matter, and a modeling file that keeps an old
+inline class next to one that routes through the interface is judged by the class in use. Every
+cache-writing class must pass; one that does not refuses the model. A runtime net remains: K/V
+stashed by ``update`` and never claimed by the attention function make the next cache call raise,
+so a model that slips past this gate fails loudly, never silently.
 
 ``python -m hf_paged.model_support`` prints the table of every ``*ForCausalLM`` architecture of the
 installed transformers (the README's "Supported models" section is this output).
@@ -29,6 +31,8 @@ installed transformers (the README's "Supported models" section is this output).
 from __future__ import annotations
 
 import ast
+import collections
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -43,7 +47,14 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+_NOT_MODEL_CODE = ("torch", "builtins", "transformers.modeling_utils", "transformers.generation",
+                   "transformers.integrations", "transformers.utils", "transformers.modeling_layers")
 _STATE_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding", "recurrent"}
+# Keywords of an attention call that the paged read paths honour (the kernels: scaling, sliding
+# window, softcap; dropout is 0 in eval; the rest are bookkeeping). Anything else, e.g. GPT-OSS's
+# attention sinks ``s_aux``, would be dropped by the Triton kernels and by an engine step.
+_HONOURED_KEYWORDS = {None, "module", "query", "key", "value", "attention_mask", "dropout", "scaling", "sliding_window",
+                      "softcap", "position_ids", "use_cache", "output_attentions", "is_causal"}
 _CROSS_ATTENTION_NAME = re.compile(r"(^|\.)(encoder_attn|cross_?attn\w*|crossattention|cross_attention\w*)$")
 
 # Reasons, one per kind of refusal (the table groups by these).
@@ -57,8 +68,11 @@ HEAD_DIMS = "keys and values of different head sizes"
 INLINE = "attention computed inline (no AttentionInterface)"
 KV_CHANGED = "K/V changed between cache.update and attention"
 OWN_MASK = "attention mask not the one masking_utils built"
-NOT_SWITCHABLE = "transformers cannot switch its attention implementation"
+ATTENTION_OPTIONS = "attention options the paged kernels lack"
+SLIDING_MASK = "sliding layers without a sliding-window mask"
 NO_KV_CACHE = "no layer writes a KV cache"
+CACHE_LAYERS_EDITED = "cache layers added or replaced by the model"
+NO_LAYER_STRUCTURE = "no layer structure a cache can read"
 NOT_BUILT = "cannot be built here"
 
 
@@ -78,16 +92,19 @@ class Support:
 
 
 # ---------------------------------------------------------------------------------------- layers
-def layer_problem(config: PretrainedConfig) -> Support | None:
-    """Why ``config``'s (text) layer structure cannot be paged, or None if it can."""
+def layer_problem(config: PretrainedConfig, layer_types: list[str] | None = None) -> Support | None:
+    """Why ``config``'s (text) layer structure cannot be paged, or None if it can.
+
+    ``layer_types``: what ``get_layer_types_and_kwargs(config)`` gives, when the caller has it already.
+    """
     if getattr(config, "num_kv_shared_layers", 0) or "reuse" in (getattr(config, "kv_sharing_modes", None) or ()):
         shared = getattr(config, "num_kv_shared_layers", 0)
         return Support(KV_SHARING, f"{shared} layers reuse another layer's K/V (num_kv_shared_layers)"
                        if shared else "some layers reuse another layer's K/V (kv_sharing_modes)")
     try:
-        layer_types, _ = get_layer_types_and_kwargs(config)
+        layer_types = layer_types if layer_types is not None else get_layer_types_and_kwargs(config)[0]
     except (AttributeError, TypeError, ValueError) as error:
-        return Support(OTHER_LAYERS, f"no readable layer structure in {type(config).__name__} ({_short(error)})")
+        return Support(NO_LAYER_STRUCTURE, f"{type(config).__name__} has no single decoder stack ({_short(error)})")
     if len(layer_types) != config.num_hidden_layers:
         return Support(KV_SHARING, f"{len(layer_types)} cache layers for {config.num_hidden_layers} layers")
     unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
@@ -124,13 +141,14 @@ def _key_head_dim(config: PretrainedConfig) -> int | None:
 class _Verdict:
     writes_cache: bool  # some method calls cache.update(k, v, layer_idx)
     problem: Support | None  # None: every cache write feeds an AttentionInterface call unchanged
+    edits_cache_layers: str | None = None  # the method that adds or replaces a cache's layers, if any
 
 
 def _functions(cls: type) -> Iterator[tuple[str, ast.FunctionDef]]:
     """The methods ``cls`` runs (resolved through its MRO), parsed, that transformers defines."""
     seen = set()
     for klass in cls.__mro__:
-        if not klass.__module__.startswith("transformers."):
+        if klass is object or klass.__module__.startswith(_NOT_MODEL_CODE):
             continue
         for name, fn in vars(klass).items():
             if name in seen or not inspect.isfunction(fn):
@@ -145,23 +163,43 @@ def _functions(cls: type) -> Iterator[tuple[str, ast.FunctionDef]]:
                 yield f"{klass.__name__}.{name}", node
 
 
+def _edits_cache_layers(fn: ast.AST) -> bool:
+    """``cache.layers += ...``, ``cache.layers[i] = ...``, ``cache.layers.append(...)`` (a cache-named object)."""
+    def is_layers(node):
+        return (isinstance(node, ast.Attribute) and node.attr == "layers"
+                and re.search(r"cache|past", ast.unparse(node.value)) is not None)
+    for n in ast.walk(fn):
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AugAssign) else []
+        for t in targets:
+            if is_layers(t) or (isinstance(t, ast.Subscript) and is_layers(t.value)):
+                return True
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("append", "extend"):
+            if is_layers(n.func.value):
+                return True
+    return False
+
+
 def _is_cache_update(call: ast.Call) -> bool:
     """``<cache>.update(key, value, layer_idx, ...)``: three positional arguments, the third a layer index."""
     func = call.func
     if not (isinstance(func, ast.Attribute) and func.attr == "update" and len(call.args) >= 3):
         return False
-    return "layer_idx" in ast.unparse(call.args[2]) or "layer" in ast.unparse(call.args[2])
+    return "layer" in ast.unparse(call.args[2])
 
 
 def _mentions(node: ast.AST, name: str) -> bool:
-    return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
+    """``name`` appears in ``node``, bare or as an attribute (``modeling_x.ALL_ATTENTION_FUNCTIONS``)."""
+    return any((isinstance(n, ast.Name) and n.id == name) or (isinstance(n, ast.Attribute) and n.attr == name)
+               for n in ast.walk(node))
 
 
 def _lookup_by_implementation(node: ast.AST) -> bool:
-    """``ALL_ATTENTION_FUNCTIONS.get_interface(<..._attn_implementation>, ...)`` or ``ALL_ATTENTION_FUNCTIONS[<...>]``."""
+    """``ALL_ATTENTION_FUNCTIONS.get_interface(<..._attn_implementation>, ...)`` or
+    ``ALL_ATTENTION_FUNCTIONS[<..._attn_implementation>]``: the implementation the config names."""
     for n in ast.walk(node):
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get_interface":
-            if _mentions(n.func.value, "ALL_ATTENTION_FUNCTIONS") and n.args and "_attn_implementation" in ast.unparse(n.args[0]):
+            if (_mentions(n.func.value, "ALL_ATTENTION_FUNCTIONS") and n.args
+                    and "_attn_implementation" in ast.unparse(n.args[0])):
                 return True
         if isinstance(n, ast.Subscript) and _mentions(n.value, "ALL_ATTENTION_FUNCTIONS"):
             if "_attn_implementation" in ast.unparse(n.slice):
@@ -236,23 +274,34 @@ def _check_function(where: str, fn: ast.FunctionDef) -> Support | None:
             return Support(KV_CHANGED, f"{where} passes computed K/V to the attention function")
         feeding = [(k, v, line) for k, v, line in written if (k, v) == (key.id, value.id) and line < call.lineno]
         if not feeding:
-            return Support(KV_CHANGED, f"{where} passes {key.id}/{value.id}, not what cache.update returned")
+            stored = "/".join(dict.fromkeys(f"{k}/{v}" for k, v, _ in written))
+            return Support(KV_CHANGED, f"{where} stores {stored} with cache.update but gives attention "
+                                       f"{key.id}/{value.id} derived from them")
         _, _, line = max(feeding, key=lambda w: w[2])
         changed = sorted({n for n, at in assignments if n in (key.id, value.id) and line < at < call.lineno})
         if changed:
             return Support(KV_CHANGED, f"{where} reassigns {'/'.join(changed)} after cache.update")
+        unknown = sorted(k.arg for k in call.keywords if k.arg not in _HONOURED_KEYWORDS)
+        if unknown:
+            return Support(ATTENTION_OPTIONS, f"{where} passes {', '.join(unknown)} to attention, which the paged "
+                                              "kernels and engine steps do not implement")
         mask = _argument(call, 4, "attention_mask")
-        if not (isinstance(mask, ast.Name) and mask.id in params and not any(n == mask.id for n, _ in assignments)):
+        if isinstance(mask, ast.Name) and mask.id in params:
+            if any(n == mask.id for n, _ in assignments):
+                return Support(OWN_MASK, f"{where} replaces its {mask.id} argument before the attention call")
+        else:
             shown = ast.unparse(mask) if mask is not None else "no mask"
-            return Support(OWN_MASK, f"{where} passes {shown} instead of the attention_mask it was given")
+            return Support(OWN_MASK, f"{where} gives attention {shown}, not the mask it was passed")
     return None
 
 
 @functools.lru_cache(maxsize=None)
 def source_verdict(cls: type) -> _Verdict:
     """Read ``cls``'s methods: does it write the cache, and does every write reach the interface unchanged?"""
-    writes, problem = False, None
+    writes, problem, edits = False, None, None
     for where, fn in _functions(cls):
+        if edits is None and _edits_cache_layers(fn):
+            edits = where
         if not any(isinstance(n, ast.Call) and _is_cache_update(n) for n in ast.walk(fn)):
             continue
         writes = True
@@ -261,7 +310,7 @@ def source_verdict(cls: type) -> _Verdict:
         source = inspect.getsource(sys.modules[cls.__module__]) if cls.__module__ in sys.modules else ""
         if "masking_utils" not in source:
             problem = Support(OWN_MASK, f"{cls.__module__} does not use transformers.masking_utils")
-    return _Verdict(writes, problem)
+    return _Verdict(writes, problem, edits)
 
 
 # ------------------------------------------------------------------------------------ the gate
@@ -301,25 +350,40 @@ def classify_model(model: PreTrainedModel, reference: PretrainedConfig | None = 
             writers.setdefault(type(module), []).append(name)
     if not writers:
         return Support(NO_KV_CACHE, "no module calls cache.update(key, value, layer_idx)")
+    for cls in {type(m) for m in model.modules()}:
+        where = source_verdict(cls).edits_cache_layers
+        if where:
+            return Support(CACHE_LAYERS_EDITED, f"{where} adds or replaces entries of cache.layers")
     for cls, names in writers.items():
-        cross = [n for n in names if _CROSS_ATTENTION_NAME.search(n)] or (names if "CrossAttention" in cls.__name__ else [])
+        cross = [n for n in names if _CROSS_ATTENTION_NAME.search(n)]
+        cross = cross or (names if "CrossAttention" in cls.__name__ else [])
         if cross:
             return Support(CROSS_ATTENTION, f"{cls.__name__} at {cross[0]} attends to encoder/vision states")
     for cls in writers:
         problem = source_verdict(cls).problem
         if problem is not None:
             return problem
-    problem = head_dim_problem(reference)
+    problem = head_dim_problem(reference) or sliding_mask_problem(reference, writers)
     if problem is not None:
         return problem
-    holders = [model] + [m for m in model.modules() if isinstance(m, PreTrainedModel) and m is not model
-                         and any(type(sub) in writers for sub in m.modules())]
-    for holder in holders:
-        if not type(holder)._can_set_attn_implementation():
-            return Support(NOT_SWITCHABLE, f"{type(holder).__module__.rsplit('.', 1)[-1]} has an attention class "
-                                           "without ALL_ATTENTION_FUNCTIONS.get_interface, so "
-                                           f"set_attn_implementation leaves {type(holder).__name__} as it is")
     return Support(SUPPORTED)
+
+
+def sliding_mask_problem(config: PretrainedConfig, writers) -> Support | None:
+    """Sliding layers whose model never builds a sliding-window mask: stock then attends the whole
+    prompt at prefill and only the cache's window afterwards, which an engine step cannot mirror."""
+    try:
+        types = get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0]
+    except Exception:  # noqa: BLE001 - layer_problem has judged this config already
+        return None
+    if "sliding_attention" not in types:
+        return None
+    for cls in writers:
+        source = inspect.getsource(sys.modules[cls.__module__]) if cls.__module__ in sys.modules else ""
+        if not any(name in source for name in ("create_sliding_window_causal_mask", "create_masks_for_generate")):
+            return Support(SLIDING_MASK, f"sliding_attention layers, but {cls.__module__.rsplit('.', 1)[-1]} builds "
+                                         "only full causal masks")
+    return None
 
 
 def check_supported(model: PreTrainedModel) -> None:
@@ -346,9 +410,13 @@ _TINY = dict(
     qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=16, q_lora_rank=16, qk_head_dim=16,
     index_head_dim=16, index_n_heads=2, index_topk=8, first_k_dense_replace=1,
     swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
-    vocab_size_per_layer_input=96, hidden_size_per_layer_input=16,
+    vocab_size_per_layer_input=96, hidden_size_per_layer_input=16, rotary_dim=8, moe_k=2, moe_topk=2,
     pad_token_id=0, eos_token_id=1, bos_token_id=2, initializer_range=0.3,
 )
+_NONE_MEANS_OFF = ("sliding_window", "sliding_window_size", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+                   "qk_nope_head_dim", "qk_head_dim", "v_head_dim", "index_head_dim", "index_n_heads", "index_topk",
+                   "first_k_dense_replace", "swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim",
+                   "vocab_size_per_layer_input", "hidden_size_per_layer_input", "n_inner")
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
@@ -372,8 +440,12 @@ def tiny_config(config: PretrainedConfig) -> PretrainedConfig:
         if isinstance(values.get(key), int) and not isinstance(values.get(key), bool):
             kwargs[key] = layers
     for key, value in _TINY.items():
-        if key in values and not isinstance(values[key], bool) and (values[key] is not None or key in _TOKEN_IDS):
+        if key not in values or isinstance(values[key], bool):
+            continue
+        if values[key] is not None or key not in _NONE_MEANS_OFF:
             kwargs[key] = value
+    if "is_decoder" in values:  # BERT-style and Reformer causal LMs are decoders only with this set
+        kwargs["is_decoder"] = True
     for key, value in values.items():
         if key in kwargs or key == "layer_types":
             continue
@@ -386,25 +458,41 @@ def tiny_config(config: PretrainedConfig) -> PretrainedConfig:
 
 
 # ------------------------------------------------------------------------------------ the table
+# Architectures whose tiny model builds but that the generic text test cannot drive.
+UNTESTED = {
+    "musicgen_melody": "audio-codebook ids and its own delay-pattern generate(); the text test does not apply",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """One ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` entry: its verdict, and whether a tiny model of it builds."""
+    """One ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` entry: its verdict, and whether the tests run a tiny model of it."""
 
     model_type: str
     class_name: str
     support: Support
-    tiny: bool  # a tiny model was built from tiny_config(default config): the tests run it
+    tiny: bool  # a tiny model was built from tiny_config(its default config)
+    note: str = ""  # why a supported architecture is not tested; what configs of it are refused
 
     @property
     def tested(self) -> bool:
-        return self.support.supported and self.tiny
+        """Supported, and run by tests/test_architectures.py (greedy and beam search equal to stock)."""
+        return self.support.supported and self.tiny and self.model_type not in UNTESTED
 
 
+@contextlib.contextmanager
 def _quiet():
+    """Building ~200 default configs and tiny models warns a lot: keep it out of the output."""
     from transformers.utils import logging
 
+    level = logging.get_verbosity()
     logging.set_verbosity_error()
-    warnings.filterwarnings("ignore")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.set_verbosity(level)
 
 
 def _model_class(model_type: str, class_name: str) -> tuple[type, type]:
@@ -420,14 +508,22 @@ def _model_class(model_type: str, class_name: str) -> tuple[type, type]:
     return cls, config_class
 
 
-def build_tiny(model_type: str, class_name: str | None = None, seed: int = 0) -> PreTrainedModel:
+def build_tiny(model_type: str, class_name: str | None = None, seed: int = 0,
+               initializer_range: float | None = None) -> PreTrainedModel:
     """A tiny float32 model of ``model_type`` (its ``*ForCausalLM`` class by default), random weights, eval mode."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     cls, config_class = _model_class(model_type, class_name or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     config = tiny_config(config_class())
+    if initializer_range is not None:
+        for sub in [config, *(getattr(config, key) for key in getattr(config, "sub_configs", {}))]:
+            if isinstance(sub, PretrainedConfig):
+                sub.initializer_range = initializer_range
     torch.manual_seed(seed)
-    return cls._from_config(config, dtype=torch.float32).eval()
+    model = cls._from_config(config, dtype=torch.float32).eval()
+    if hasattr(model, "set_default_language") and getattr(config, "languages", None):  # X-MOD's adapters
+        model.set_default_language(config.languages[0])
+    return model
 
 
 def classify_entry(model_type: str, class_name: str) -> Entry:
@@ -443,12 +539,31 @@ def classify_entry(model_type: str, class_name: str) -> Entry:
     try:
         return Entry(model_type, class_name, classify_model(build_tiny(model_type, class_name), config), True)
     except Exception as error:  # noqa: BLE001
+        why = f"no tiny model: {_short(error)}"
         try:  # the default config on the meta device: modules, no memory
             with torch.device("meta"):
                 model = cls._from_config(config)
-        except Exception:  # noqa: BLE001
-            return Entry(model_type, class_name, Support(NOT_BUILT, f"tiny model: {_short(error)}"), False)
-        return Entry(model_type, class_name, classify_model(model), False)
+        except Exception:  # noqa: BLE001 - judge every class of its module instead
+            why += "; the default config does not build"
+            return Entry(model_type, class_name, module_verdict(cls), False, why)
+        return Entry(model_type, class_name, classify_model(model), False, why)
+
+
+def module_verdict(cls: type) -> Support:
+    """Judge a model class that cannot be built by the source of every module class in its modeling file."""
+    module = sys.modules[cls.__module__]
+    classes = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, torch.nn.Module)
+               and c.__module__ == module.__name__]
+    writers = [c for c in classes if source_verdict(c).writes_cache]
+    if not writers:
+        return Support(NO_KV_CACHE, f"no class of {module.__name__.rsplit('.', 1)[-1]} calls cache.update")
+    for c in writers:
+        if source_verdict(c).problem is not None:
+            return source_verdict(c).problem
+    edits = next((source_verdict(c).edits_cache_layers for c in classes if source_verdict(c).edits_cache_layers), None)
+    if edits:
+        return Support(CACHE_LAYERS_EDITED, f"{edits} adds or replaces entries of cache.layers")
+    return Support(SUPPORTED)
 
 
 def _short(error: BaseException) -> str:
@@ -456,18 +571,66 @@ def _short(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[:120]}" + ("..." if len(text) > 120 else "")
 
 
+def _refused_configs(cls: type) -> str:
+    """A supported architecture whose modeling code also has layers the paged cache refuses (by config)."""
+    source = inspect.getsource(sys.modules[cls.__module__])
+    marks = {"conv / linear-attention layers": ("update_conv_state", "update_recurrent_state"),
+             "KV-sharing layers": ("num_kv_shared_layers", "kv_sharing_modes")}
+    kinds = [what for what, found in marks.items() if any(mark in source for mark in found)]
+    return f"configs with {' or '.join(kinds)} are refused" if kinds else ""
+
+
 def causal_lm_entries() -> list[Entry]:
-    """Every entry of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, classified."""
+    """Every entry of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, classified (about 20 s)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    _quiet()
-    return [classify_entry(t, c) for t, c in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()]
+    entries = []
+    with _quiet():
+        for model_type, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+            entry = classify_entry(model_type, class_name)
+            if entry.support.supported:
+                cls = _model_class(model_type, class_name)[0]
+                notes = [UNTESTED.get(model_type, ""), entry.note, _refused_configs(cls)]
+                entry = dataclasses.replace(entry, note="; ".join(n for n in notes if n))
+            entries.append(entry)
+    return entries
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("`", "'")
 
 
 def markdown_table(entries: list[Entry]) -> str:
-    raise NotImplementedError
+    """The README's table: a summary line, then one row per architecture."""
+    tested = sum(e.tested for e in entries)
+    untested = sum(e.support.supported and not e.tested for e in entries)
+    refused = collections.Counter(e.support.kind for e in entries if not e.support.supported)
+    lines = [
+        f"{len(entries)} `*ForCausalLM` architectures in transformers {transformers_version()}: "
+        f"**{tested} supported and tested**, {untested} supported but not tested, "
+        f"{sum(refused.values())} refused ("
+        + ", ".join(f"{kind}: {n}" for kind, n in sorted(refused.items(), key=lambda kv: (-kv[1], kv[0]))) + ").",
+        "",
+        "| model type | class | hf_paged | why / notes |",
+        "| --- | --- | --- | --- |",
+    ]
+    for e in entries:
+        if e.tested:
+            verdict = "tested"
+        elif e.support.supported:
+            verdict = "supported, not tested"
+        else:
+            verdict = f"refused: {e.support.kind}"
+        why = e.note if e.support.supported else e.support.detail
+        lines.append(f"| {e.model_type} | {e.class_name} | {verdict} | {_cell(why)} |")
+    return "\n".join(lines) + "\n"
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 if __name__ == "__main__":
-    for e in causal_lm_entries():
-        print(f"{e.model_type:28s} {e.class_name:42s} {'T' if e.tiny else ' '} {e.support}")
+    print(markdown_table(causal_lm_entries()), end="")

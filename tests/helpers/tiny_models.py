@@ -84,3 +84,52 @@ def left_padded(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.
         ids[row, width - n :] = torch.randint(3, VOCAB, (n,), generator=g)
         mask[row, width - n :] = 1
     return ids, mask
+
+
+# A composite (vision + text) model: Gemma 3 with a SigLIP tower, 16x16 images of 4x4 patches pooled
+# to 4 image tokens each. Image ids sit inside the vocabulary, just below it.
+IMAGE, BOI, EOI = VOCAB - 1, VOCAB - 3, VOCAB - 2
+IMAGE_TOKENS = 4
+
+
+def build_gemma3_vision(seed: int = 1, initializer_range: float = 0.02) -> transformers.PreTrainedModel:
+    """A tiny float32 ``Gemma3ForConditionalGeneration`` (3 text layers, sliding/full/sliding, window 7)."""
+    text = transformers.Gemma3TextConfig(
+        **{**_COMMON, "initializer_range": initializer_range}, **{**_LLAMA_LIKE, "num_hidden_layers": 3}, head_dim=16,
+        sliding_window=7, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=16, patch_size=4, num_channels=3)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=IMAGE_TOKENS,
+                                       image_token_index=IMAGE, boi_token_index=BOI, eoi_token_index=EOI,
+                                       initializer_range=initializer_range)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32).eval()
+    with torch.no_grad():  # Gemma 3 initializes the image projection to zeros: images would change nothing
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 1.0)
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = EOS
+    return model
+
+
+def image_prompts(lengths: list[int], seed: int = 0, images: bool = True) -> dict[str, torch.Tensor]:
+    """Left-padded prompts with one image each (BOI, image tokens, EOI after the first text token),
+    their ``pixel_values`` and ``token_type_ids`` (1 on image tokens), as a Gemma 3 processor gives.
+    ``images=False``: the same text without the images. Text tokens stay below the image ids."""
+    ids, mask = left_padded(lengths, seed)
+    rows = []
+    for row in range(ids.shape[0]):
+        text = [t if t < BOI else t - 3 for t in ids[row][mask[row].bool()].tolist()]
+        rows.append(text[:1] + [BOI] + [IMAGE] * IMAGE_TOKENS + [EOI] + text[1:] if images else text)
+    width = max(map(len, rows))
+    out_ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    out_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, tokens in enumerate(rows):
+        out_ids[row, width - len(tokens):] = torch.tensor(tokens)
+        out_mask[row, width - len(tokens):] = 1
+    if not images:
+        return dict(input_ids=out_ids, attention_mask=out_mask)
+    pixels = torch.randn(len(rows), 3, 16, 16, generator=torch.Generator().manual_seed(seed + 1))
+    return dict(input_ids=out_ids, attention_mask=out_mask, pixel_values=pixels,
+                token_type_ids=(out_ids == IMAGE).long())
