@@ -183,7 +183,8 @@ def paged_attention_forward(
     if isinstance(cache, PackedStep):
         return _packed_attention(cache, layer_idx, query, key, value, **kwargs)
     q_len = query.shape[2]
-    cache.commit(layer_idx, key, value, mask.new_columns_valid(q_len, cache.get_seq_length(layer_idx) + q_len))
+    new_valid = mask.new_columns_valid(q_len, cache.get_seq_length(layer_idx) + q_len) if cache.allocates(layer_idx) else None
+    cache.commit(layer_idx, key, value, new_valid)
     if kernels.use_triton(query) and cache.kernels_applicable and not kwargs.get("output_attentions"):
         return _kernel_attention(cache, layer_idx, query, **kwargs)
     dense_key, dense_value = cache.dense_kv(layer_idx, q_len)

@@ -7,7 +7,7 @@ those are not stored), then reads K/V through the block tables.
 
 Columns vs tokens: transformers counts *columns* (the padded length, pads included). The cache
 reports columns exactly as ``DynamicCache`` would (so masks and positions match stock), but stores
-only real tokens; ``_token_index[row, column]`` maps each column to the row's token (−1 = pad).
+only real tokens; ``_slot_map[row, column]`` holds each column's slot (−1 = pad).
 """
 
 from __future__ import annotations
@@ -33,6 +33,58 @@ class _Pool:
     storage: PagedKVStorage
     seq_ids: itertools.count = field(default_factory=itertools.count)
     users: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+
+
+@dataclass
+class _ForwardPlan:
+    """What one forward stores and reads, worked out once for all its layers."""
+
+    q_len: int
+    new_valid: torch.Tensor | None  # [rows, q_len]: which new columns are real (None: all)
+    write_slots: torch.Tensor  # slots of the real new tokens, row by row
+    write_rows: torch.Tensor | None  # their positions among the rows * q_len new K/V (None: all)
+    new_columns: torch.Tensor  # [rows, q_len] slots of the new columns (-1: pad)
+    lengths: list[int]  # tokens each row had stored before this forward
+    counts: list[int]  # real tokens each row stores in this forward
+    new_kv: tuple | None = None  # (layer, key, value, flat K, flat V) of the layer being computed
+    reads: dict = field(default_factory=dict)  # what the layers' reads and writes share, built once
+
+    def on(self, device: torch.device, name: str) -> torch.Tensor:
+        """``write_slots`` or ``write_rows`` on ``device`` (layers may sit on different devices)."""
+        key = (name, device)
+        if key not in self.reads:
+            self.reads[key] = getattr(self, name).to(device)
+        return self.reads[key]
+
+    def read_index(self, slot_map: torch.Tensor, offset: int, length: int, device) -> torch.Tensor:
+        """Slots of columns ``offset .. offset + length`` of every row, flat (pads -> slot 0: masked)."""
+        key = (offset, length, device)
+        if key not in self.reads:
+            self.reads[key] = slot_map[:, offset : offset + length].clamp(min=0).reshape(-1).to(device)
+        return self.reads[key]
+
+    def gather(self, flat_pool: torch.Tensor, index: torch.Tensor, which: str) -> torch.Tensor:
+        """``flat_pool[index]``; without autograd, into a buffer this forward's layers share (each
+        layer's attention is done with its K/V before the next layer gathers)."""
+        if torch.is_grad_enabled():
+            return flat_pool.index_select(0, index)
+        key = (which, index.shape[0], flat_pool.shape[1], flat_pool.dtype, flat_pool.device)
+        if key not in self.reads:
+            self.reads[key] = flat_pool.new_empty(index.shape[0], flat_pool.shape[1])
+        return torch.index_select(flat_pool, 0, index, out=self.reads[key])
+
+    def contiguous_start(self, cache: PagedKVCache, offset: int, length: int) -> int | None:
+        """The first slot, when a single row's columns ``offset ..`` are consecutive slots."""
+        key = ("run", offset, length)
+        if key not in self.reads:
+            start = None
+            if len(cache._rows) == 1:
+                row = cache._slot_map[0, offset : offset + length]
+                first = int(row[0]) if length else -1
+                if first >= 0 and torch.equal(row, torch.arange(first, first + length)):
+                    start = first
+            self.reads[key] = start
+        return self.reads[key]
 
 
 class PagedKVCache(StashingCache):
@@ -71,8 +123,9 @@ class PagedKVCache(StashingCache):
         self._rows: list[int] = []  # block-manager sequence id of each batch row
         self._columns = 0  # columns with allocated slots (all layers reach it within a forward)
         self._layer_columns = [0] * len(self.layers)
-        self._token_index = torch.empty(0, 0, dtype=torch.long)  # [rows, columns], -1 for pads
+        self._slot_buf = torch.empty(0, 0, dtype=torch.long)  # [rows, capacity]; see _slot_map
         self._has_holes = False  # a pad column after a real one: kernels need contiguous tokens
+        self._plan: _ForwardPlan | None = None  # the forward in progress
         self.prompt_copies = 1  # set by generate(): rows of the first forward are this many copies
 
     def _join(self, pool: _Pool) -> None:
@@ -92,7 +145,7 @@ class PagedKVCache(StashingCache):
             clone._rows.append(clone._fresh_seq_id())
             self.manager.fork(seq_id, clone._rows[-1])
         clone._columns, clone._layer_columns = self._columns, list(self._layer_columns)
-        clone._token_index, clone._has_holes = self._token_index.clone(), self._has_holes
+        clone._slot_buf, clone._has_holes, clone._plan = self._slot_buf.clone(), self._has_holes, None
         clone.prompt_copies = 1
         return clone
 
@@ -150,9 +203,9 @@ class PagedKVCache(StashingCache):
             return
         keep = max(keep, 0)
         for row, seq_id in enumerate(self._rows):
-            kept_tokens = int((self._token_index[row, :keep] >= 0).sum())
+            kept_tokens = int((self._slot_map[row, :keep] >= 0).sum())
             self.manager.truncate(seq_id, kept_tokens)
-        self._token_index = self._token_index[:, :keep]
+        self._plan = None
         self._columns = keep
         self._layer_columns = [keep] * len(self._layer_columns)
         self.set_metadata(None)
@@ -164,8 +217,9 @@ class PagedKVCache(StashingCache):
         self._rows = []
         self._columns = 0
         self._layer_columns = [0] * len(self._layer_columns)
-        self._token_index = torch.empty(0, 0, dtype=torch.long)
+        self._slot_buf = torch.empty(0, 0, dtype=torch.long)
         self._has_holes = False
+        self._plan = None
         self.prompt_copies = 1
         self.drop_pending()
         self.set_metadata(None)
@@ -177,58 +231,89 @@ class PagedKVCache(StashingCache):
         if all(user is self for user in self._pool.users):
             self.storage.clear()
 
-    # ------------------------------------------------------------------ writing (attention side)
+    # ------------------------------------------------------------------ one forward (attention side)
+    def allocates(self, layer_idx: int) -> bool:
+        """Whether ``layer_idx`` is the first layer of a forward: the one that allocates (and the
+        only one whose ``commit`` reads ``new_valid``)."""
+        return self._layer_columns[layer_idx] == self._columns
+
     def commit(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, new_valid: torch.Tensor | None) -> None:
-        """Store a layer's new K/V ``[rows, kv_heads, q, head_dim]``; pad columns (``new_valid`` False) are skipped."""
-        rows, _, q_len, _ = key.shape
-        if self._layer_columns[layer_idx] == self._columns:  # first layer of this forward: allocate
+        """Store a layer's new K/V ``[rows, kv_heads, q, head_dim]``; pad columns (``new_valid`` False) are skipped.
+
+        The first layer of a forward allocates the slots of all its layers (``new_valid`` is read there only).
+        """
+        rows, kv_heads, q_len, head_dim = key.shape
+        if self.allocates(layer_idx):
             self._allocate(rows, q_len, new_valid)
         elif self._layer_columns[layer_idx] + q_len != self._columns:
             raise RuntimeError(f"PagedKVCache: layer {layer_idx} is out of step with the other layers")
-        self.storage.ensure_layer(layer_idx, key.transpose(1, 2), self.manager.num_blocks)
-        slots = self.metadata_on(key.device).slot_mapping
-        self.storage.write(
-            layer_idx,
-            key.transpose(1, 2).reshape(rows * q_len, *key.shape[1:2], key.shape[-1]),
-            value.transpose(1, 2).reshape(rows * q_len, *value.shape[1:2], value.shape[-1]),
-            slots.reshape(-1),
-        )
+        plan = self._plan
+        new_k = key.transpose(1, 2).reshape(rows * q_len, kv_heads, head_dim)
+        new_v = value.transpose(1, 2).reshape(rows * q_len, kv_heads, head_dim)
+        plan.new_kv = (layer_idx, key, value, new_k, new_v)  # what this layer's read may use as they are
+        self.storage.ensure_layer(layer_idx, new_k, self.manager.num_blocks)
+        if plan.write_rows is not None:  # pads are not stored
+            rows_index = plan.on(new_k.device, "write_rows")
+            new_k, new_v = new_k.index_select(0, rows_index), new_v.index_select(0, rows_index)
+        self.storage.write(layer_idx, new_k, new_v, plan.on(new_k.device, "write_slots"))
         self._layer_columns[layer_idx] = self._columns
 
     def _allocate(self, rows: int, q_len: int, new_valid: torch.Tensor | None) -> None:
+        """Slots for this forward's real tokens, and the plan its layers share. The bookkeeping is
+        proportional to the new tokens; the slot map grows by their columns."""
         if not self._rows:
             self._rows = [self._new_seq() for _ in range(rows)]
-            self._token_index = torch.empty(rows, self._columns, dtype=torch.long)
+            self._slot_buf = torch.full((rows, self._columns), -1, dtype=torch.long)
         elif rows != len(self._rows):
             raise ValueError(f"PagedKVCache holds {len(self._rows)} rows but the batch has {rows}")
-        valid = torch.ones(rows, q_len, dtype=torch.bool) if new_valid is None else new_valid.to("cpu", torch.bool)
-        counts = valid.sum(1).tolist()
-        lengths = torch.tensor([self.manager.seq_len(s) for s in self._rows], dtype=torch.long)
-        _, copies = self.manager.append_many(list(zip(self._rows, counts)))
+        valid = None if new_valid is None else new_valid.to("cpu", torch.bool)
+        if valid is not None and bool(valid.all()):
+            valid = None
+        counts = [q_len] * rows if valid is None else valid.sum(1).tolist()
+        lengths = [self.manager.seq_len(s) for s in self._rows]
+        new_slots, copies = self.manager.append_many(list(zip(self._rows, counts)))
         self.storage.grow(self.manager.num_blocks)
-        self.storage.copy_blocks(copies)
-        seen = (lengths > 0)[:, None] | valid.cummax(1).values
-        self._has_holes = self._has_holes or bool((seen & ~valid).any())
-        new_index = torch.where(valid, lengths[:, None] + valid.long().cumsum(1) - 1, -1)
-        self._token_index = torch.cat([self._token_index, new_index], 1)
-        self._columns += q_len
-        tables = self.block_tables()
-        all_slots = self._slots_of(self._token_index, tables)
-        new_counts = torch.tensor(counts, dtype=torch.int32)
-        self.set_metadata(AttentionMetadata(
-            slot_mapping=all_slots[:, -q_len:],
-            block_tables=tables,
-            context_lens=lengths.to(torch.int32) + new_counts,
-            cu_seqlens_q=torch.nn.functional.pad(new_counts.cumsum(0, dtype=torch.int32), (1, 0)),
-            column_slots=all_slots,
-            new_valid=valid,
-        ))
+        if copies:
+            self.storage.copy_blocks(copies)
+            self._move_copied_slots(copies, new_slots)
+        flat = [slot for row in new_slots for slot in row]
+        write_slots = torch.tensor(flat, dtype=torch.long)
+        if valid is None:
+            new_columns = write_slots.view(rows, q_len)
+            write_rows = None
+        else:
+            new_columns = torch.full((rows, q_len), -1, dtype=torch.long)
+            new_columns[valid] = write_slots
+            write_rows = valid.reshape(-1).nonzero().squeeze(1)
+            seen = torch.tensor(lengths)[:, None].gt(0) | valid.cummax(1).values
+            self._has_holes = self._has_holes or bool((seen & ~valid).any())
+        self._append_columns(new_columns)
+        self._plan = _ForwardPlan(q_len, valid, write_slots, write_rows, new_columns, lengths, counts)
+        self.set_metadata(None)
 
-    def _slots_of(self, token_index: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    @property
+    def _slot_map(self) -> torch.Tensor:
+        """``[rows, columns]``: the slot of each column's token, -1 for pads (a view of a buffer that
+        grows by doubling, so a step appends its columns without copying the others)."""
+        return self._slot_buf[:, : self._columns]
+
+    def _append_columns(self, new_columns: torch.Tensor) -> None:
+        end = self._columns + new_columns.shape[1]
+        if end > self._slot_buf.shape[1]:
+            grown = torch.full((len(self._rows), max(end, 2 * self._slot_buf.shape[1])), -1, dtype=torch.long)
+            grown[:, : self._columns] = self._slot_map
+            self._slot_buf = grown
+        self._slot_buf[:, self._columns : end] = new_columns
+        self._columns = end
+
+    def _move_copied_slots(self, copies: list[tuple[int, int]], new_slots: list[list[int]]) -> None:
+        """Copy on write moved a row's partly filled last block: its tokens there have new slots."""
         bs = self.block_size
-        safe = token_index.clamp(min=0)
-        blocks = tables.long().gather(1, (safe // bs).clamp(max=max(tables.shape[1] - 1, 0)))
-        return torch.where(token_index >= 0, blocks * bs + safe % bs, -1)
+        row_of_block = {row[0] // bs: r for r, row in enumerate(new_slots) if row}
+        for src, dst in copies:
+            r = row_of_block[dst]  # the row's first new token went into the copy
+            moved = self._slot_map[r] // bs == src
+            self._slot_map[r] = torch.where(moved, self._slot_map[r] + (dst - src) * bs, self._slot_map[r])
 
     def _fresh_seq_id(self) -> int:
         return next(self._pool.seq_ids)
@@ -253,7 +338,8 @@ class PagedKVCache(StashingCache):
         for seq_id in self._rows:
             self.manager.free(seq_id)
         self._rows = new_rows
-        self._token_index = self._token_index[sources]
+        self._slot_buf = self._slot_buf[sources]
+        self._plan = None
         self.set_metadata(None)
 
     def layer_states(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -266,8 +352,7 @@ class PagedKVCache(StashingCache):
         columns = self._layer_columns[layer_idx]
         window = self.sliding_windows[layer_idx]
         first = 0 if window is None else max(columns - (window - 1), 0)
-        slots = self._slots_of(self._token_index[:, first:columns], self.block_tables())
-        keys, values = self.storage.gather(layer_idx, slots)
+        keys, values = self.storage.gather(layer_idx, self._slot_map[:, first:columns])
         return keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
 
     # ------------------------------------------------------------------ reading (attention side)
@@ -292,23 +377,62 @@ class PagedKVCache(StashingCache):
         return offset, self._layer_columns[layer_idx] - offset
 
     def dense_kv(self, layer_idx: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V ``[rows, kv_heads, kv_length, head_dim]`` as DynamicCache holds them (pads zero): a
-        transposed view of the gather (attention functions read strides; copying it contiguous
-        changed no bit of the logits and cost a second copy per layer).
+        """K/V ``[rows, kv_heads, kv_length, head_dim]`` with the values DynamicCache holds: the
+        reference read path (CPU). Same values, same mask, same attention function as stock
+        transformers, hence identical outputs (tests/test_equality.py checks the logits bit for bit).
 
-        This is the reference read path (CPU): same values, same mask, same attention function as
-        stock transformers, hence identical outputs (tests/test_equality.py checks the logits bit for bit).
+        Attention functions read strides, so the result is a transposed view (a contiguous copy
+        changed no bit and cost a second copy per layer). A single row whose blocks follow each
+        other is read in place, with no gather. Past pad columns hold other tokens' K/V: masked,
+        they add exactly zero. This forward's pad columns hold what the model computed for them,
+        as in stock, because a pad query attends to them (its output is a hidden state users see).
+        A forward with nothing cached before it reads the model's own tensors (what DynamicCache
+        returns then).
         """
         offset, length = self.kv_window(layer_idx, q_len)
-        device = self.storage.key_pools[layer_idx].device
-        slots = self.metadata_on(device).column_slots[:, offset : offset + length]
-        keys, values = self.storage.gather(layer_idx, slots)
+        plan, rows = self._plan, len(self._rows)
+        if length == q_len and plan.new_kv[0] == layer_idx:
+            return plan.new_kv[1], plan.new_kv[2]
+        k_pool, v_pool = self.storage.key_pools[layer_idx], self.storage.value_pools[layer_idx]
+        start = plan.contiguous_start(self, offset, length)
+        if start is not None:
+            shape = (1, length, *k_pool.shape[2:])
+            keys = k_pool.view(-1, *k_pool.shape[2:])[start : start + length].view(shape)
+            values = v_pool.view(-1, *v_pool.shape[2:])[start : start + length].view(shape)
+            return keys.transpose(1, 2), values.transpose(1, 2)
+        index = plan.read_index(self._slot_map, offset, length, k_pool.device)
+        width = k_pool.shape[2] * k_pool.shape[3]
+        shape = (rows, length, *k_pool.shape[2:])
+        keys = plan.gather(k_pool.view(-1, width), index, "keys").view(shape)
+        values = plan.gather(v_pool.view(-1, width), index, "values").view(shape)
+        if plan.new_valid is not None and plan.new_kv[0] == layer_idx:
+            new_k, new_v = plan.new_kv[3:]
+            keys[:, -q_len:] = new_k.view(rows, q_len, *new_k.shape[1:])
+            values[:, -q_len:] = new_v.view(rows, q_len, *new_v.shape[1:])
         return keys.transpose(1, 2), values.transpose(1, 2)
+
+    def metadata_on(self, device: torch.device) -> AttentionMetadata:
+        """The kernels' metadata of this forward on ``device``, built on first use (the CPU
+        reference path never needs block tables)."""
+        if self.metadata is None:
+            plan = self._plan
+            counts = torch.tensor(plan.counts, dtype=torch.int32)
+            valid = plan.new_valid if plan.new_valid is not None else torch.ones(len(counts), plan.q_len, dtype=torch.bool)
+            self.set_metadata(AttentionMetadata(
+                slot_mapping=plan.new_columns,
+                block_tables=self.block_tables(),
+                context_lens=torch.tensor(plan.lengths, dtype=torch.int32) + counts,
+                cu_seqlens_q=torch.nn.functional.pad(counts.cumsum(0, dtype=torch.int32), (1, 0)),
+                new_valid=valid,
+            ))
+        return super().metadata_on(device)
 
     @property
     def kernels_applicable(self) -> bool:
         """Kernels assume each row's tokens are contiguous (left padding only) and non-empty."""
-        return not self._has_holes and self.metadata is not None and int(self.metadata.context_lens.min()) > 0
+        plan = self._plan
+        return (not self._has_holes and plan is not None
+                and min(n + c for n, c in zip(plan.lengths, plan.counts)) > 0)
 
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, float | int]:

@@ -69,11 +69,8 @@ class AttentionMetadata:
     ``[seqs, max_blocks]`` padded with :data:`BLOCK_TABLE_PAD`; ``context_lens`` (int32) counts
     each sequence's tokens once this forward's are stored; ``cu_seqlens_q`` (int32) delimits the
     queries of the sequences that the varlen prefill reads: every row in ``generate()``, those
-    after the first ``num_decode`` (one query token each) in an engine step.
-
-    ``generate()`` only: ``column_slots`` ``[rows, columns]`` maps every column to its slot (−1:
-    pad), for the reference read path; ``new_valid`` ``[rows, q_len]`` says which new columns
-    are real tokens.
+    after the first ``num_decode`` (one query token each) in an engine step. ``generate()`` only:
+    ``new_valid`` ``[rows, q_len]`` says which new columns are real tokens.
     """
 
     slot_mapping: torch.Tensor
@@ -81,7 +78,6 @@ class AttentionMetadata:
     context_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
     num_decode: int = 0
-    column_slots: torch.Tensor | None = None
     new_valid: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> AttentionMetadata:

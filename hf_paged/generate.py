@@ -204,6 +204,8 @@ def _distinct_prompt_kwargs(model: PreTrainedModel, cache, args: tuple, kwargs: 
     rows = inputs.shape[0]
     distinct = dict(kwargs)
     for key, value in kwargs.items():
+        if isinstance(value, (dict, list, tuple)) and value:
+            return None  # e.g. pre-encoded images (mm_encoder_outputs), expanded per copy: left as they are
         if isinstance(value, torch.Tensor) and value.dim():
             if value.shape[0] != rows:
                 return None  # a per-image (or other) tensor: not safe to thin out

@@ -70,11 +70,18 @@ class PagedKVStorage:
 
     # ------------------------------------------------------------------ execution
     def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` to their slots (−1 = skip)."""
+        """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` to their slots.
+
+        Every slot must be a real one (callers leave pads out; a negative slot raises on the torch
+        path). Off the Triton path the write is one ``index_copy_`` per pool: it runs once per layer
+        per forward, so the reference kernel's checks are skipped."""
         k_pool, v_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
-        kernels.reshape_and_cache(
-            key.to(k_pool.dtype), value.to(v_pool.dtype), k_pool, v_pool, slot_mapping.to(k_pool.device)
-        )
+        slot_mapping = slot_mapping.to(k_pool.device)
+        if kernels.use_triton(k_pool):
+            kernels.reshape_and_cache(key.to(k_pool.dtype), value.to(v_pool.dtype), k_pool, v_pool, slot_mapping)
+            return
+        k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slot_mapping, key.to(k_pool.dtype))
+        v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slot_mapping, value.to(v_pool.dtype))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``src → dst`` in every layer: one launch per device."""

@@ -305,19 +305,7 @@ def test_refused_models_really_differ_in_the_engine_when_the_gate_is_bypassed(mo
 
 
 # ----------------------------------------------------------------------------- a composite model
-_BEAMS_WITH_IMAGES = (
-    "hf_paged/generate.py::_distinct_prompt_kwargs thins the first forward's tensor inputs to one row per distinct "
-    "prompt but passes non-tensor ones unchanged; transformers 5.24 pre-encodes the images into "
-    "mm_encoder_outputs (a dict of per-image tensors, already expanded to prompts x beams), so the thinned "
-    "forward gets 3 rows of image tokens for 6 images: 'Image features and image tokens do not match, "
-    "tokens: 12, features: 24'"
-)
-
-
-@pytest.mark.parametrize("images, beams", [
-    (False, 1), (False, 2), (True, 1),
-    pytest.param(True, 2, marks=pytest.mark.xfail(reason=_BEAMS_WITH_IMAGES, raises=ValueError)),
-])
+@pytest.mark.parametrize("images, beams", [(False, 1), (False, 2), (True, 1), (True, 2)])
 def test_composite_gemma3_with_a_vision_tower_generates_like_stock(images, beams):
     model = build_gemma3_vision()
     model.generation_config.eos_token_id = None
