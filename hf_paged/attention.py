@@ -93,13 +93,20 @@ def fallback_implementation(config) -> str | None:
     return _fallbacks.get(id(config))
 
 
+_switched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its configs to switch
+
+
 def _switched_configs(model: PreTrainedModel) -> list:
     """The configs a paged forward switches: the model's own and its text decoder's (a vision tower
-    of a composite model keeps its implementation: its attention is not cached)."""
-    configs = [model.config]
-    text = model.config.get_text_config(decoder=True)
-    if text is not model.config:
-        configs.append(text)
+    of a composite model keeps its implementation: its attention is not cached). Found once per
+    model: a forward should not pay for reading configs."""
+    configs = _switched.get(model)
+    if configs is None or configs[0] is not model.config:
+        configs = [model.config]
+        text = model.config.get_text_config(decoder=True)
+        if text is not model.config:
+            configs.append(text)
+        _switched[model] = configs
     return configs
 
 
@@ -109,7 +116,7 @@ def begin_paged_call(model: PreTrainedModel) -> list[tuple[object, str | None]]:
     saved = []
     for config in _switched_configs(model):
         current = config._attn_implementation_internal
-        if current != ATTN_IMPLEMENTATION:
+        if current != ATTN_IMPLEMENTATION and _fallbacks.get(id(config)) != current:
             _remember_fallback(config, current or "sdpa")
         saved.append((config, current))
         config._attn_implementation_internal = ATTN_IMPLEMENTATION

@@ -73,19 +73,6 @@ class _ForwardPlan:
             self.reads[key] = flat_pool.new_empty(index.shape[0], flat_pool.shape[1])
         return torch.index_select(flat_pool, 0, index, out=self.reads[key])
 
-    def contiguous_start(self, cache: PagedKVCache, offset: int, length: int) -> int | None:
-        """The first slot, when a single row's columns ``offset ..`` are consecutive slots."""
-        key = ("run", offset, length)
-        if key not in self.reads:
-            start = None
-            if len(cache._rows) == 1:
-                row = cache._slot_map[0, offset : offset + length]
-                first = int(row[0]) if length else -1
-                if first >= 0 and torch.equal(row, torch.arange(first, first + length)):
-                    start = first
-            self.reads[key] = start
-        return self.reads[key]
-
 
 class PagedKVCache(StashingCache):
     """A KV cache in fixed-size blocks with per-sequence block tables (vLLM's PagedAttention).
@@ -126,6 +113,7 @@ class PagedKVCache(StashingCache):
         self._slot_buf = torch.empty(0, 0, dtype=torch.long)  # [rows, capacity]; see _slot_map
         self._has_holes = False  # a pad column after a real one: kernels need contiguous tokens
         self._plan: _ForwardPlan | None = None  # the forward in progress
+        self._run: int | None = None  # one row whose slots follow each other: the slot of its column 0
         self.prompt_copies = 1  # set by generate(): rows of the first forward are this many copies
 
     def _join(self, pool: _Pool) -> None:
@@ -145,7 +133,7 @@ class PagedKVCache(StashingCache):
             clone._rows.append(clone._fresh_seq_id())
             self.manager.fork(seq_id, clone._rows[-1])
         clone._columns, clone._layer_columns = self._columns, list(self._layer_columns)
-        clone._slot_buf, clone._has_holes, clone._plan = self._slot_buf.clone(), self._has_holes, None
+        clone._slot_buf, clone._has_holes, clone._plan, clone._run = self._slot_buf.clone(), self._has_holes, None, None
         clone.prompt_copies = 1
         return clone
 
@@ -219,7 +207,7 @@ class PagedKVCache(StashingCache):
         self._layer_columns = [0] * len(self._layer_columns)
         self._slot_buf = torch.empty(0, 0, dtype=torch.long)
         self._has_holes = False
-        self._plan = None
+        self._plan = self._run = None
         self.prompt_copies = 1
         self.drop_pending()
         self.set_metadata(None)
@@ -277,6 +265,7 @@ class PagedKVCache(StashingCache):
             self.storage.copy_blocks(copies)
             self._move_copied_slots(copies, new_slots)
         flat = [slot for row in new_slots for slot in row]
+        self._track_run(flat, valid is None and not copies, lengths)
         write_slots = torch.tensor(flat, dtype=torch.long)
         if valid is None:
             new_columns = write_slots.view(rows, q_len)
@@ -290,6 +279,15 @@ class PagedKVCache(StashingCache):
         self._append_columns(new_columns)
         self._plan = _ForwardPlan(q_len, valid, write_slots, write_rows, new_columns, lengths, counts)
         self.set_metadata(None)
+
+    def _track_run(self, flat: list[int], no_pads: bool, lengths: list[int]) -> None:
+        """Whether the single row's slots still follow each other (its K/V are then read in place)."""
+        if len(self._rows) != 1 or not no_pads or not flat or any(b != a + 1 for a, b in zip(flat, flat[1:])):
+            self._run = None
+        elif self._columns == 0:
+            self._run = flat[0]
+        elif self._run is not None and flat[0] != self._run + lengths[0]:
+            self._run = None
 
     @property
     def _slot_map(self) -> torch.Tensor:
@@ -324,22 +322,29 @@ class PagedKVCache(StashingCache):
         return seq_id
 
     def _reindex_rows(self, sources: list[int]) -> None:
-        """Row i of the new batch continues old row ``sources[i]``: fork, then free the old rows."""
+        """Row i of the new batch continues old row ``sources[i]``. The first row to continue an old
+        row takes its sequence over (no block changes hands); further ones fork it; old rows nobody
+        continues are freed. A beam-search step so touches only the beams that were duplicated or
+        dropped, not every block of every beam."""
         self.check_no_pending()
         if not self._rows:  # nothing stored yet (e.g. a fresh cache): nothing to share
             return
         if any(not 0 <= s < len(self._rows) for s in sources):
             raise IndexError(f"row index out of range for a cache of {len(self._rows)} rows: {sources}")
-        new_rows = []
+        taken, new_rows = set(), []
         for src in sources:
-            seq_id = self._fresh_seq_id()
-            self.manager.fork(self._rows[src], seq_id)
-            new_rows.append(seq_id)
-        for seq_id in self._rows:
-            self.manager.free(seq_id)
+            if src in taken:
+                new_rows.append(self._fresh_seq_id())
+                self.manager.fork(self._rows[src], new_rows[-1])
+            else:
+                taken.add(src)
+                new_rows.append(self._rows[src])
+        for row, seq_id in enumerate(self._rows):
+            if row not in taken:
+                self.manager.free(seq_id)
         self._rows = new_rows
         self._slot_buf = self._slot_buf[sources]
-        self._plan = None
+        self._plan = self._run = None
         self.set_metadata(None)
 
     def layer_states(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -393,18 +398,15 @@ class PagedKVCache(StashingCache):
         plan, rows = self._plan, len(self._rows)
         if length == q_len and plan.new_kv[0] == layer_idx:
             return plan.new_kv[1], plan.new_kv[2]
-        k_pool, v_pool = self.storage.key_pools[layer_idx], self.storage.value_pools[layer_idx]
-        start = plan.contiguous_start(self, offset, length)
-        if start is not None:
-            shape = (1, length, *k_pool.shape[2:])
-            keys = k_pool.view(-1, *k_pool.shape[2:])[start : start + length].view(shape)
-            values = v_pool.view(-1, *v_pool.shape[2:])[start : start + length].view(shape)
-            return keys.transpose(1, 2), values.transpose(1, 2)
-        index = plan.read_index(self._slot_map, offset, length, k_pool.device)
-        width = k_pool.shape[2] * k_pool.shape[3]
-        shape = (rows, length, *k_pool.shape[2:])
-        keys = plan.gather(k_pool.view(-1, width), index, "keys").view(shape)
-        values = plan.gather(v_pool.view(-1, width), index, "values").view(shape)
+        k_rows, v_rows = self.storage.slot_rows(layer_idx)
+        if self._run is not None:
+            start = self._run + offset
+            keys, values = k_rows[start : start + length], v_rows[start : start + length]
+            return keys.unsqueeze(0).transpose(1, 2), values.unsqueeze(0).transpose(1, 2)
+        index = plan.read_index(self._slot_map, offset, length, k_rows.device)
+        shape = (rows, length, *k_rows.shape[1:])
+        keys = plan.gather(k_rows.flatten(1), index, "keys").view(shape)
+        values = plan.gather(v_rows.flatten(1), index, "values").view(shape)
         if plan.new_valid is not None and plan.new_kv[0] == layer_idx:
             new_k, new_v = plan.new_kv[3:]
             keys[:, -q_len:] = new_k.view(rows, q_len, *new_k.shape[1:])

@@ -26,6 +26,7 @@ class PagedKVStorage:
         self.pin_memory = pin_memory
         self.key_pools: dict[int, torch.Tensor] = {}
         self.value_pools: dict[int, torch.Tensor] = {}
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> pools viewed as slot rows
 
     # ------------------------------------------------------------------ facts
     @property
@@ -42,6 +43,14 @@ class PagedKVStorage:
     def num_blocks(self, layer_idx: int) -> int:
         return self.key_pools[layer_idx].shape[0]
 
+    def slot_rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's K and V pools as ``[num_slots, num_kv_heads, head_dim]`` views (one row a slot)."""
+        rows = self._rows.get(layer_idx)
+        if rows is None:
+            k_pool, v_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
+            rows = self._rows[layer_idx] = (k_pool.view(-1, *k_pool.shape[2:]), v_pool.view(-1, *v_pool.shape[2:]))
+        return rows
+
     # ------------------------------------------------------------------ allocation
     def ensure_layer(self, layer_idx: int, like: torch.Tensor, num_blocks: int) -> None:
         """Create (or grow) the pools of a layer. ``like`` is ``[..., num_kv_heads, head_dim]``."""
@@ -50,12 +59,14 @@ class PagedKVStorage:
             shape = (num_blocks, self.block_size, like.shape[-2], like.shape[-1])
             device = self.device or like.device
             pin = self.pin_memory and device.type == "cpu" and torch.cuda.is_available()
+            self._rows.pop(layer_idx, None)
             for pools in (self.key_pools, self.value_pools):
                 pools[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=device, pin_memory=pin)
         elif pool.shape[0] < num_blocks:
             self._grow_layer(layer_idx, num_blocks)
 
     def _grow_layer(self, layer_idx: int, num_blocks: int) -> None:
+        self._rows.pop(layer_idx, None)
         for pools in (self.key_pools, self.value_pools):
             old = pools[layer_idx]
             new = old.new_zeros((num_blocks, *old.shape[1:]))
@@ -80,8 +91,9 @@ class PagedKVStorage:
         if kernels.use_triton(k_pool):
             kernels.reshape_and_cache(key.to(k_pool.dtype), value.to(v_pool.dtype), k_pool, v_pool, slot_mapping)
             return
-        k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slot_mapping, key.to(k_pool.dtype))
-        v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slot_mapping, value.to(v_pool.dtype))
+        k_rows, v_rows = self.slot_rows(layer_idx)
+        k_rows.index_copy_(0, slot_mapping, key.to(k_pool.dtype))
+        v_rows.index_copy_(0, slot_mapping, value.to(v_pool.dtype))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``src → dst`` in every layer: one launch per device."""
@@ -125,3 +137,4 @@ class PagedKVStorage:
     def clear(self) -> None:
         self.key_pools.clear()
         self.value_pools.clear()
+        self._rows.clear()

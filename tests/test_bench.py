@@ -102,7 +102,7 @@ def test_sustainable_rate_is_the_last_rate_before_the_curve_turns_up():
 
 def test_quick_run_writes_results(model, tmp_path):
     results = run(model, num_requests=6, scale=0.05, batch_size=4, out_dir=tmp_path, block_size=8, num_blocks=256,
-                  quick=True, repeats=2, log=lambda *a: None)
+                  quick=True, repeats=2, log=lambda *a: None, generate_new_tokens=3)
     saved = json.loads((tmp_path / "bench.json").read_text())
     offline = saved["sharegpt_offline"]
     assert set(offline["systems"]) == {"padded_generate", "paged_generate", "transformers_cb", "engine"}
@@ -117,6 +117,9 @@ def test_quick_run_writes_results(model, tmp_path):
     assert len(offline["engine_vs_padded_generate_per_round"]) == 2
     assert saved["kv_utilization"]["paged, block size 16"] > 0.95
     assert results["shared_prefix"][1]["computed_prompt_tokens_saved"] > 0
+    flag_vs_stock = saved["generate_flag_vs_stock"]
+    assert len(flag_vs_stock) == 5 and all(r["sequences_identical"] for r in flag_vs_stock.values())
+    assert all(len(r["stock_over_flag_per_round"]) == 2 and r["median"] > 0 for r in flag_vs_stock.values())
     pytest.importorskip("matplotlib")
     assert (tmp_path / "memory.png").stat().st_size > 0
 

@@ -311,8 +311,9 @@ def test_cache_methods_behave_as_dynamic_cache():
     assert torch.equal(ours, theirs)  # after crop and select, both continue the same way
     for cache in caches.values():
         cache.reset()
-    assert caches["paged"].get_seq_length() == caches["dynamic"].get_seq_length() == 0
-    assert caches["paged"].layers[0].keys is None and caches["dynamic"].layers[0].keys is None
+    assert caches["paged"].get_seq_length() == 0 and caches["paged"].layers[0].keys is None
+    if caches["dynamic"].get_seq_length() == 0:  # transformers >= 5.2x drops a reset layer's states (5.17 zeroes them)
+        assert caches["dynamic"].layers[0].keys is None
 
 
 # ---------------------------------------------------------------------- 4. output fidelity
@@ -370,4 +371,7 @@ def test_assisted_decoding_matches_stock(arch, assistant):
         helper = build(arch, seed=1)
         ours = dict(assistant_model=hf_paged.enable(helper) if assistant == "enabled assistant" else helper)
         theirs = dict(assistant_model=build(arch, seed=1))
-    assert torch.equal(model.generate(**call, **ours, cache_implementation="hf_paged"), stock.generate(**call, **theirs))
+    expected = _outcome(stock, **call, **theirs)
+    if isinstance(expected, tuple):  # transformers 5.17's DynamicCache crops sliding layers wrongly here
+        pytest.skip(f"stock generate itself fails on this transformers: {expected[1]}")
+    assert torch.equal(model.generate(**call, **ours, cache_implementation="hf_paged"), expected)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from hf_paged.bench import memory, systems, workloads
+from hf_paged.bench import generate_speed, memory, systems, workloads
 
 
 def _ratio(a: dict, b: dict, key: str = "tokens_per_s") -> float:
@@ -25,7 +25,8 @@ def _mismatches(a: list[list[int]], b: list[list[int]]) -> int:
 def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int = 8,
         rates=(1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0),
         out_dir: str | Path = "benchmarks/out", block_size: int = 16, num_blocks: int = 4096,
-        max_num_batched_tokens: int = 512, quick: bool = False, repeats: int = 5, log=print) -> dict:
+        max_num_batched_tokens: int = 512, quick: bool = False, repeats: int = 5, log=print,
+        generate_new_tokens: int = generate_speed.NEW_TOKENS) -> dict:
     """The whole suite; returns (and writes) the results.
 
     The headline offline comparison runs every system ``repeats`` times, interleaved (one round of
@@ -155,6 +156,11 @@ def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int =
                             off["computed_prompt_tokens"] - on["computed_prompt_tokens"]})
     results["shared_prefix"] = prefix_rows
 
+    # generate() with the flag against stock generate(), on generate_speed's own model (see its docstring).
+    log("generate() with the flag vs stock generate() (stock time / flag time):")
+    results["generate_flag_vs_stock"] = generate_speed.run(rounds=max(1, repeats), log=log,
+                                                           new_tokens=generate_new_tokens)
+
     # Utilization depends on lengths only: computed at the paper's own length scale (ShareGPT-like,
     # means 161 / 338 tokens, reservation to a 2048-token maximum as the paper's OPT-13B), 1000 requests.
     paper_scale = workloads.dataset("sharegpt", 1000, scale=1.0, vocab=vocab, max_len=2048, seed=1)
@@ -213,6 +219,9 @@ def report(results: dict) -> str:
     lines += ["", "| decoding (Alpaca-like) | engine req/s | padded generate req/s | ratio |", "| --- | --- | --- | --- |"]
     lines += [f"| {v['decoding']} | {v['engine']['requests_per_s']:.2f} | {v['padded_generate']['requests_per_s']:.2f} | "
               f"{v['engine_vs_padded_generate']:.2f}x |" for v in results.get("decoding_variants", [])]
+    lines += ["", "| generate() case | stock time / flag time (median) | sequences identical |", "| --- | --- | --- |"]
+    lines += [f"| {case} | {r['median']:.2f}x | {r['sequences_identical']} |"
+              for case, r in results.get("generate_flag_vs_stock", {}).items()]
     lines += ["", "| KV reservation | utilization |", "| --- | --- |"]
     lines += [f"| {k} | {v:.1%} |" for k, v in results["kv_utilization"].items()]
     lines += ["", "| sharing | blocks saved |", "| --- | --- |"]

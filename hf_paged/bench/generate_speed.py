@@ -2,7 +2,8 @@
 
     python -m hf_paged.bench.generate_speed [--rounds 5] [--device cpu] [--dtype float32]
 
-A random Llama (4 layers x 256 hidden, 8 heads / 2 KV heads, vocabulary 32000) is copied: one
+A random Llama, 4 layers x 256 hidden and LlamaConfig's defaults otherwise (32 heads, 32 KV heads,
+MLP 11008, vocabulary 32000), is copied: one
 copy stays stock, the other is enabled. Each workload runs on both copies, alternating which goes
 first, for ``rounds`` rounds; the report is stock time / flag time per round and its median (> 1:
 the flag is faster). Every call's sequences are compared too (they must be identical).
@@ -42,9 +43,8 @@ def speed_model(device: str | torch.device = "cpu", dtype: torch.dtype = torch.f
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
-                         initializer_range=0.1, pad_token_id=0, eos_token_id=2, bos_token_id=1)
+    config = LlamaConfig(hidden_size=256, num_hidden_layers=4, max_position_embeddings=4096, initializer_range=0.1,
+                         pad_token_id=0, eos_token_id=2, bos_token_id=1)  # the rest: LlamaConfig's defaults
     return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
 
 
@@ -60,9 +60,9 @@ def _inputs(case: Case, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]
 
 
 @torch.inference_mode()
-def _timed(model, case: Case, ids, mask, paged: bool) -> tuple[float, torch.Tensor]:
+def _timed(model, case: Case, ids, mask, paged: bool, new_tokens: int) -> tuple[float, torch.Tensor]:
     torch.manual_seed(0)
-    kwargs = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "eos_token_id": None, "pad_token_id": 0,
+    kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "eos_token_id": None, "pad_token_id": 0,
               "do_sample": False, **case.options}
     if paged:
         kwargs["cache_implementation"] = "hf_paged"
@@ -75,7 +75,8 @@ def _timed(model, case: Case, ids, mask, paged: bool) -> tuple[float, torch.Tens
     return time.perf_counter() - start, out
 
 
-def run(rounds: int = 5, device: str = "cpu", dtype: torch.dtype = torch.float32, cases=CASES, log=print) -> dict:
+def run(rounds: int = 5, device: str = "cpu", dtype: torch.dtype = torch.float32, cases=CASES, log=print,
+        new_tokens: int = NEW_TOKENS) -> dict:
     """Per case: stock / flag time in each round, the median, and whether every sequence matched."""
     import hf_paged
 
@@ -86,17 +87,17 @@ def run(rounds: int = 5, device: str = "cpu", dtype: torch.dtype = torch.float32
     for case in cases:
         ids, mask = _inputs(case, vocab, device)
         for model, is_paged in ((stock, False), (paged, True)):  # untimed warm-up
-            _timed(model, case, ids, mask, is_paged)
+            _timed(model, case, ids, mask, is_paged, new_tokens)
         ratios, identical = [], True
         for r in range(rounds):
             order = ((stock, False), (paged, True)) if r % 2 == 0 else ((paged, True), (stock, False))
             times, outs = {}, {}
             for model, is_paged in order:
-                times[is_paged], outs[is_paged] = _timed(model, case, ids, mask, is_paged)
+                times[is_paged], outs[is_paged] = _timed(model, case, ids, mask, is_paged, new_tokens)
             ratios.append(times[False] / times[True])
             identical &= torch.equal(outs[False], outs[True])
         results[case.name] = {"stock_over_flag_per_round": ratios, "median": statistics.median(ratios),
-                              "sequences_identical": identical}
+                              "sequences_identical": identical, "new_tokens": new_tokens}
         log(f"  {case.name:<32} stock / flag: median {statistics.median(ratios):.2f}x "
             f"(rounds {', '.join(f'{x:.2f}' for x in ratios)}), identical: {identical}")
     return results
