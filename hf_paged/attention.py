@@ -1,25 +1,23 @@
 """The ``"hf_paged"`` attention and mask functions, registered with transformers' interfaces.
 
+They serve the forwards that read K/V straight from the blocks: ``generate()`` on the kernel route
+(Triton, CUDA by default) and every engine step. ``generate()`` on the reference route (CPU) does not
+use them: its cache's ``update`` returns dense K/V to the model's own attention (see ``cache.py``).
+
 Paged-ness is a property of the call, not of the model. A model keeps its own implementation
-(``sdpa``, ``eager``...) and ``config._attn_implementation`` says so, except while a paged forward
+(``sdpa``, ``eager``...) and ``config._attn_implementation`` says so, except while such a forward
 runs: :func:`paged_call` switches the model's configs to ``"hf_paged"`` for that forward only, the
-way transformers' own continuous batching switches implementations for its session. Inside a
-paged forward, a call whose key/value were stashed by a paged cache reads K/V through block
-tables; any other call goes to the implementation the model had (its fallback), with the mask
-that implementation would have received.
+way transformers' own continuous batching switches implementations for its session. Inside it, a
+call whose key/value were stashed by a paged cache reads K/V through block tables; any other call
+goes to the implementation the model had (its fallback), with the mask that implementation would
+have received.
 
-Read paths of a paged call, chosen by the kernels' one backend switch (:func:`hf_paged.kernels.set_backend`):
-
-* Triton (CUDA by default), rows stored contiguously: the kernels read the blocks directly
-  (``paged_attention_decode`` for one new token per row, ``paged_attention_prefill`` otherwise).
-* Otherwise (CPU): the reference path gathers the blocks into the layout DynamicCache would hold
-  and calls the fallback implementation with the same mask, so outputs equal stock transformers.
-
-An engine step (a :class:`~hf_paged.channel.PackedStep`) packs many sequences in one row; each
-attends only to its own blocks (decode tokens first, then the prefill chunks).
-
-:func:`paged_call` is how a forward gets this implementation; ``enable()``'s forward hooks and the
-engine's model runner both use it.
+Read paths of a ``generate()`` call on the kernel route: the kernels read the blocks directly
+(``paged_attention_decode`` for one new token per row, ``paged_attention_prefill`` otherwise); where
+they cannot (rows with holes, ``output_attentions``), the blocks are gathered into the layout
+DynamicCache would hold and the fallback implementation runs on them. An engine step (a
+:class:`~hf_paged.channel.PackedStep`) packs many sequences in one row; each attends only to its
+own blocks (decode tokens first, then the prefill chunks).
 """
 
 from __future__ import annotations
@@ -38,6 +36,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hf_paged import kernels
+from hf_paged.cache import new_columns_valid
 from hf_paged.channel import PackedStep, active_cache, in_packed_forward
 
 ATTN_IMPLEMENTATION = "hf_paged"
@@ -72,12 +71,7 @@ class PagedMask:
 
     def new_columns_valid(self, q_len: int, columns: int) -> torch.Tensor | None:
         """Validity of the ``q_len`` newest columns, given ``columns`` columns in all."""
-        mask = self.padding_mask
-        if mask is None:
-            return None
-        if mask.shape[-1] < columns:  # a short mask leaves the missing columns masked, as in stock
-            mask = torch.nn.functional.pad(mask, (0, columns - mask.shape[-1]))
-        return mask[:, columns - q_len : columns]
+        return new_columns_valid(self.padding_mask, q_len, columns)
 
 
 def _remember_fallback(config, name: str) -> None:

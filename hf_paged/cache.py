@@ -1,9 +1,14 @@
 """``PagedKVCache``: a transformers ``Cache`` whose K/V live in blocks addressed by block tables.
 
-It talks to the model through the stash/claim channel of :mod:`hf_paged.channel`: ``update``
-stashes the new K/V, the ``"hf_paged"`` attention function claims them, asks this cache to
-:meth:`~PagedKVCache.commit` them (the padding mask it receives says which new columns are pads:
-those are not stored), then reads K/V through the block tables.
+An enabled model's forward hooks open each forward on the cache (:meth:`PagedKVCache.begin_forward`)
+with its 2D padding mask (pad columns are not stored) and one of two routes:
+
+* the reference route (no Triton: CPU): ``update`` stores the new K/V in their blocks and returns
+  the K/V a ``DynamicCache`` would return, read from the blocks; the model's own attention
+  implementation and masks do the rest, exactly as with ``DynamicCache``;
+* the kernel route (Triton): ``update`` stashes the new K/V for the ``"hf_paged"`` attention
+  function (the stash/claim channel of :mod:`hf_paged.channel`), which stores them and reads the
+  blocks with the kernels, never building dense K/V.
 
 Columns vs tokens: transformers counts *columns* (the padded length, pads included). The cache
 reports columns exactly as ``DynamicCache`` would (so masks and positions match stock), but stores
@@ -23,6 +28,16 @@ from hf_paged.block_manager import BlockManager
 from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, StashingCache
 from hf_paged.model_info import layer_structure
 from hf_paged.storage import PagedKVStorage
+
+
+def new_columns_valid(padding_mask: torch.Tensor | None, q_len: int, columns: int) -> torch.Tensor | None:
+    """Which of the ``q_len`` newest of ``columns`` columns are real tokens, from a 2D padding mask
+    (None: all of them). A mask shorter than ``columns`` leaves the missing columns masked, as stock."""
+    if padding_mask is None:
+        return None
+    if padding_mask.shape[-1] < columns:
+        padding_mask = torch.nn.functional.pad(padding_mask, (0, columns - padding_mask.shape[-1]))
+    return padding_mask[:, columns - q_len : columns]
 
 
 @dataclass
@@ -114,6 +129,7 @@ class PagedKVCache(StashingCache):
         self._has_holes = False  # a pad column after a real one: kernels need contiguous tokens
         self._plan: _ForwardPlan | None = None  # the forward in progress
         self._run: int | None = None  # one row whose slots follow each other: the slot of its column 0
+        self._forward: tuple | None = None  # (padding mask, kernels?) of the forward running now
         self.prompt_copies = 1  # set by generate(): rows of the first forward are this many copies
 
     def _join(self, pool: _Pool) -> None:
@@ -134,6 +150,7 @@ class PagedKVCache(StashingCache):
             self.manager.fork(seq_id, clone._rows[-1])
         clone._columns, clone._layer_columns = self._columns, list(self._layer_columns)
         clone._slot_buf, clone._has_holes, clone._plan, clone._run = self._slot_buf.clone(), self._has_holes, None, None
+        clone._forward = None
         clone.prompt_copies = 1
         return clone
 
@@ -219,7 +236,33 @@ class PagedKVCache(StashingCache):
         if all(user is self for user in self._pool.users):
             self.storage.clear()
 
-    # ------------------------------------------------------------------ one forward (attention side)
+    # ------------------------------------------------------------------ one forward
+    def begin_forward(self, padding_mask: torch.Tensor | None, kernels: bool) -> None:
+        """A paged forward starts: its 2D padding mask ``[rows, columns]`` (None: no padding), and
+        whether the Triton kernels read this forward (else ``update`` returns dense K/V)."""
+        self._forward = (padding_mask if padding_mask is not None and padding_mask.dim() == 2 else None, kernels)
+
+    def end_forward(self) -> None:
+        self._forward = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """The reference route: store this layer's new K/V and return its K/V as ``DynamicCache``
+        would. The kernel route: stash them for the ``"hf_paged"`` attention function."""
+        forward = self._forward
+        if forward is None:
+            raise RuntimeError(
+                "PagedKVCache: a forward used this cache without hf_paged's forward hooks; call "
+                "hf_paged.enable(model) (and call the model, not model.forward)."
+            )
+        if forward[1]:
+            return super().update(key_states, value_states, layer_idx)
+        q_len = key_states.shape[2]
+        new_valid = None
+        if self.allocates(layer_idx):
+            new_valid = new_columns_valid(forward[0], q_len, self._columns + q_len)
+        self.commit(layer_idx, key_states, value_states, new_valid)
+        return self.dense_kv(layer_idx, q_len)
+
     def allocates(self, layer_idx: int) -> bool:
         """Whether ``layer_idx`` is the first layer of a forward: the one that allocates (and the
         only one whose ``commit`` reads ``new_valid``)."""

@@ -13,9 +13,12 @@ is imported, and nothing else on transformers' classes:
    Hooking cache preparation (not ``generate``) makes every route into ``generate`` work,
    ``GenerationMixin.generate(model, ...)`` and subclasses calling ``super().generate`` included.
 
-``enable`` itself adds torch forward hooks to that one model: a forward whose cache is paged runs
-with the ``"hf_paged"`` attention implementation (``attention.paged_call``); every other forward
-is stock, and ``model.config._attn_implementation`` reads as before outside paged forwards.
+``enable`` itself adds torch forward hooks to that one model. A forward given a ``PagedKVCache``
+opens on it with its padding mask: on the reference route (CPU) the cache's ``update`` returns
+the K/V a ``DynamicCache`` would and the model's own attention runs, unchanged; on the kernel route
+(Triton) the forward runs with the ``"hf_paged"`` attention implementation (``attention.paged_call``),
+which reads the blocks. Every other forward is stock, and ``model.config._attn_implementation``
+reads as before outside kernel-route forwards.
 
 Shared prompts (paper §4.4): with ``num_beams=k`` or ``num_return_sequences=n`` stock ``generate``
 repeats every prompt k times before the first forward. The first forward of a paged call instead
@@ -36,7 +39,7 @@ import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation import configuration_utils as generation_configuration
 
-from hf_paged import attention
+from hf_paged import attention, kernels
 from hf_paged.block_manager import check_block_options
 from hf_paged.cache import PagedKVCache
 from hf_paged.channel import StashingCache, clear_active_cache
@@ -143,7 +146,7 @@ GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
 # ---------------------------------------------------------------------- forward hooks of an enabled model
 @dataclass
 class _PagedForward:
-    saved: list  # the attention implementations to restore
+    saved: list | None  # the attention implementations to restore (kernel route and engine steps)
     copies: int = 1  # > 1: the distinct prompts run once, forked to this many copies after
     lm_head_hook: Any = None
 
@@ -153,13 +156,26 @@ def _paged_cache(kwargs: dict) -> StashingCache | None:
     return cache if isinstance(cache, StashingCache) else None
 
 
+def _uses_kernels(model: PreTrainedModel, kwargs: dict) -> bool:
+    """Whether this forward's K/V are read by the Triton kernels (the backend switch, the device)."""
+    inputs = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+    return kernels.use_triton(inputs if isinstance(inputs, torch.Tensor) else next(model.parameters()))
+
+
 def _before_forward(model: PreTrainedModel, args: tuple, kwargs: dict):
+    """Open a paged forward: a ``PagedKVCache`` on the reference route needs nothing switched (its
+    ``update`` returns dense K/V to the model's own attention); the kernel route and engine steps
+    run the ``"hf_paged"`` attention implementation for this forward."""
     cache = _paged_cache(kwargs)
     if cache is None:
         return None
-    call = _PagedForward(attention.begin_paged_call(model))
+    paged_cache = isinstance(cache, PagedKVCache)
+    use_kernels = not paged_cache or _uses_kernels(model, kwargs)
+    call = _PagedForward(attention.begin_paged_call(model) if use_kernels else None)
     getattr(model, _OPTIONS_ATTR).calls.append(call)
-    distinct = _distinct_prompt_kwargs(model, cache, args, kwargs)
+    distinct = _distinct_prompt_kwargs(model, cache, args, kwargs) if paged_cache else None
+    if paged_cache:
+        cache.begin_forward((distinct or kwargs).get("attention_mask"), use_kernels)
     if distinct is None:
         return None
     call.copies = cache.prompt_copies
@@ -175,7 +191,10 @@ def _after_forward(model: PreTrainedModel, args: tuple, kwargs: dict, output):
     if cache is None or options is None or not options.calls:
         return None
     call = options.calls.pop()
-    attention.end_paged_call(call.saved)
+    if call.saved is not None:
+        attention.end_paged_call(call.saved)
+    if isinstance(cache, PagedKVCache):
+        cache.end_forward()
     clear_active_cache()
     if call.copies == 1:
         return None

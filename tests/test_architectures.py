@@ -17,7 +17,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.models.llama import modeling_llama
 
 import hf_paged
-from hf_paged import model_support
+from hf_paged import kernels, model_support
 from hf_paged.model_support import INLINE, KV_CHANGED, OWN_MASK, Support
 from tests.helpers.tiny_models import (
     UNSUPPORTED,
@@ -277,16 +277,22 @@ def _mimo_with_small_value_heads():
     ("mimo_v2_flash (value heads narrower than key heads)", _mimo_with_small_value_heads),
 ])
 def test_refused_models_really_fail_when_the_gate_is_bypassed(monkeypatch, name, make):
+    """On the kernel route (how CUDA runs; here the Triton interpreter), which reads the blocks
+    itself. (generate()'s CPU reference route hands the model DynamicCache-shaped K/V from update and
+    so would run some of these; the gate is for every route and the engine.)"""
     model, extra = _quietly(make)
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
     ids, mask = left_padded([3, 7])
     inputs = dict(input_ids=ids, attention_mask=mask, **extra)
     stock = _generate(model, inputs, paged=False)
     monkeypatch.setattr(model_support, "classify_model", lambda *args, **kwargs: Support(model_support.SUPPORTED))
+    kernels.set_backend("triton")
     try:
         paged = _generate(model, inputs, paged=True)
     except Exception:  # noqa: BLE001 - failing loudly is one of the two outcomes expected
         return
+    finally:
+        kernels.set_backend("auto")
     assert not torch.equal(paged, stock), f"{name}: refused, yet the paged output equals stock"
 
 

@@ -89,10 +89,16 @@ def test_attn_implementation_reads_as_before_outside_paged_forwards():
     assert set(seen) == {"sdpa"}
     seen.clear()
 
-    hook = model.register_forward_hook(lambda module, args, out: seen.append(module.config._attn_implementation))
-    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, cache_implementation="hf_paged")
-    hook.remove()
-    assert "hf_paged" in seen  # inside the paged forwards (the hook runs before ours restores it)
+    flagged = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, cache_implementation="hf_paged")
+    model.generate(**flagged)
+    assert set(seen) == {"sdpa"}  # the reference route: the model's own attention reads K/V from update
+    seen.clear()
+    hf_paged.kernels.set_backend("triton")  # the kernel route (CUDA's; the Triton interpreter here)
+    try:
+        model.generate(**flagged)
+    finally:
+        hf_paged.kernels.set_backend("auto")
+    assert set(seen) == {"hf_paged"}  # inside those paged forwards (this pre-hook runs after hf_paged's)
     assert model.config._attn_implementation == "sdpa"
 
 
