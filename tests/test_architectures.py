@@ -180,15 +180,20 @@ def test_inline_models_are_refused_for_inline_attention(arch):
 
 
 # ----------------------------------------------------------------- negative controls of the source check
+def _projections(attention, hidden_states, position_embeddings):
+    """Llama's query, key and value (rotary applied), as its attention computes them."""
+    shape = (*hidden_states.shape[:-1], -1, attention.head_dim)
+    query = attention.q_proj(hidden_states).view(shape).transpose(1, 2)
+    key = attention.k_proj(hidden_states).view(shape).transpose(1, 2)
+    value = attention.v_proj(hidden_states).view(shape).transpose(1, 2)
+    return (*modeling_llama.apply_rotary_pos_emb(query, key, *position_embeddings), value)
+
+
 class InlineAttention(modeling_llama.LlamaAttention):
     """Llama attention written inline: writes the cache, never calls ALL_ATTENTION_FUNCTIONS."""
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
-        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
-        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
-        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-        query, key = modeling_llama.apply_rotary_pos_emb(query, key, *position_embeddings)
+        query, key, value = _projections(self, hidden_states, position_embeddings)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         key = modeling_llama.repeat_kv(key, self.num_key_value_groups)
@@ -202,11 +207,7 @@ class RepeatedKVAttention(modeling_llama.LlamaAttention):
     """Routes through the interface, but with K/V repeated after cache.update (not the stashed tensors)."""
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
-        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
-        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
-        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-        query, key = modeling_llama.apply_rotary_pos_emb(query, key, *position_embeddings)
+        query, key, value = _projections(self, hidden_states, position_embeddings)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         key = modeling_llama.repeat_kv(key, self.num_key_value_groups)
@@ -221,11 +222,7 @@ class OwnMaskAttention(modeling_llama.LlamaAttention):
     """Routes the cache's K/V through the interface, but with a mask of its own (none at all)."""
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
-        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
-        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
-        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-        query, key = modeling_llama.apply_rotary_pos_emb(query, key, *position_embeddings)
+        query, key, value = _projections(self, hidden_states, position_embeddings)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         interface = modeling_llama.ALL_ATTENTION_FUNCTIONS.get_interface(
