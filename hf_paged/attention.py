@@ -110,7 +110,7 @@ def begin_paged_call(model: PreTrainedModel) -> list[tuple[object, str | None]]:
     saved = []
     for config in _switched_configs(model):
         current = config._attn_implementation_internal
-        if current != ATTN_IMPLEMENTATION and _fallbacks.get(id(config)) != current:
+        if current != ATTN_IMPLEMENTATION and _fallbacks.get(id(config)) != (current or "sdpa"):
             _remember_fallback(config, current or "sdpa")
         saved.append((config, current))
         config._attn_implementation_internal = ATTN_IMPLEMENTATION

@@ -210,9 +210,9 @@ def _after_forward(model: PreTrainedModel, args: tuple, kwargs: dict, output):
     return output
 
 
-def _distinct_prompt_kwargs(model: PreTrainedModel, cache, args: tuple, kwargs: dict) -> dict | None:
+def _distinct_prompt_kwargs(model: PreTrainedModel, cache: PagedKVCache, args: tuple, kwargs: dict) -> dict | None:
     """The first forward's inputs with each prompt once, if it is safe and worth it (else None)."""
-    copies = getattr(cache, "prompt_copies", 1)
+    copies = cache.prompt_copies
     if copies <= 1 or args or cache.get_seq_length() > 0 or model.get_output_embeddings() is None:
         return None
     if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
