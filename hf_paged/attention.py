@@ -200,7 +200,7 @@ def _scale(kwargs: dict, head_dim: int) -> float:
 def _kernel_attention(cache, layer_idx: int, query: torch.Tensor, **kwargs):
     """Read K/V straight from the blocks with the Triton kernels (no gather into contiguous tensors)."""
     k_pool, v_pool = cache.storage.key_pools[layer_idx], cache.storage.value_pools[layer_idx]
-    meta = cache.metadata_on(query.device)
+    meta = cache.metadata_for(layer_idx, query.device)
     rows, heads, q_len, head_dim = query.shape
     options = dict(sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"), backend="triton")
     scale = _scale(kwargs, head_dim)

@@ -8,6 +8,10 @@ decisions (writes to slots, block copies). The three primitives are the paper's 
   one is full, and a shared last block is copied on write first;
 * ``free(seq)`` — reference count − 1 on each block, blocks at zero return to the free list.
 
+A sliding-window layer group reads only the last ``W`` tokens: ``release_before(seq, position)``
+gives back the blocks wholly before ``position`` and leaves :data:`HOLE` in their table entries,
+so a table keeps its logical → physical numbering. Nothing may read a hole.
+
 A slot is ``block_id * block_size + offset``. Every call that allocates is all-or-nothing: when the
 budget cannot cover it, :class:`NoFreeBlocksError` is raised before anything changes, so a
 scheduler can catch it, preempt someone, and retry.
@@ -25,6 +29,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 SeqId = Hashable
+HOLE = -1  # a table entry whose block was released (out of a sliding window): never read
 
 
 class BlockManagerError(RuntimeError):
@@ -65,6 +70,7 @@ def check_block_options(block_size: int, num_blocks: int | None) -> None:
 class _Sequence:
     table: list[int] = field(default_factory=list)
     length: int = 0  # tokens stored
+    released: int = 0  # leading table entries that are holes
 
 
 class BlockManager:
@@ -144,18 +150,25 @@ class BlockManager:
         table = list(table or [])
         if len(table) != -(-length // self.block_size):
             raise BlockManagerError(f"{len(table)} blocks cannot hold exactly {length} tokens")
-        for block in table:
+        released = next((i for i, block in enumerate(table) if block != HOLE), len(table))
+        if HOLE in table[released:]:
+            raise BlockManagerError("holes may only lead a table")
+        for block in table[released:]:
             if self._ref_counts[block] == 0:
                 if block not in self._evictable:
                     raise BlockManagerError(f"cannot adopt free block {block}")
                 del self._evictable[block]
             self._add_ref(block)
-        self._seqs[seq_id] = _Sequence(table, length)
+        self._seqs[seq_id] = _Sequence(table, length, released)
         self.blocks_peak = max(self.blocks_peak, self.num_used_blocks)
 
     def block_table(self, seq_id: SeqId) -> list[int]:
-        """Logical → physical block ids of a sequence (a copy)."""
+        """Logical → physical block ids of a sequence (a copy; released entries are ``HOLE``)."""
         return list(self._get(seq_id).table)
+
+    def num_released(self, seq_id: SeqId) -> int:
+        """Leading blocks of the sequence given back by :meth:`release_before`."""
+        return self._get(seq_id).released
 
     def seq_len(self, seq_id: SeqId) -> int:
         return self._get(seq_id).length
@@ -165,6 +178,8 @@ class BlockManager:
         seq = self._get(seq_id)
         if not 0 <= position < seq.length:
             raise IndexError(f"position {position} outside sequence {seq_id!r} of length {seq.length}")
+        if position // self.block_size < seq.released:
+            raise IndexError(f"position {position} of sequence {seq_id!r} was released (out of the window)")
         return seq.table[position // self.block_size] * self.block_size + position % self.block_size
 
     # ------------------------------------------------------------------ allocation
@@ -236,6 +251,8 @@ class BlockManager:
         if (index + 1) * self.block_size > seq.length:
             raise BlockManagerError(f"block {index} of sequence {seq_id!r} is not full")
         block = seq.table[index]
+        if block == HOLE:
+            raise BlockManagerError(f"block {index} of sequence {seq_id!r} was released")
         if key in self._block_of_key or block in self._key_of_block:
             return
         self._block_of_key[key] = block
@@ -305,17 +322,28 @@ class BlockManager:
         src = self._get(parent)
         if child in self._seqs:
             raise BlockManagerError(f"cannot fork into existing sequence {child!r}")
-        for block in src.table:
+        for block in src.table[src.released :]:
             self._add_ref(block)
-        self._seqs[child] = _Sequence(list(src.table), src.length)
+        self._seqs[child] = _Sequence(list(src.table), src.length, src.released)
 
     def free(self, seq_id: SeqId) -> None:
         """Drop a sequence: every block loses one reference; blocks at zero are free again."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise UnknownSequenceError(f"cannot free unknown sequence {seq_id!r} (double free?)")
-        for block in seq.table:
+        for block in seq.table[seq.released :]:
             self._release(block)
+
+    def release_before(self, seq_id: SeqId, position: int) -> int:
+        """Give back the blocks holding only tokens before ``position`` (a sliding window no
+        longer reaches them); their entries become :data:`HOLE`. Returns how many were released."""
+        seq = self._get(seq_id)
+        upto = min(position, seq.length) // self.block_size
+        for i in range(seq.released, upto):
+            self._release(seq.table[i])
+            seq.table[i] = HOLE
+        released, seq.released = max(upto - seq.released, 0), max(seq.released, upto)
+        return released
 
     def truncate(self, seq_id: SeqId, length: int) -> None:
         """Keep only the first ``length`` tokens (blocks past them lose a reference)."""
@@ -323,8 +351,13 @@ class BlockManager:
         if not 0 <= length <= seq.length:
             raise BlockManagerError(f"cannot truncate sequence {seq_id!r} of length {seq.length} to {length}")
         keep = -(-length // self.block_size)
-        for block in seq.table[keep:]:
+        if length and keep <= seq.released:
+            raise BlockManagerError(
+                f"cannot truncate sequence {seq_id!r} to {length} tokens: its blocks before token "
+                f"{seq.released * self.block_size} were released (out of the sliding window)")
+        for block in seq.table[max(keep, seq.released) :]:
             self._release(block)
+        seq.released = min(seq.released, keep)
         del seq.table[keep:]
         seq.length = length
         last = seq.table[-1] if seq.table else None
@@ -341,7 +374,9 @@ class BlockManager:
         counts = [0] * self.num_blocks
         for seq in self._seqs.values():
             assert len(seq.table) == -(-seq.length // self.block_size), "table length does not match tokens"
-            for block in seq.table:
+            assert all(b == HOLE for b in seq.table[: seq.released]), "a released entry is not a hole"
+            for block in seq.table[seq.released :]:
+                assert block != HOLE, "a hole after a held block"
                 counts[block] += 1
         assert counts == self._ref_counts, "reference counts differ from the tables holding each block"
         assert self._num_shared == sum(1 for c in counts if c > 1), "the shared-block count is off"

@@ -12,7 +12,11 @@ with its 2D padding mask (pad columns are not stored) and one of two routes:
 
 Columns vs tokens: transformers counts *columns* (the padded length, pads included). The cache
 reports columns exactly as ``DynamicCache`` would (so masks and positions match stock), but stores
-only real tokens; ``_slot_map[row, column]`` holds each column's slot (−1 = pad).
+only real tokens; ``_slot_maps[group][row, column]`` holds each column's slot (−1 = pad).
+
+Layer groups (:mod:`hf_paged.layer_groups`): full-attention layers share one block table per row,
+the layers of each sliding window another; a sliding group gives back the blocks its window has
+left behind, so a sliding layer holds about what ``DynamicSlidingWindowLayer`` holds.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PretrainedConfig
 
-from hf_paged.block_manager import BlockManager
+from hf_paged.block_manager import HOLE, BlockManager
 from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, StashingCache
+from hf_paged.layer_groups import GroupedBlockManager, LayerGroup, layer_groups
 from hf_paged.model_info import layer_structure
 from hf_paged.storage import PagedKVStorage
 
@@ -44,7 +49,7 @@ def new_columns_valid(padding_mask: torch.Tensor | None, q_len: int, columns: in
 class _Pool:
     """Blocks and their K/V, shared by a cache and its forks (each fork has rows of its own)."""
 
-    manager: BlockManager
+    blocks: GroupedBlockManager
     storage: PagedKVStorage
     seq_ids: itertools.count = field(default_factory=itertools.count)
     users: weakref.WeakSet = field(default_factory=weakref.WeakSet)
@@ -56,24 +61,26 @@ class _ForwardPlan:
 
     q_len: int
     new_valid: torch.Tensor | None  # [rows, q_len]: which new columns are real (None: all)
-    write_slots: torch.Tensor  # slots of the real new tokens, row by row
+    write_slots: list[torch.Tensor]  # per layer group: slots of the real new tokens, row by row
     write_rows: torch.Tensor | None  # their positions among the rows * q_len new K/V (None: all)
-    new_columns: torch.Tensor  # [rows, q_len] slots of the new columns (-1: pad)
+    new_columns: list[torch.Tensor]  # per layer group: [rows, q_len] slots of the new columns (-1: pad)
     lengths: list[int]  # tokens each row had stored before this forward
     counts: list[int]  # real tokens each row stores in this forward
     new_kv: tuple | None = None  # (layer, key, value, flat K, flat V) of the layer being computed
     reads: dict = field(default_factory=dict)  # what the layers' reads and writes share, built once
 
-    def on(self, device: torch.device, name: str) -> torch.Tensor:
-        """``write_slots`` or ``write_rows`` on ``device`` (layers may sit on different devices)."""
-        key = (name, device)
+    def on(self, device: torch.device, name: str, group: int = 0) -> torch.Tensor:
+        """``write_slots`` (of a layer group) or ``write_rows`` on ``device`` (layers may sit on
+        different devices)."""
+        key = (name, group, device)
         if key not in self.reads:
-            self.reads[key] = getattr(self, name).to(device)
+            value = getattr(self, name)
+            self.reads[key] = (value[group] if isinstance(value, list) else value).to(device)
         return self.reads[key]
 
-    def read_index(self, slot_map: torch.Tensor, offset: int, length: int, device) -> torch.Tensor:
+    def read_index(self, slot_map: torch.Tensor, offset: int, length: int, device, group: int) -> torch.Tensor:
         """Slots of columns ``offset .. offset + length`` of every row, flat (pads -> slot 0: masked)."""
-        key = (offset, length, device)
+        key = (offset, length, device, group)
         if key not in self.reads:
             self.reads[key] = slot_map[:, offset : offset + length].clamp(min=0).reshape(-1).to(device)
         return self.reads[key]
@@ -121,20 +128,38 @@ class PagedKVCache(StashingCache):
         super().__init__(self.sliding_windows)
         self.config = config
         self.block_size = block_size
-        self._join(_Pool(BlockManager(block_size, num_blocks), PagedKVStorage(block_size)))
-        self._rows: list[int] = []  # block-manager sequence id of each batch row
+        self.groups: list[LayerGroup] = layer_groups(self.sliding_windows)
+        self._group_of = [0] * len(self.sliding_windows)  # layer -> index of its group
+        for g, group in enumerate(self.groups):
+            for layer in group.layers:
+                self._group_of[layer] = g
+        self._join(_Pool(GroupedBlockManager(block_size, num_blocks, self.groups), PagedKVStorage(block_size)))
+        self._rows: list[int] = []  # block-manager sequence id of each batch row (the same in every group)
         self._columns = 0  # columns with allocated slots (all layers reach it within a forward)
         self._layer_columns = [0] * len(self.layers)
-        self._slot_buf = torch.empty(0, 0, dtype=torch.long)  # [rows, capacity]; see _slot_map
+        self._slot_bufs = self._empty_slot_bufs()  # per group [rows, capacity]; see _slot_maps
         self._has_holes = False  # a pad column after a real one: kernels need contiguous tokens
         self._plan: _ForwardPlan | None = None  # the forward in progress
-        self._run: int | None = None  # one row whose slots follow each other: the slot of its column 0
+        self._runs: list[int | None] = [None] * len(self.groups)  # per group: one row whose slots follow each other
         self._forward: tuple | None = None  # (padding mask, kernels?) of the forward running now
         self.prompt_copies = 1  # set by generate(): rows of the first forward are this many copies
 
     def _join(self, pool: _Pool) -> None:
-        self._pool, self.manager, self.storage = pool, pool.manager, pool.storage
+        self._pool, self.blocks, self.storage = pool, pool.blocks, pool.storage
         pool.users.add(self)
+
+    @property
+    def managers(self) -> list[BlockManager]:
+        """One block manager per layer group (``groups``), in the same order."""
+        return self.blocks.managers
+
+    @property
+    def manager(self) -> BlockManager:
+        """The first layer group's block manager (the full-attention layers when there are any)."""
+        return self.blocks.managers[0]
+
+    def _empty_slot_bufs(self) -> list[torch.Tensor]:
+        return [torch.empty(0, 0, dtype=torch.long) for _ in self.groups]
 
     def fork(self) -> PagedKVCache:
         """A cache with the same rows, sharing every block (copy on write): both continue on their own."""
@@ -143,13 +168,15 @@ class PagedKVCache(StashingCache):
         StashingCache.__init__(clone, self.sliding_windows)
         clone.layer_types, clone.sliding_windows = self.layer_types, self.sliding_windows
         clone.config, clone.block_size = self.config, self.block_size
+        clone.groups, clone._group_of = self.groups, self._group_of
         clone._join(self._pool)
         clone._rows = []
         for seq_id in self._rows:
             clone._rows.append(clone._fresh_seq_id())
-            self.manager.fork(seq_id, clone._rows[-1])
+            self.blocks.fork(seq_id, clone._rows[-1])
         clone._columns, clone._layer_columns = self._columns, list(self._layer_columns)
-        clone._slot_buf, clone._has_holes, clone._plan, clone._run = self._slot_buf.clone(), self._has_holes, None, None
+        clone._slot_bufs = [buf.clone() for buf in self._slot_bufs]
+        clone._has_holes, clone._plan, clone._runs = self._has_holes, None, [None] * len(self.groups)
         clone._forward = None
         clone.prompt_copies = 1
         return clone
@@ -161,8 +188,8 @@ class PagedKVCache(StashingCache):
         # A fork may outlive this cache in the same pool: this cache's rows go back with it.
         try:
             for seq_id in self._rows:
-                if seq_id in self.manager:
-                    self.manager.free(seq_id)
+                if seq_id in self.blocks:
+                    self.blocks.free(seq_id)
         except Exception:  # noqa: BLE001 - never raise from a finalizer (e.g. at interpreter exit)
             pass
 
@@ -207,9 +234,11 @@ class PagedKVCache(StashingCache):
         if tokens_to_remove == 0 or keep == self._columns:
             return
         keep = max(keep, 0)
-        for row, seq_id in enumerate(self._rows):
-            kept_tokens = int((self._slot_map[row, :keep] >= 0).sum())
-            self.manager.truncate(seq_id, kept_tokens)
+        kept = [int((self._slot_maps[0][row, :keep] >= 0).sum()) for row in range(len(self._rows))]
+        for seq_id, kept_tokens in zip(self._rows, kept):
+            self.blocks.truncate(seq_id, kept_tokens)
+            # as DynamicSlidingWindowLayer.crop: back to the window, recording or not
+            self.blocks.release_out_of_window(seq_id, kept_tokens, [False] * len(self.groups))
         self._plan = None
         self._columns = keep
         self._layer_columns = [keep] * len(self._layer_columns)
@@ -218,13 +247,13 @@ class PagedKVCache(StashingCache):
     def reset(self) -> None:
         """Free every block of this cache's rows and forget them (the pools stay allocated for reuse)."""
         for seq_id in self._rows:
-            self.manager.free(seq_id)
+            self.blocks.free(seq_id)
         self._rows = []
         self._columns = 0
         self._layer_columns = [0] * len(self._layer_columns)
-        self._slot_buf = torch.empty(0, 0, dtype=torch.long)
+        self._slot_bufs = self._empty_slot_bufs()
         self._has_holes = False
-        self._plan = self._run = None
+        self._plan, self._runs = None, [None] * len(self.groups)
         self.prompt_copies = 1
         self.drop_pending()
         self.set_metadata(None)
@@ -282,86 +311,103 @@ class PagedKVCache(StashingCache):
         new_k = key.transpose(1, 2).reshape(rows * q_len, kv_heads, head_dim)
         new_v = value.transpose(1, 2).reshape(rows * q_len, kv_heads, head_dim)
         plan.new_kv = (layer_idx, key, value, new_k, new_v)  # what this layer's read may use as they are
-        self.storage.ensure_layer(layer_idx, new_k, self.manager.num_blocks)
+        group = self._group_of[layer_idx]
+        self.storage.ensure_layer(layer_idx, new_k, self.managers[group].num_blocks)
         if plan.write_rows is not None:  # pads are not stored
             rows_index = plan.on(new_k.device, "write_rows")
             new_k, new_v = new_k.index_select(0, rows_index), new_v.index_select(0, rows_index)
-        self.storage.write(layer_idx, new_k, new_v, plan.on(new_k.device, "write_slots"))
+        self.storage.write(layer_idx, new_k, new_v, plan.on(new_k.device, "write_slots", group))
         self._layer_columns[layer_idx] = self._columns
 
     def _allocate(self, rows: int, q_len: int, new_valid: torch.Tensor | None) -> None:
-        """Slots for this forward's real tokens, and the plan its layers share. The bookkeeping is
-        proportional to the new tokens; the slot map grows by their columns."""
+        """Slots for this forward's real tokens in every layer group, and the plan its layers share.
+        Sliding groups first give back the blocks this forward can no longer read. The bookkeeping
+        is proportional to the new tokens; the slot maps grow by their columns."""
         if not self._rows:
             self._rows = [self._new_seq() for _ in range(rows)]
-            self._slot_buf = torch.full((rows, self._columns), -1, dtype=torch.long)
+            self._slot_bufs = [torch.full((rows, self._columns), -1, dtype=torch.long) for _ in self.groups]
         elif rows != len(self._rows):
             raise ValueError(f"PagedKVCache holds {len(self._rows)} rows but the batch has {rows}")
         valid = None if new_valid is None else new_valid.to("cpu", torch.bool)
         if valid is not None and bool(valid.all()):
             valid = None
         counts = [q_len] * rows if valid is None else valid.sum(1).tolist()
-        lengths = [self.manager.seq_len(s) for s in self._rows]
-        new_slots, copies = self.manager.append_many(list(zip(self._rows, counts)))
-        self.storage.grow(self.manager.num_blocks)
-        if copies:
-            self.storage.copy_blocks(copies)
-            self._move_copied_slots(copies, new_slots)
-        flat = [slot for row in new_slots for slot in row]
-        self._track_run(flat, valid is None and not copies, lengths)
-        write_slots = torch.tensor(flat, dtype=torch.long)
-        if valid is None:
-            new_columns = write_slots.view(rows, q_len)
-            write_rows = None
-        else:
-            new_columns = torch.full((rows, q_len), -1, dtype=torch.long)
-            new_columns[valid] = write_slots
-            write_rows = valid.reshape(-1).nonzero().squeeze(1)
+        lengths = [self.blocks.seq_len(s) for s in self._rows]
+        if len(self.groups) > 1 or self.groups[0].is_sliding:
+            recording = [self._recording(group) for group in self.groups]
+            for seq_id, length in zip(self._rows, lengths):
+                self.blocks.release_out_of_window(seq_id, length, recording)
+        allocated = self.blocks.append_many(list(zip(self._rows, counts)))
+        write_slots, new_columns = [], []
+        write_rows = None if valid is None else valid.reshape(-1).nonzero().squeeze(1)
+        for g, (group, manager, (new_slots, copies)) in enumerate(zip(self.groups, self.managers, allocated)):
+            self.storage.grow(manager.num_blocks, group.layers)
+            if copies:
+                self.storage.copy_blocks(copies, group.layers)
+                self._move_copied_slots(g, copies, new_slots)
+            flat = [slot for row in new_slots for slot in row]
+            self._track_run(g, flat, valid is None and not copies, lengths)
+            write_slots.append(torch.tensor(flat, dtype=torch.long))
+            if valid is None:
+                new_columns.append(write_slots[-1].view(rows, q_len))
+            else:
+                columns = torch.full((rows, q_len), -1, dtype=torch.long)
+                columns[valid] = write_slots[-1]
+                new_columns.append(columns)
+        if valid is not None:
             seen = torch.tensor(lengths)[:, None].gt(0) | valid.cummax(1).values
             self._has_holes = self._has_holes or bool((seen & ~valid).any())
         self._append_columns(new_columns)
         self._plan = _ForwardPlan(q_len, valid, write_slots, write_rows, new_columns, lengths, counts)
         self.set_metadata(None)
 
-    def _track_run(self, flat: list[int], no_pads: bool, lengths: list[int]) -> None:
-        """Whether the single row's slots still follow each other (its K/V are then read in place)."""
+    def _recording(self, group: LayerGroup) -> bool:
+        """Whether transformers asked the group's layers to keep their past (``activate_past_recording``)."""
+        return any(getattr(self.layers[i], "record_past", False) for i in group.layers)
+
+    def _track_run(self, group: int, flat: list[int], no_pads: bool, lengths: list[int]) -> None:
+        """Whether the single row's slots (in a layer group) still follow each other (its K/V are
+        then read in place)."""
         if len(self._rows) != 1 or not no_pads or not flat or any(b != a + 1 for a, b in zip(flat, flat[1:])):
-            self._run = None
+            self._runs[group] = None
         elif self._columns == 0:
-            self._run = flat[0]
-        elif self._run is not None and flat[0] != self._run + lengths[0]:
-            self._run = None
+            self._runs[group] = flat[0]
+        elif self._runs[group] is not None and flat[0] != self._runs[group] + lengths[0]:
+            self._runs[group] = None
 
     @property
-    def _slot_map(self) -> torch.Tensor:
-        """``[rows, columns]``: the slot of each column's token, -1 for pads (a view of a buffer that
-        grows by doubling, so a step appends its columns without copying the others)."""
-        return self._slot_buf[:, : self._columns]
+    def _slot_maps(self) -> list[torch.Tensor]:
+        """Per layer group ``[rows, columns]``: the slot of each column's token, -1 for pads (views
+        of buffers that grow by doubling, so a step appends its columns without copying the others).
+        A sliding group's columns before its window keep slots that were given back: never read."""
+        return [buf[:, : self._columns] for buf in self._slot_bufs]
 
-    def _append_columns(self, new_columns: torch.Tensor) -> None:
-        end = self._columns + new_columns.shape[1]
-        if end > self._slot_buf.shape[1]:
-            grown = torch.full((len(self._rows), max(end, 2 * self._slot_buf.shape[1])), -1, dtype=torch.long)
-            grown[:, : self._columns] = self._slot_map
-            self._slot_buf = grown
-        self._slot_buf[:, self._columns : end] = new_columns
+    def _append_columns(self, new_columns: list[torch.Tensor]) -> None:
+        end = self._columns + new_columns[0].shape[1]
+        for g, columns in enumerate(new_columns):
+            buf = self._slot_bufs[g]
+            if end > buf.shape[1]:
+                grown = torch.full((len(self._rows), max(end, 2 * buf.shape[1])), -1, dtype=torch.long)
+                grown[:, : self._columns] = buf[:, : self._columns]
+                buf = self._slot_bufs[g] = grown
+            buf[:, self._columns : end] = columns
         self._columns = end
 
-    def _move_copied_slots(self, copies: list[tuple[int, int]], new_slots: list[list[int]]) -> None:
+    def _move_copied_slots(self, group: int, copies: list[tuple[int, int]], new_slots: list[list[int]]) -> None:
         """Copy on write moved a row's partly filled last block: its tokens there have new slots."""
-        bs = self.block_size
+        bs, slot_map = self.block_size, self._slot_maps[group]
         row_of_block = {row[0] // bs: r for r, row in enumerate(new_slots) if row}
         for src, dst in copies:
             r = row_of_block[dst]  # the row's first new token went into the copy
-            moved = self._slot_map[r] // bs == src
-            self._slot_map[r] = torch.where(moved, self._slot_map[r] + (dst - src) * bs, self._slot_map[r])
+            moved = slot_map[r] // bs == src
+            slot_map[r] = torch.where(moved, slot_map[r] + (dst - src) * bs, slot_map[r])
 
     def _fresh_seq_id(self) -> int:
         return next(self._pool.seq_ids)
 
     def _new_seq(self) -> int:
         seq_id = self._fresh_seq_id()
-        self.manager.add_sequence(seq_id)
+        self.blocks.add_sequence(seq_id)
         return seq_id
 
     def _reindex_rows(self, sources: list[int]) -> None:
@@ -378,16 +424,16 @@ class PagedKVCache(StashingCache):
         for src in sources:
             if src in taken:
                 new_rows.append(self._fresh_seq_id())
-                self.manager.fork(self._rows[src], new_rows[-1])
+                self.blocks.fork(self._rows[src], new_rows[-1])
             else:
                 taken.add(src)
                 new_rows.append(self._rows[src])
         for row, seq_id in enumerate(self._rows):
             if row not in taken:
-                self.manager.free(seq_id)
+                self.blocks.free(seq_id)
         self._rows = new_rows
-        self._slot_buf = self._slot_buf[sources]
-        self._plan = self._run = None
+        self._slot_bufs = [buf[sources] for buf in self._slot_bufs]
+        self._plan, self._runs = None, [None] * len(self.groups)
         self.set_metadata(None)
 
     def layer_states(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -400,15 +446,17 @@ class PagedKVCache(StashingCache):
         columns = self._layer_columns[layer_idx]
         window = self.sliding_windows[layer_idx]
         first = 0 if window is None else max(columns - (window - 1), 0)
-        keys, values = self.storage.gather(layer_idx, self._slot_map[:, first:columns])
+        keys, values = self.storage.gather(layer_idx, self._slot_maps[self._group_of[layer_idx]][:, first:columns])
         return keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
 
     # ------------------------------------------------------------------ reading (attention side)
-    def block_tables(self) -> torch.Tensor:
-        """int32 ``[rows, max_blocks]`` block tables (``BLOCK_TABLE_PAD`` past each row's blocks)."""
-        tables = [self.manager.block_table(s) for s in self._rows]
+    def block_tables(self, group: int = 0) -> torch.Tensor:
+        """int32 ``[rows, max_blocks]`` block tables of a layer group (``BLOCK_TABLE_PAD`` past each
+        row's blocks, and where a sliding group gave blocks back: the kernels never read those)."""
+        tables = [self.managers[group].block_table(s) for s in self._rows]
         width = max((len(t) for t in tables), default=0)
-        padded = [t + [BLOCK_TABLE_PAD] * (width - len(t)) for t in tables]
+        padded = [[BLOCK_TABLE_PAD if b == HOLE else b for b in t] + [BLOCK_TABLE_PAD] * (width - len(t))
+                  for t in tables]
         return torch.tensor(padded, dtype=torch.int32).reshape(len(tables), width)
 
     def kv_window(self, layer_idx: int, q_len: int) -> tuple[int, int]:
@@ -442,11 +490,13 @@ class PagedKVCache(StashingCache):
         if length == q_len and plan.new_kv[0] == layer_idx:
             return plan.new_kv[1], plan.new_kv[2]
         k_rows, v_rows = self.storage.slot_rows(layer_idx)
-        if self._run is not None:
-            start = self._run + offset
+        group = self._group_of[layer_idx]
+        run = self._runs[group]
+        if run is not None:
+            start = run + offset
             keys, values = k_rows[start : start + length], v_rows[start : start + length]
             return keys.unsqueeze(0).transpose(1, 2), values.unsqueeze(0).transpose(1, 2)
-        index = plan.read_index(self._slot_map, offset, length, k_rows.device)
+        index = plan.read_index(self._slot_maps[group], offset, length, k_rows.device, group)
         shape = (rows, length, *k_rows.shape[1:])
         keys = plan.gather(k_rows.flatten(1), index, "keys").view(shape)
         values = plan.gather(v_rows.flatten(1), index, "values").view(shape)
@@ -456,21 +506,27 @@ class PagedKVCache(StashingCache):
             values[:, -q_len:] = new_v.view(rows, q_len, *new_v.shape[1:])
         return keys.transpose(1, 2), values.transpose(1, 2)
 
-    def metadata_on(self, device: torch.device) -> AttentionMetadata:
-        """The kernels' metadata of this forward on ``device``, built on first use (the CPU
-        reference path never needs block tables)."""
-        if self.metadata is None:
+    def set_metadata(self, metadata: AttentionMetadata | None) -> None:
+        super().set_metadata(metadata)
+        self._group_metadata: dict = {}  # (group, device) -> this forward's kernel metadata
+
+    def metadata_for(self, layer_idx: int, device: torch.device) -> AttentionMetadata:
+        """The kernels' metadata of this forward for a layer's group, on ``device``: built on first
+        use (the CPU reference path never needs block tables), once per group and device."""
+        group = self._group_of[layer_idx]
+        key = (group, device)
+        if key not in self._group_metadata:
             plan = self._plan
             counts = torch.tensor(plan.counts, dtype=torch.int32)
             valid = plan.new_valid if plan.new_valid is not None else torch.ones(len(counts), plan.q_len, dtype=torch.bool)
-            self.set_metadata(AttentionMetadata(
-                slot_mapping=plan.new_columns,
-                block_tables=self.block_tables(),
+            self._group_metadata[key] = AttentionMetadata(
+                slot_mapping=plan.new_columns[group],
+                block_tables=self.block_tables(group),
                 context_lens=torch.tensor(plan.lengths, dtype=torch.int32) + counts,
                 cu_seqlens_q=torch.nn.functional.pad(counts.cumsum(0, dtype=torch.int32), (1, 0)),
                 new_valid=valid,
-            ))
-        return super().metadata_on(device)
+            ).to(device)
+        return self._group_metadata[key]
 
     @property
     def kernels_applicable(self) -> bool:
@@ -480,42 +536,62 @@ class PagedKVCache(StashingCache):
                 and min(n + c for n, c in zip(plan.lengths, plan.counts)) > 0)
 
     # ------------------------------------------------------------------ accounting
-    def stats(self) -> dict[str, float | int]:
-        """Memory accounting of the cache (the paper's utilization and sharing numbers)."""
-        bs, manager = self.block_size, self.manager
+    def stats(self) -> dict:
+        """Memory accounting of the cache (the paper's utilization and sharing numbers), summed over
+        layer groups, with each group's own numbers under ``"groups"``. ``bytes_contiguous_equivalent``
+        is what ``DynamicCache`` holds for the same rows (a sliding layer: its last ``window - 1``
+        columns)."""
+        groups = [self._group_stats(g) for g in range(len(self.groups))]
+        used = sum(g["blocks_used"] for g in groups)
+        tokens_stored = sum(g["tokens_stored"] for g in groups)
+        slots = sum(g["slots_allocated"] for g in groups)
+        return {
+            "block_size": self.block_size,
+            "blocks_total": sum(g["blocks_total"] for g in groups),
+            "blocks_used": used,
+            "blocks_free": sum(g["blocks_free"] for g in groups),
+            "blocks_shared": sum(g["blocks_shared"] for g in groups),
+            "blocks_peak": sum(g["blocks_peak"] for g in groups),
+            "num_sequences": len(self._rows),
+            "tokens_stored": tokens_stored,
+            "tokens_logical": groups[0]["tokens_logical"],
+            "slots_allocated": slots,
+            "utilization": tokens_stored / slots if slots else 1.0,
+            "bytes_used": sum(g["bytes_used"] for g in groups),
+            "bytes_allocated": sum(g["bytes_allocated"] for g in groups),
+            "bytes_contiguous_equivalent": sum(g["bytes_contiguous_equivalent"] for g in groups),
+            "groups": groups,
+        }
+
+    def _group_stats(self, g: int) -> dict:
+        group, manager, bs = self.groups[g], self.managers[g], self.block_size
         filled: dict[int, int] = {}
         logical = 0
         for seq_id in self._rows:
             length = manager.seq_len(seq_id)
             logical += length
             for i, block in enumerate(manager.block_table(seq_id)):
-                filled[block] = max(filled.get(block, 0), min(bs, length - i * bs))
+                if block != HOLE:
+                    filled[block] = max(filled.get(block, 0), min(bs, length - i * bs))
         used = manager.num_used_blocks
-        tokens_stored = sum(filled.values())
-        per_block = self.storage.bytes_per_block()
-        per_token_layer = {
-            i: 2 * k.shape[2] * k.shape[3] * k.element_size() for i, k in self.storage.key_pools.items()
-        }
-        contiguous = 0
-        for i, per_token in per_token_layer.items():
-            window = self.sliding_windows[i]
-            held = self._columns if window is None else min(self._columns, window - 1)
-            contiguous += len(self._rows) * held * per_token
+        per_token = {i: 2 * k.shape[2] * k.shape[3] * k.element_size()
+                     for i, k in self.storage.key_pools.items() if i in group.layers}
+        per_block = bs * sum(per_token.values())
+        held = self._columns if group.window is None else min(self._columns, group.window - 1)
         return {
-            "block_size": bs,
+            "window": group.window,
+            "layers": list(group.layers),
             "blocks_total": manager.num_blocks,
             "blocks_used": used,
             "blocks_free": manager.num_free_blocks,
             "blocks_shared": manager.num_shared_blocks,
             "blocks_peak": manager.blocks_peak,
-            "num_sequences": len(self._rows),
-            "tokens_stored": tokens_stored,
+            "tokens_stored": sum(filled.values()),
             "tokens_logical": logical,
             "slots_allocated": used * bs,
-            "utilization": tokens_stored / (used * bs) if used else 1.0,
             "bytes_used": used * per_block,
-            "bytes_allocated": manager.num_blocks * per_block if self.storage.key_pools else 0,
-            "bytes_contiguous_equivalent": contiguous,
+            "bytes_allocated": manager.num_blocks * per_block,
+            "bytes_contiguous_equivalent": len(self._rows) * held * sum(per_token.values()),
         }
 
     def __repr__(self) -> str:

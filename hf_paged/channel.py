@@ -107,6 +107,11 @@ class PagedLayerView:
         self._cache = weakref.proxy(cache)
         self.layer_idx, self.sliding_window = layer_idx, sliding_window
         self.is_sliding = sliding_window is not None
+        self.record_past = False  # transformers sets it (assisted decoding): keep what a crop may need
+
+    def activate_past_recording(self) -> None:
+        """As ``DynamicSlidingWindowLayer``: until the next ``crop``, keep what a rollback needs."""
+        self.record_past = True
 
     @property
     def is_initialized(self) -> bool:

@@ -10,6 +10,8 @@ next to the layer, and a tensor-parallel rank stores only the heads it holds.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from hf_paged import kernels
@@ -73,11 +75,14 @@ class PagedKVStorage:
             new[: old.shape[0]].copy_(old)
             pools[layer_idx] = new
 
-    def grow(self, num_blocks: int) -> None:
-        """Grow every existing layer to at least ``num_blocks`` blocks."""
-        for layer_idx, pool in self.key_pools.items():
-            if pool.shape[0] < num_blocks:
+    def grow(self, num_blocks: int, layers: Iterable[int] | None = None) -> None:
+        """Grow every existing layer (or those of ``layers``) to at least ``num_blocks`` blocks."""
+        for layer_idx in self._existing(layers):
+            if self.key_pools[layer_idx].shape[0] < num_blocks:
                 self._grow_layer(layer_idx, num_blocks)
+
+    def _existing(self, layers: Iterable[int] | None) -> list[int]:
+        return list(self.key_pools) if layers is None else [i for i in layers if i in self.key_pools]
 
     # ------------------------------------------------------------------ execution
     def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -95,12 +100,14 @@ class PagedKVStorage:
         k_rows.index_copy_(0, slot_mapping, key.to(k_pool.dtype))
         v_rows.index_copy_(0, slot_mapping, value.to(v_pool.dtype))
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks ``src → dst`` in every layer: one launch per device."""
+    def copy_blocks(self, pairs: list[tuple[int, int]], layers: Iterable[int] | None = None) -> None:
+        """Copy whole blocks ``src → dst`` in every layer (or those of ``layers``, a layer group's
+        block ids mean nothing in another group's pools): one launch per device."""
         if not pairs or not self.key_pools:
             return
         by_device: dict[tuple, list[int]] = {}
-        for layer_idx, pool in self.key_pools.items():
+        for layer_idx in self._existing(layers):
+            pool = self.key_pools[layer_idx]
             by_device.setdefault((pool.device, pool.dtype, tuple(pool.shape)), []).append(layer_idx)
         for (device, _, _), layer_ids in by_device.items():
             mapping = torch.tensor(pairs, dtype=torch.int64, device=device)

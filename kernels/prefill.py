@@ -67,12 +67,14 @@ def _tanh_fast(x):
 
 
 @triton.jit
-def _load_kv(k_base, v_base, bt_row, n0, hi,
+def _load_kv(k_base, v_base, bt_row, n0, lo, hi,
              stride_kb, stride_kt: tl.constexpr, stride_vb, stride_vt: tl.constexpr, d, dmask,
              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-             HEAD_DIM_P: tl.constexpr, PAD_D: tl.constexpr, LOAD_MASK: tl.constexpr):
+             HEAD_DIM_P: tl.constexpr, PAD_D: tl.constexpr, LOAD_MASK: tl.constexpr, LO_MASK: tl.constexpr):
     """K and V rows ``n0 .. n0 + BLOCK_N - 1`` (``n0`` a multiple of ``BLOCK_N``) as
-    ``[BLOCK_N, HEAD_DIM_P]`` tiles; keys ``>= hi`` read as 0 when ``LOAD_MASK``.  The tile is
+    ``[BLOCK_N, HEAD_DIM_P]`` tiles; keys ``>= hi`` read as 0 when ``LOAD_MASK``, keys ``< lo``
+    when ``LO_MASK`` (a sliding window's edge: the blocks before it may have been given back, so
+    neither their table entries nor their memory are read).  The tile is
     ``BLOCK_N // ROWS`` runs of ``ROWS`` keys inside one cache block each: whole blocks
     (``ROWS == BLOCK_SIZE``), part of one block (``ROWS == BLOCK_N < BLOCK_SIZE``), or single
     keys (``ROWS == 1``, block sizes that are not powers of two).  The in-block key strides
@@ -81,8 +83,14 @@ def _load_kv(k_base, v_base, bt_row, n0, hi,
     of spills at 128 x 64 tiles, 8 warps, maxnreg 128)."""
     RUNS: tl.constexpr = BLOCK_N // ROWS
     first = n0 + tl.arange(0, RUNS) * ROWS  # first key of each run
-    if LOAD_MASK:
-        blk = tl.load(bt_row + first // BLOCK_SIZE, mask=first < hi, other=0)
+    if LO_MASK or LOAD_MASK:  # a run lies in one block: read its entry if any of its keys is wanted
+        if LOAD_MASK and LO_MASK:
+            run_mask = (first < hi) & (first + (ROWS - 1) >= lo)
+        elif LOAD_MASK:
+            run_mask = first < hi
+        else:
+            run_mask = first + (ROWS - 1) >= lo
+        blk = tl.load(bt_row + first // BLOCK_SIZE, mask=run_mask, other=0)
     else:
         blk = tl.load(bt_row + first // BLOCK_SIZE)
     blk = blk.to(tl.int64)
@@ -93,8 +101,14 @@ def _load_kv(k_base, v_base, bt_row, n0, hi,
     d3 = d[None, None, :]
     k_ptrs = k_base + (blk * stride_kb)[:, None, None] + (t * stride_kt)[:, :, None] + d3
     v_ptrs = v_base + (blk * stride_vb)[:, None, None] + (t * stride_vt)[:, :, None] + d3
-    if LOAD_MASK:
-        keymask = (first[:, None, None] + tl.arange(0, ROWS)[None, :, None]) < hi
+    if LO_MASK or LOAD_MASK:
+        key = first[:, None, None] + tl.arange(0, ROWS)[None, :, None]
+        if LOAD_MASK and LO_MASK:
+            keymask = (key < hi) & (key >= lo)
+        elif LOAD_MASK:
+            keymask = key < hi
+        else:
+            keymask = key >= lo
         if PAD_D:
             keymask = keymask & dmask[None, None, :]
         k = tl.load(k_ptrs, mask=keymask, other=0.0)
@@ -111,18 +125,18 @@ def _load_kv(k_base, v_base, bt_row, n0, hi,
 @triton.jit
 def _prefill_tile(
     acc, l_i, m_i, q, pos,
-    k_base, v_base, bt_row, n0, hi,
+    k_base, v_base, bt_row, n0, lo, hi,
     scale, qk_scale, softcap, window,
     stride_kb, stride_kt: tl.constexpr, stride_vb, stride_vt: tl.constexpr,
     d, dmask,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM_P: tl.constexpr, PAD_D: tl.constexpr,
-    MASKED: tl.constexpr, LOAD_MASK: tl.constexpr,
+    MASKED: tl.constexpr, LOAD_MASK: tl.constexpr, LO_MASK: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, LAZY: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    k, v = _load_kv(k_base, v_base, bt_row, n0, hi, stride_kb, stride_kt, stride_vb, stride_vt,
-                    d, dmask, BLOCK_SIZE, BLOCK_N, ROWS, HEAD_DIM_P, PAD_D, LOAD_MASK)
+    k, v = _load_kv(k_base, v_base, bt_row, n0, lo, hi, stride_kb, stride_kt, stride_vb, stride_vt,
+                    d, dmask, BLOCK_SIZE, BLOCK_N, ROWS, HEAD_DIM_P, PAD_D, LOAD_MASK, LO_MASK)
     s = dot(q, tl.trans(k), PREC, UPCAST)  # [BLOCK_M, BLOCK_N], raw q.k
     if USE_SOFTCAP:  # capped logits, already in base 2
         s = (softcap * 1.4426950408889634) * _tanh_fast(s * (scale / softcap))
@@ -238,8 +252,10 @@ def _prefill_kernel(
     full_hi = (pos_lo + 1) // BLOCK_N * BLOCK_N
     k_lo = pos_lo * 0
     full_lo = k_lo
+    k_first = k_lo  # the first key any row reads
     if USE_WINDOW:
         first_key = tl.maximum(pos_lo - window + 1, 0)
+        k_first = first_key
         k_lo = first_key // BLOCK_N * BLOCK_N
         full_lo = tl.cdiv(tl.maximum(first_key, pos_hi - window + 1), BLOCK_N) * BLOCK_N
         full_lo = tl.minimum(full_lo, full_hi)
@@ -259,21 +275,22 @@ def _prefill_kernel(
     if USE_WINDOW:  # masked head: window edge (all its keys exist: no bounds checks)
         for n0 in range(k_lo, full_lo, BLOCK_N):
             acc, l_i, m_i = _prefill_tile(
-                acc, l_i, m_i, q, pos, k_base, v_base, bt_row, n0, full_lo,
+                acc, l_i, m_i, q, pos, k_base, v_base, bt_row, n0, first_key, full_lo,
                 scale, qk_scale, softcap, window, stride_kb, stride_kt, stride_vb, stride_vt,
-                d, dmask, BLOCK_SIZE, BLOCK_N, ROWS, HEAD_DIM_P, PAD_D, True, False,
+                d, dmask, BLOCK_SIZE, BLOCK_N, ROWS, HEAD_DIM_P, PAD_D, True, False, True,
                 USE_WINDOW, USE_SOFTCAP, LAZY, PREC, UPCAST)
     for n0 in range(full_lo, full_hi, BLOCK_N):  # unmasked body
         acc, l_i, m_i = _prefill_tile(
-            acc, l_i, m_i, q, pos, k_base, v_base, bt_row, n0, full_hi,
+            acc, l_i, m_i, q, pos, k_base, v_base, bt_row, n0, 0, full_hi,
             scale, qk_scale, softcap, window, stride_kb, stride_kt, stride_vb, stride_vt,
-            d, dmask, BLOCK_SIZE, BLOCK_N, ROWS, HEAD_DIM_P, PAD_D, False, False,
+            d, dmask, BLOCK_SIZE, BLOCK_N, ROWS, HEAD_DIM_P, PAD_D, False, False, False,
             USE_WINDOW, USE_SOFTCAP, LAZY, PREC, UPCAST)
     for n0 in range(full_hi, k_hi, BLOCK_N):  # masked tail: causal diagonal, keys < k_hi
+        # (a short window can start inside the tail: then keys before it are not read either)
         acc, l_i, m_i = _prefill_tile(
-            acc, l_i, m_i, q, pos, k_base, v_base, bt_row, n0, k_hi,
+            acc, l_i, m_i, q, pos, k_base, v_base, bt_row, n0, k_first, k_hi,
             scale, qk_scale, softcap, window, stride_kb, stride_kt, stride_vb, stride_vt,
-            d, dmask, BLOCK_SIZE, BLOCK_N, ROWS, HEAD_DIM_P, PAD_D, True, True,
+            d, dmask, BLOCK_SIZE, BLOCK_N, ROWS, HEAD_DIM_P, PAD_D, True, True, USE_WINDOW,
             USE_WINDOW, USE_SOFTCAP, LAZY, PREC, UPCAST)
 
     o = acc * (1.0 / tl.where(l_i > 0.0, l_i, 1.0))[:, None]

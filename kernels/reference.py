@@ -102,7 +102,9 @@ def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, 
     max_blocks = (max_ctx + block_size - 1) // block_size
     pos = torch.arange(max_blocks * block_size, device=q.device)  # [T]
     valid = pos[None, :] < ctx[:, None]  # [S, T]
-    used_block = valid.view(num_seqs, max_blocks, block_size)[:, :, 0]  # [S, B]
+    if sliding_window is not None and sliding_window > 0:  # blocks before the window may be given back
+        valid = valid & (pos[None, :] > (ctx[:, None] - 1 - sliding_window))
+    used_block = valid.view(num_seqs, max_blocks, block_size).any(-1)  # [S, B]
     bt = block_tables[:, :max_blocks].to(device=q.device, dtype=torch.long)
     bt = torch.where(used_block, bt, torch.zeros_like(bt))  # never index with junk entries
     # [S, B, bs, Hkv, D] -> [S, T, Hkv, D]; zero what is past the context (may hold NaN/garbage)
@@ -141,8 +143,14 @@ def paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q,
         if n_q == 0:
             continue
         assert n_q <= ctx, f"sequence {i}: {n_q} queries but context length {ctx}"
-        k = gather_kv_ref(k_cache, block_tables[i], ctx).to(cdt)  # [T, Hkv, D]
-        v = gather_kv_ref(v_cache, block_tables[i], ctx).to(cdt)
+        table, first = block_tables[i], 0
+        if sliding_window is not None and sliding_window > 0:  # blocks before the window may be given back
+            first = max(ctx - n_q - sliding_window + 1, 0)
+            table = table.clone()
+            table[: first // k_cache.shape[1]] = 0
+        k = gather_kv_ref(k_cache, table, ctx).to(cdt)  # [T, Hkv, D]
+        v = gather_kv_ref(v_cache, table, ctx).to(cdt)
+        k[:first], v[:first] = 0, 0
         qi = q[start:end].to(cdt).view(n_q, num_kv_heads, group, head_dim)
         qpos = torch.arange(ctx - n_q, ctx, device=q.device)
         kpos = torch.arange(ctx, device=q.device)

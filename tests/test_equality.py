@@ -184,7 +184,7 @@ def test_modes_are_not_trivial():
 # ---------------------------------------------------------------------------- negative controls
 def test_negative_control_without_copy_on_write(monkeypatch):
     """With the copies of copy-on-write skipped, beam search and shared-prompt sampling diverge."""
-    monkeypatch.setattr(PagedKVStorage, "copy_blocks", lambda self, pairs: None)
+    monkeypatch.setattr(PagedKVStorage, "copy_blocks", lambda self, pairs, layers=None: None)
     assert not outputs_match("llama", "beam4_n2", 16)
     assert not outputs_match("llama", "sample_n3", 16)
 

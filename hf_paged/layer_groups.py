@@ -1,0 +1,123 @@
+"""Layer groups: one block table per sequence for each set of layers that see the same span.
+
+A model's attention layers fall into groups: the full-attention layers, and the layers of each
+distinct sliding window ``W``. A sliding layer reads only its last ``W`` tokens, so its group
+gives back every block that falls wholly outside the window (vLLM V1's hybrid KV cache manager
+does the same), while the full group keeps everything. Each group is one :class:`BlockManager`;
+:class:`GroupedBlockManager` drives them together (same sequences, same tokens) and keeps every
+call all-or-nothing across groups. Pure Python, like the block manager.
+
+What a sliding group keeps, and why: before a forward whose first new token sits at position
+``L``, the tokens at ``L - W + 1`` and later, at block granularity; exactly the ``W - 1`` tokens
+stock ``DynamicSlidingWindowLayer`` keeps, plus at most the partial blocks at either end. While
+a layer *records its past* (transformers does this for an assistant model, whose candidate
+tokens may be rolled back by ``crop``), nothing is released until the crop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from hf_paged.block_manager import BlockManager, NoFreeBlocksError
+
+SeqId = Hashable
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers sharing one block table per sequence: full attention (``window=None``) or one window."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.window is not None
+
+    def first_needed(self, next_position: int) -> int:
+        """The earliest token position the next forward (first new token at ``next_position``) reads."""
+        return 0 if self.window is None else max(next_position - self.window + 1, 0)
+
+
+def layer_groups(windows: Sequence[int | None]) -> list[LayerGroup]:
+    """Group layers by window (``windows[i]``: layer i's sliding window, None for full attention).
+    The full-attention group comes first, then windows in increasing size."""
+    by_window: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(windows):
+        by_window.setdefault(window, []).append(layer)
+    order = sorted(by_window, key=lambda w: (w is not None, w or 0))
+    return [LayerGroup(w, tuple(by_window[w])) for w in order]
+
+
+class GroupedBlockManager:
+    """One :class:`BlockManager` per layer group, holding the same sequences.
+
+    ``num_blocks`` is each group's budget (a layer's pool holds that many blocks), or ``None`` to
+    grow on demand.
+    """
+
+    def __init__(self, block_size: int, num_blocks: int | None, groups: Sequence[LayerGroup]):
+        if not groups:
+            raise ValueError("a model needs at least one attention layer group")
+        self.block_size = block_size
+        self.groups = list(groups)
+        self.managers = [BlockManager(block_size, num_blocks) for _ in self.groups]
+
+    # ------------------------------------------------------------------ facts
+    def __contains__(self, seq_id: SeqId) -> bool:
+        return seq_id in self.managers[0]
+
+    def seq_len(self, seq_id: SeqId) -> int:
+        return self.managers[0].seq_len(seq_id)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(m.num_used_blocks for m in self.managers)
+
+    def check_invariants(self) -> None:
+        for manager in self.managers:
+            manager.check_invariants()
+        seqs = [sorted(map(repr, m.sequences)) for m in self.managers]
+        assert all(s == seqs[0] for s in seqs), "layer groups hold different sequences"
+
+    # ------------------------------------------------------------------ sequences
+    def add_sequence(self, seq_id: SeqId) -> None:
+        for manager in self.managers:
+            manager.add_sequence(seq_id)
+
+    def fork(self, parent: SeqId, child: SeqId) -> None:
+        for manager in self.managers:
+            manager.fork(parent, child)
+
+    def free(self, seq_id: SeqId) -> None:
+        for manager in self.managers:
+            manager.free(seq_id)
+
+    def truncate(self, seq_id: SeqId, length: int) -> None:
+        """Keep the first ``length`` tokens in every group; checked in all groups before any changes."""
+        for group, manager in zip(self.groups, self.managers):
+            released = manager.num_released(seq_id) * self.block_size
+            if group.is_sliding and length and group.first_needed(length) < released:
+                raise RuntimeError(
+                    f"cannot roll back to {length} tokens: the sliding layers (window {group.window}) already "
+                    f"gave back their blocks before token {released}. Call cache.activate_past_recording() "
+                    "before the forwards that may be rolled back, as for transformers' DynamicSlidingWindowLayer."
+                )
+        for manager in self.managers:
+            manager.truncate(seq_id, length)
+
+    def release_out_of_window(self, seq_id: SeqId, next_position: int, recording: Sequence[bool]) -> None:
+        """Before a forward from ``next_position``: sliding groups give back what it cannot read
+        (a group whose layers record their past keeps everything until it is cropped)."""
+        for group, manager, keep_all in zip(self.groups, self.managers, recording):
+            if group.is_sliding and not keep_all:
+                manager.release_before(seq_id, group.first_needed(next_position))
+
+    def append_many(self, requests: list[tuple[SeqId, int]]) -> list[tuple[list[list[int]], list[tuple[int, int]]]]:
+        """``BlockManager.append_many`` in every group: (slots per request, copies) per group. All or
+        nothing: with fixed budgets every group is checked before any allocates."""
+        for manager in self.managers:
+            if not manager.can_append(requests):
+                raise NoFreeBlocksError(manager.blocks_needed(requests), manager.num_free_blocks, manager.num_blocks)
+        return [manager.append_many(requests) for manager in self.managers]

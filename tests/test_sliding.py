@@ -1,0 +1,357 @@
+"""Sliding-window layer groups: blocks out of the window go back, outputs stay stock's.
+
+The equality suites (test_equality.py, test_dropin.py) already run the sliding models (Mistral,
+Qwen2 with sliding layers, Gemma2, Gemma3) past their windows, where blocks are given back; this
+file checks the memory bounds, that given-back blocks are never read (poisoned with NaN, on the
+reference route, the kernel route and in the kernels themselves), and the block-manager rules.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import transformers
+
+import hf_paged
+from hf_paged import kernels
+from hf_paged.block_manager import HOLE, BlockManager, BlockManagerError, NoFreeBlocksError
+from hf_paged.layer_groups import GroupedBlockManager, LayerGroup, layer_groups
+from tests.helpers.tiny_models import build, left_padded
+
+# ---------------------------------------------------------------------- block manager
+
+
+def test_release_before_leaves_holes_and_keeps_numbering():
+    bm = BlockManager(4, 16)
+    bm.add_sequence("a")
+    bm.append_slots("a", 14)  # blocks 0..3, the last one half full
+    assert bm.release_before("a", 9) == 2  # tokens 0..7 are in blocks 0 and 1
+    assert bm.block_table("a")[:2] == [HOLE, HOLE] and bm.num_used_blocks == 2
+    assert bm.slot("a", 8) == bm.block_table("a")[2] * 4
+    with pytest.raises(IndexError, match="released"):
+        bm.slot("a", 7)
+    assert bm.release_before("a", 9) == 0  # idempotent
+    bm.fork("a", "b")  # holes are copied, not referenced
+    bm.check_invariants()
+    slots, copies = bm.append_slots("b", 3)  # copy on write of the shared half-full block
+    assert len(copies) == 1 and len(slots) == 3
+    bm.free("a")
+    bm.free("b")
+    bm.check_invariants()
+    assert bm.num_used_blocks == 0
+
+
+def test_truncate_cannot_reach_into_released_blocks():
+    bm = BlockManager(4, 16)
+    bm.add_sequence("a")
+    bm.append_slots("a", 12)
+    bm.release_before("a", 8)
+    with pytest.raises(BlockManagerError, match="released"):
+        bm.truncate("a", 6)
+    bm.truncate("a", 10)  # within the held blocks
+    bm.truncate("a", 0)  # everything: allowed
+    assert bm.block_table("a") == [] and bm.num_released("a") == 0
+    bm.append_slots("a", 5)
+    bm.check_invariants()
+    bm.free("a")
+    assert bm.num_used_blocks == 0
+
+
+def test_layer_groups_full_first_then_windows():
+    groups = layer_groups([4, None, 4, 8, None])
+    assert groups == [LayerGroup(None, (1, 4)), LayerGroup(4, (0, 2)), LayerGroup(8, (3,))]
+    assert groups[1].first_needed(10) == 7 and groups[0].first_needed(10) == 0
+
+
+def test_grouped_append_is_all_or_nothing_across_groups():
+    blocks = GroupedBlockManager(4, 3, [LayerGroup(None, (0,)), LayerGroup(4, (1,))])
+    blocks.add_sequence("a")
+    blocks.append_many([("a", 8)])
+    blocks.release_out_of_window("a", 8, [False, False])  # the sliding group keeps tokens 5.. only
+    assert [m.num_used_blocks for m in blocks.managers] == [2, 1]
+    with pytest.raises(NoFreeBlocksError):
+        blocks.append_many([("a", 8)])  # the full group has 1 block left, needs 2
+    assert [m.num_used_blocks for m in blocks.managers] == [2, 1]  # nothing changed in either group
+    blocks.check_invariants()
+    with pytest.raises(RuntimeError, match="activate_past_recording"):
+        blocks.truncate("a", 3)
+    blocks.free("a")
+    assert blocks.num_used_blocks == 0
+
+
+# ---------------------------------------------------------------------- memory against stock
+
+
+def _stock_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def _prompt(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = torch.randint(3, vocab, (n,), generator=g)
+        mask[row, width - n :] = 1
+    return ids, mask
+
+
+def _long_context_pair(config):
+    torch.manual_seed(0)
+    stock = transformers.AutoModelForCausalLM.from_config(config).eval()
+    paged = copy.deepcopy(stock)
+    hf_paged.enable(paged)
+    return stock, paged
+
+
+def _decode_peak(model):
+    """Most blocks any layer group held per row after a decode step's forward (hook on the model)."""
+    peaks: dict[int, int] = {}
+
+    def hook(module, args, kwargs, output):
+        cache = output.past_key_values
+        if isinstance(cache, hf_paged.PagedKVCache) and cache.get_seq_length() and kwargs["input_ids"].shape[1] == 1:
+            for g, manager in enumerate(cache.managers):
+                per_row = max(len([b for b in manager.block_table(s) if b != HOLE]) for s in cache._rows)
+                peaks[g] = max(peaks.get(g, 0), per_row)
+
+    return peaks, model.register_forward_hook(hook, with_kwargs=True)
+
+
+def test_mistral_window_64_at_2048_tokens_holds_about_what_stock_holds():
+    config = transformers.MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                        sliding_window=64, initializer_range=0.1, pad_token_id=0)
+    stock, paged = _long_context_pair(config)
+    ids, mask = _prompt([2000, 1990], config.vocab_size)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=48, min_new_tokens=48, do_sample=False,
+                  return_dict_in_generate=True, pad_token_id=0)
+    want = stock.generate(**kwargs)
+    peaks, handle = _decode_peak(paged)
+    got = paged.generate(**kwargs, cache_implementation="hf_paged")
+    handle.remove()
+    assert torch.equal(got.sequences, want.sequences)
+    cache, block_size, window = got.past_key_values, 16, 64
+    bound = math.ceil((window + block_size) / block_size) + 1
+    assert 0 < peaks[0] <= bound, peaks
+    stats = cache.stats()
+    assert len(stats["groups"]) == 1 and stats["groups"][0]["window"] == window
+    ratio = stats["bytes_used"] / _stock_bytes(want.past_key_values)
+    assert ratio <= 1.6, ratio
+    assert stats["bytes_contiguous_equivalent"] == _stock_bytes(want.past_key_values)
+    cache.release()
+    assert cache.blocks.num_used_blocks == 0
+
+
+def test_gemma3_five_to_one_window_512_at_2048_tokens_within_5_percent_of_stock():
+    config = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, sliding_window=512,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"], query_pre_attn_scalar=16,
+        initializer_range=0.02, pad_token_id=0)
+    stock, paged = _long_context_pair(config)
+    ids, mask = _prompt([2000], config.vocab_size, seed=1)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=48, min_new_tokens=48, do_sample=False,
+                  return_dict_in_generate=True, pad_token_id=0)
+    want = stock.generate(**kwargs)
+    got = paged.generate(**kwargs, cache_implementation="hf_paged")
+    assert torch.equal(got.sequences, want.sequences)
+    stats = got.past_key_values.stats()
+    assert [g["window"] for g in stats["groups"]] == [None, 512]
+    ratio = stats["bytes_used"] / _stock_bytes(want.past_key_values)
+    assert ratio <= 1.05, ratio
+    got.past_key_values.release()
+
+
+def test_sliding_group_gives_back_blocks_in_beam_search():
+    stock = build("mistral")  # window 12
+    paged = copy.deepcopy(stock)
+    hf_paged.enable(paged, block_size=4)
+    ids, mask = left_padded([30, 22])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, num_beams=4,
+                  num_return_sequences=2, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    want = stock.generate(**kwargs)
+    got = paged.generate(**kwargs, cache_implementation="hf_paged")
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores))
+    cache = got.past_key_values
+    per_row = [len([b for b in cache.manager.block_table(s) if b != HOLE]) for s in cache._rows]
+    assert max(per_row) <= math.ceil((12 + 4) / 4) + 1 and cache.manager.num_released(cache._rows[0]) > 0
+    cache.release()
+    assert cache.blocks.num_used_blocks == 0
+
+
+# ---------------------------------------------------------------------- given-back blocks are never read
+
+
+def _poison_free_blocks(model, also_live: list | None = None):
+    """After every forward, fill each sliding group's free blocks with NaN (``also_live``: poison,
+    once, the newest block of row 0 instead: the control)."""
+
+    def hook(module, args, output):
+        cache = output.past_key_values
+        if not isinstance(cache, hf_paged.PagedKVCache):
+            return
+        for group, manager in zip(cache.groups, cache.managers):
+            if not group.is_sliding:
+                continue
+            if also_live is not None:
+                if also_live and cache.get_seq_length() > 30:
+                    also_live.pop()
+                    blocks = [manager.block_table(cache._rows[0])[-2]]
+                else:
+                    continue
+            else:
+                blocks = [b for b in range(manager.num_blocks) if manager.ref_count(b) == 0]
+            for layer in group.layers:
+                if layer in cache.storage.key_pools and blocks:
+                    cache.storage.key_pools[layer][blocks] = float("nan")
+                    cache.storage.value_pools[layer][blocks] = float("nan")
+
+    return model.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_given_back_blocks_are_never_read(arch, block_size):
+    stock = build(arch)
+    paged = copy.deepcopy(stock)
+    hf_paged.enable(paged, block_size=block_size)
+    ids, mask = left_padded([34, 21, 28])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    want = stock.generate(**kwargs)
+    handle = _poison_free_blocks(paged)
+    got = paged.generate(**kwargs, cache_implementation="hf_paged")
+    handle.remove()
+    assert torch.equal(got, want)
+
+
+def test_negative_control_poisoning_a_held_block_changes_the_output():
+    stock = build("mistral")
+    paged = copy.deepcopy(stock)
+    hf_paged.enable(paged, block_size=4)
+    ids, mask = left_padded([34, 21, 28])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    want = stock.generate(**kwargs)
+    handle = _poison_free_blocks(paged, also_live=[True])
+    got = paged.generate(**kwargs, cache_implementation="hf_paged")
+    handle.remove()
+    assert not torch.equal(got, want)
+
+
+def test_kernel_route_reads_through_group_tables_with_holes():
+    """The Triton kernels (interpreter on CPU) on a Gemma3-like model: full and sliding groups,
+    given-back blocks poisoned with NaN; outputs equal stock's."""
+    stock = build("gemma3")  # sliding, full, sliding; window 7
+    paged = copy.deepcopy(stock)
+    hf_paged.enable(paged, block_size=4)
+    ids, mask = left_padded([18, 11])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                  return_dict_in_generate=True)
+    want = stock.generate(**kwargs)
+    handle = _poison_free_blocks(paged)
+    kernels.set_backend("triton")
+    try:
+        got = paged.generate(**kwargs, cache_implementation="hf_paged")
+    finally:
+        kernels.set_backend("auto")
+        handle.remove()
+    assert torch.equal(got.sequences, want.sequences)
+    cache = got.past_key_values
+    assert cache.managers[1].num_released(cache._rows[0]) > 0  # the sliding group really gave blocks back
+    cache.release()
+
+
+# ---------------------------------------------------------------------- the kernels on holed tables
+
+
+def _holed_case(window, block_size=4, ctx=(23, 17), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim = 4, 2, 16
+    num_blocks = 24
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1  # block 0 is the poisoned "freed" block
+    width = max(-(-c // block_size) for c in ctx)
+    tables = perm[: len(ctx) * width].view(len(ctx), width).to(torch.int32)
+    return k_cache, v_cache, tables, torch.tensor(ctx, dtype=torch.int32), heads, dim, g
+
+
+def _hole_out(tables, ctx, first_needed, block_size, hole):
+    holed = tables.clone()
+    for row, c in enumerate(ctx.tolist()):
+        holed[row, : first_needed(c) // block_size] = hole
+    return holed
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_kernels_never_read_blocks_before_the_window(backend):
+    window, bs = 6, 4
+    k_cache, v_cache, tables, ctx, heads, dim, g = _holed_case(window, bs)
+    k_poisoned, v_poisoned = k_cache.clone(), v_cache.clone()
+    k_poisoned[0], v_poisoned[0] = float("nan"), float("nan")
+    scale = dim**-0.5
+    # decode: one query at position ctx - 1 sees keys > ctx - 1 - window
+    q = torch.randn(len(ctx), heads, dim, generator=g)
+    want = kernels.paged_attention_decode(q, k_cache, v_cache, tables, ctx, scale, sliding_window=window, backend=backend)
+    for hole in (HOLE, 0):  # an entry never filled in, and one pointing at a NaN block
+        holed = _hole_out(tables, ctx, lambda c: c - window, bs, hole)
+        got = kernels.paged_attention_decode(q, k_poisoned, v_poisoned, holed, ctx, scale, sliding_window=window,
+                                             backend=backend)
+        assert torch.equal(got, want), hole
+    # prefill: the last n_q tokens of each sequence; the first of them reads back to pos - window + 1
+    n_q = torch.tensor([5, 3], dtype=torch.int32)
+    cu = torch.nn.functional.pad(n_q.cumsum(0, dtype=torch.int32), (1, 0))
+    q = torch.randn(int(n_q.sum()), heads, dim, generator=g)
+    want = kernels.paged_attention_prefill(q, k_cache, v_cache, tables, cu, ctx, scale, sliding_window=window,
+                                           backend=backend)
+    queries = dict(zip(ctx.tolist(), n_q.tolist()))
+    for hole in (HOLE, 0):
+        holed = _hole_out(tables, ctx, lambda c: c - queries[c] - window + 1, bs, hole)
+        got = kernels.paged_attention_prefill(q, k_poisoned, v_poisoned, holed, cu, ctx, scale,
+                                              sliding_window=window, backend=backend)
+        assert torch.equal(got, want), hole
+    # the control: a wider window reaches the NaN block, and the output shows it
+    holed = _hole_out(tables, ctx, lambda c: c - window, bs, 0)
+    got = kernels.paged_attention_decode(q[: len(ctx)], k_poisoned, v_poisoned, holed, ctx, scale,
+                                         sliding_window=window + 2 * bs, backend=backend)
+    assert torch.isnan(got).any()
+
+
+# ---------------------------------------------------------------------- rollback (assisted decoding)
+
+
+def test_crop_into_given_back_blocks_is_refused_unless_recording():
+    model = build("mistral")  # window 12
+    hf_paged.enable(model, block_size=4)
+    ids, mask = left_padded([30])
+    cache = hf_paged.PagedKVCache(model.config, block_size=4)
+    model(input_ids=ids[:, :20], attention_mask=mask[:, :20], past_key_values=cache)
+    model(input_ids=ids[:, 20:], attention_mask=mask, past_key_values=cache)  # gives back tokens < 9
+    with pytest.raises(RuntimeError, match="activate_past_recording"):
+        cache.crop(-15)
+    cache.reset()
+    cache.activate_past_recording()
+    model(input_ids=ids[:, :20], attention_mask=mask[:, :20], past_key_values=cache)
+    model(input_ids=ids[:, 20:], attention_mask=mask, past_key_values=cache)
+    cache.crop(-15)  # everything was kept: back to 15 tokens, then the window again
+    assert cache.get_seq_length() == 15 and cache.manager.num_released(cache._rows[0]) == 1
+    cache.reset()
+    assert cache.blocks.num_used_blocks == 0
+
+
+def test_assisted_decoding_with_an_enabled_sliding_assistant_equals_stock():
+    stock = build("mistral")
+    assistant_stock = build("mistral", seed=3)
+    paged, assistant = copy.deepcopy(stock), copy.deepcopy(assistant_stock)
+    hf_paged.enable(paged, block_size=4)
+    hf_paged.enable(assistant, block_size=4)
+    ids, mask = left_padded([26])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    want = stock.generate(**kwargs, assistant_model=assistant_stock)
+    got = paged.generate(**kwargs, assistant_model=assistant, cache_implementation="hf_paged")
+    assert torch.equal(got, want)
