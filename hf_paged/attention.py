@@ -197,12 +197,18 @@ def _scale(kwargs: dict, head_dim: int) -> float:
     return head_dim**-0.5 if scale is None else scale
 
 
+def _window(cache, layer_idx: int, kwargs: dict) -> int | None:
+    """The sliding window to attend with: the model's own, else the layer's configured one (a
+    sliding layer group's tables hold no blocks before the window, so nothing may read there)."""
+    return kwargs.get("sliding_window") or cache.layers[layer_idx].sliding_window
+
+
 def _kernel_attention(cache, layer_idx: int, query: torch.Tensor, **kwargs):
     """Read K/V straight from the blocks with the Triton kernels (no gather into contiguous tensors)."""
     k_pool, v_pool = cache.storage.key_pools[layer_idx], cache.storage.value_pools[layer_idx]
     meta = cache.metadata_for(layer_idx, query.device)
     rows, heads, q_len, head_dim = query.shape
-    options = dict(sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"), backend="triton")
+    options = dict(sliding_window=_window(cache, layer_idx, kwargs), softcap=kwargs.get("softcap"), backend="triton")
     scale = _scale(kwargs, head_dim)
     if q_len == 1:
         out = kernels.paged_attention_decode(
@@ -226,21 +232,21 @@ def _packed_attention(step: PackedStep, layer_idx: int, query, key, value, **kwa
     """
     q = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
     new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [tokens, kv_heads, head_dim]
-    meta = step.metadata_on(q.device)
+    meta = step.metadata_for(layer_idx, q.device)
     storage = step.storage
-    storage.ensure_layer(layer_idx, new_keys, step.num_blocks)
+    storage.ensure_layer(layer_idx, new_keys, step.num_blocks_for(layer_idx))
     storage.write(layer_idx, new_keys, new_values, meta.slot_mapping)
     k_pool, v_pool = storage.key_pools[layer_idx], storage.value_pools[layer_idx]
     scale = _scale(kwargs, q.shape[-1])
     triton = kernels.use_triton(q)
-    options = dict(sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"),
+    options = dict(sliding_window=_window(step, layer_idx, kwargs), softcap=kwargs.get("softcap"),
                    backend="triton" if triton else "torch")
     tables, lens = meta.block_tables, meta.context_lens
     q = q.to(k_pool.dtype)
     nd = meta.num_decode
     parts = []
     if nd and not q.is_cuda and not triton and not options["softcap"]:
-        parts.append(_decode_by_sdpa(step, q[:nd], k_pool, v_pool, scale, options["sliding_window"]))
+        parts.append(_decode_by_sdpa(step, layer_idx, q[:nd], k_pool, v_pool, scale, options["sliding_window"]))
     elif nd:
         parts.append(kernels.paged_attention_decode(
             q[:nd].contiguous(), k_pool, v_pool, tables[:nd], lens[:nd], scale, **options))
@@ -251,7 +257,7 @@ def _packed_attention(step: PackedStep, layer_idx: int, query, key, value, **kwa
     return out.to(query.dtype)[None], None
 
 
-def _decode_by_sdpa(step: PackedStep, q, k_pool, v_pool, scale, window):
+def _decode_by_sdpa(step: PackedStep, layer_idx: int, q, k_pool, v_pool, scale, window):
     """CPU decode for an engine step: per group of similar-length sequences, one gather of their
     keys and values (slot indices built once per step, shared by all layers) and one fused SDPA
     call with a key-padding mask."""
@@ -259,7 +265,7 @@ def _decode_by_sdpa(step: PackedStep, q, k_pool, v_pool, scale, window):
     kv_heads = k_pool.shape[2]
     k_rows, v_rows = k_pool.view(-1, kv_heads * head_dim), v_pool.view(-1, kv_heads * head_dim)
     parts = []
-    for lo, hi, slots, mask in step.decode_groups(window, q.dtype):
+    for lo, hi, slots, mask in step.decode_groups(layer_idx, window, q.dtype):
         flat = slots.reshape(-1)  # index_select of [kv_heads * head_dim] rows: ~4x faster than tensor[slots]
         shape = (hi - lo, slots.shape[1], kv_heads, head_dim)
         keys = k_rows.index_select(0, flat).view(shape).transpose(1, 2)  # [seqs, kv_heads, T, head_dim]

@@ -245,6 +245,10 @@ class BlockManager:
             blocks.append(block)
         return blocks
 
+    def cached_block(self, key: Hashable) -> int | None:
+        """The block registered under ``key`` (held or evictable), if any."""
+        return self._block_of_key.get(key)
+
     def register_block(self, seq_id: SeqId, index: int, key: Hashable) -> None:
         """Register the sequence's full block number ``index`` under ``key`` (first one wins)."""
         seq = self._get(seq_id)

@@ -216,13 +216,21 @@ class PackedStep(StashingCache, abc.ABC):
     """The cache of one engine forward: one packed row ``[1, total_tokens]`` of many sequences.
 
     This is what the attention function reads an engine step through: the new K/V go to
-    ``storage`` at ``metadata.slot_mapping``; decode tokens come first (``metadata.num_decode``)
+    ``storage`` at the layer group's ``metadata_for(layer).slot_mapping``; decode tokens come first (``metadata.num_decode``)
     and are read in :meth:`decode_groups` on CPU; the rest go to the varlen prefill kernel.
     """
 
     storage: PagedKVStorage
-    num_blocks: int
 
     @abc.abstractmethod
-    def decode_groups(self, window: int | None, dtype: torch.dtype) -> list[DecodeGroup]:
-        """The decoding sequences in groups of similar length, each with its slots and mask."""
+    def num_blocks_for(self, layer_idx: int) -> int:
+        """Blocks the layer's pool must have (its layer group's pool size)."""
+
+    @abc.abstractmethod
+    def metadata_for(self, layer_idx: int, device: torch.device) -> AttentionMetadata:
+        """The step's metadata for the layer's group (slots and block tables), on ``device``."""
+
+    @abc.abstractmethod
+    def decode_groups(self, layer_idx: int, window: int | None, dtype: torch.dtype) -> list[DecodeGroup]:
+        """The decoding sequences in groups of similar length, each with its slots (in the
+        layer's group) and mask (``window``: the layer's sliding window)."""

@@ -57,12 +57,14 @@ class GroupedBlockManager:
     grow on demand.
     """
 
-    def __init__(self, block_size: int, num_blocks: int | None, groups: Sequence[LayerGroup]):
+    def __init__(self, block_size: int, num_blocks: int | None, groups: Sequence[LayerGroup], *,
+                 enable_prefix_caching: bool = False):
         if not groups:
             raise ValueError("a model needs at least one attention layer group")
         self.block_size = block_size
         self.groups = list(groups)
-        self.managers = [BlockManager(block_size, num_blocks) for _ in self.groups]
+        self.managers = [BlockManager(block_size, num_blocks, enable_prefix_caching=enable_prefix_caching)
+                         for _ in self.groups]
 
     # ------------------------------------------------------------------ facts
     def __contains__(self, seq_id: SeqId) -> bool:

@@ -128,13 +128,16 @@ class PagedKVStorage:
             values.index_fill_(0, invalid, 0)
         return keys.view(*slots.shape, *k_pool.shape[2:]), values.view(*slots.shape, *v_pool.shape[2:])
 
-    def transfer(self, dst: PagedKVStorage, pairs: list[tuple[int, int]], dst_num_blocks: int) -> None:
-        """Copy blocks ``src (here) → dst (there)`` for every layer: swap out / swap in."""
+    def transfer(self, dst: PagedKVStorage, pairs: list[tuple[int, int]], dst_num_blocks: int,
+                 layers: Iterable[int] | None = None) -> None:
+        """Copy blocks ``src (here) → dst (there)`` for every layer (or those of ``layers``): swap
+        out / swap in."""
         if not pairs:
             return
         src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.long)
         dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long)
-        for layer_idx, k_pool in self.key_pools.items():
+        for layer_idx in self._existing(layers):
+            k_pool = self.key_pools[layer_idx]
             dst.ensure_layer(layer_idx, k_pool[0], dst_num_blocks)
             for src_pools, dst_pools in ((self.key_pools, dst.key_pools), (self.value_pools, dst.value_pools)):
                 src_pool, dst_pool = src_pools[layer_idx], dst_pools[layer_idx]

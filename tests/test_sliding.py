@@ -355,3 +355,80 @@ def test_assisted_decoding_with_an_enabled_sliding_assistant_equals_stock():
     want = stock.generate(**kwargs, assistant_model=assistant_stock)
     got = paged.generate(**kwargs, assistant_model=assistant, cache_implementation="hf_paged")
     assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------- the engine
+
+
+def _engine_prompts(n: int, seed: int = 0, shared: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, 96, (shared,), generator=g).tolist()
+    lengths = torch.randint(14, 70, (n,), generator=g).tolist()
+    return [prefix + torch.randint(3, 96, (k,), generator=g).tolist() for k in lengths]
+
+
+def _references(model, prompts, new_tokens):
+    refs = []
+    for p in prompts:
+        out = model.generate(input_ids=torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                             output_logits=True, return_dict_in_generate=True)
+        refs.append((out.sequences[0, len(p):].tolist(), [torch.log_softmax(x[0].float(), -1) for x in out.logits]))
+    return refs
+
+
+def _run_engine(engine, prompts, params):
+    """Step the engine to the end; returns the outputs in prompt order and, per step, each layer
+    group's blocks in use next to the blocks the same sequences would hold without giving any back."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    done, trace = {}, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        held = sum(engine.kv.blocks_for(s.num_computed_tokens) for r in engine.scheduler.running for s in r.live_seqs)
+        trace.append(([g["blocks_used"] for g in engine.kv.stats()["groups"]], held))
+    return [done[i] for i in ids], trace
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_engine_on_sliding_models_equals_generate_and_gives_blocks_back(arch, mode):
+    from tests.test_engine import _check_no_leak, compare
+
+    model = build(arch)
+    prompts = _engine_prompts(10)
+    refs = _references(model, prompts, 10)
+    engine = hf_paged.LLMEngine(model, block_size=4, num_blocks=40, max_num_batched_tokens=48, preemption_mode=mode)
+    params = hf_paged.SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    outputs, trace = _run_engine(engine, prompts, params)
+    exact, ties = compare(outputs, refs)
+    assert exact + len(ties) == len(prompts)
+    assert engine.stats()[f"preemptions_{mode}"] >= 1
+    sliding = [g for g, group in enumerate(engine.kv.groups) if group.is_sliding]
+    assert sliding and any(used[sliding[0]] < held for used, held in trace), "no block was given back"
+    _check_no_leak(engine)
+
+
+def test_engine_prefix_cache_hits_through_sliding_groups():
+    """A second request behind the same 40-token prefix adopts the full group's blocks and the
+    sliding group's window blocks (the rest of its table are holes), and still equals generate()."""
+    from tests.test_engine import _check_no_leak, compare
+
+    model = build("gemma3")  # window 7
+    first, second = _engine_prompts(2, seed=4, shared=40)
+    engine = hf_paged.LLMEngine(model, block_size=4, num_blocks=256, max_num_batched_tokens=16)
+    params = hf_paged.SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    engine.generate([first], params, use_tqdm=False)
+    request_id = engine.add_request(second, params)
+    engine.step()
+    seq = engine.requests[request_id].seqs[0]
+    sliding = next(g for g, group in enumerate(engine.kv.groups) if group.is_sliding)
+    table = engine.kv.block_table(seq, sliding)
+    hit = engine.kv.stats()["prefix_hit_tokens"]
+    assert hit >= 36 and table[0] == HOLE and table[(hit - 1) // 4] != HOLE
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    exact, ties = compare(outputs, _references(model, [second], 6))
+    assert exact + len(ties) == 1
+    _check_no_leak(engine)

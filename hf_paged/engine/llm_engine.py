@@ -25,7 +25,8 @@ from hf_paged.engine.outputs import RequestOutput
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Request
-from hf_paged.model_info import check_supported, eos_token_ids, kv_bytes_per_token, max_positions
+from hf_paged.layer_groups import layer_groups
+from hf_paged.model_info import check_supported, eos_token_ids, kv_bytes_per_token, layer_structure, max_positions
 from hf_paged.storage import PagedKVStorage
 
 
@@ -67,7 +68,8 @@ class LLMEngine:
         if swap_space_blocks is None:
             swap_space_blocks = (num_blocks or 0) if preemption_mode == "swap" else 0
         self.kv = KVCacheManager(block_size, num_blocks, enable_prefix_caching=enable_prefix_caching,
-                                 swap_space_blocks=swap_space_blocks)
+                                 swap_space_blocks=swap_space_blocks,
+                                 groups=layer_groups(layer_structure(self.config)[1]))
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    preemption_mode=preemption_mode)
         swap_storage = PagedKVStorage(block_size, device="cpu", pin_memory=model.device.type == "cuda")

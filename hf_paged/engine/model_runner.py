@@ -9,15 +9,14 @@ each sequence that needs a next token. The runner holds the K/V storage and deci
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 from transformers import PreTrainedModel
 
 from hf_paged.attention import paged_call
-from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, clear_active_cache, packed_forward
+from hf_paged.channel import clear_active_cache, packed_forward
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.step_cache import PackedStepCache
+from hf_paged.layer_groups import layer_groups
 from hf_paged.model_info import cache_kwarg, layer_structure, takes_logits_to_keep
 from hf_paged.storage import PagedKVStorage
 
@@ -30,6 +29,7 @@ class ModelRunner:
         self.model, self.storage, self.swap_storage = model, storage, swap_storage
         self.swap_space_blocks = swap_space_blocks
         _, self.windows = layer_structure(model.config.get_text_config(decoder=True))  # derived once: configs are slow
+        self.groups = layer_groups(self.windows)  # the KV cache manager's groups, in its order
         self.device = model.device
         self._cache_kwarg = cache_kwarg(model)
         self._logits_to_keep = takes_logits_to_keep(model)
@@ -41,7 +41,7 @@ class ModelRunner:
         self._run_block_moves(step)
         if not step.sequences:
             return None
-        step_cache = PackedStepCache(self.windows, self.storage, step.num_blocks, self._metadata(step))
+        step_cache = PackedStepCache(self.windows, self.groups, self.storage, step)
         forward = {
             "input_ids": torch.tensor([step.input_ids], device=self.device),
             "position_ids": torch.tensor([step.positions], device=self.device),
@@ -60,24 +60,13 @@ class ModelRunner:
         return logits.float()
 
     def _run_block_moves(self, step: SchedulerOutput) -> None:
-        """Swaps out before swaps in before copy-on-write copies (the order the scheduler assumes)."""
-        self.storage.grow(step.num_blocks)
-        if step.swap_out:
-            self.storage.transfer(self.swap_storage, list(step.swap_out), self.swap_space_blocks)
-        if step.swap_in:
-            self.swap_storage.transfer(self.storage, list(step.swap_in), step.num_blocks)
-        self.storage.copy_blocks(list(step.block_copies))
-
-    @staticmethod
-    def _metadata(step: SchedulerOutput) -> AttentionMetadata:
-        width = max(len(t) for t in step.block_tables)
-        tables = [list(t) + [BLOCK_TABLE_PAD] * (width - len(t)) for t in step.block_tables]
-        prefill_counts = [s.num_tokens for s in step.sequences[step.num_decode :]]
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.long),
-            block_tables=torch.tensor(tables, dtype=torch.int32),
-            context_lens=torch.tensor(step.context_lens, dtype=torch.int32),
-            cu_seqlens_q=torch.tensor([0, *itertools.accumulate(prefill_counts)], dtype=torch.int32),
-            num_decode=step.num_decode,
-        )
+        """Per layer group: swaps out before swaps in before copy-on-write copies (the order the
+        scheduler assumes)."""
+        for group, blocks in zip(self.groups, step.groups):
+            self.storage.grow(blocks.num_blocks, group.layers)
+            if blocks.swap_out:
+                self.storage.transfer(self.swap_storage, list(blocks.swap_out), self.swap_space_blocks, group.layers)
+            if blocks.swap_in:
+                self.swap_storage.transfer(self.storage, list(blocks.swap_in), blocks.num_blocks, group.layers)
+            self.storage.copy_blocks(list(blocks.block_copies), group.layers)
 

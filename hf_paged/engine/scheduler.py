@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hf_paged.engine.kv_cache_manager import BlockPairs, KVCacheManager
-from hf_paged.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from hf_paged.engine.scheduler_output import GroupBlocks, ScheduledSequence, SchedulerOutput
 from hf_paged.engine.sequence import Request, Sequence, Status
 from hf_paged.engine.step_result import FinishRequest, ForkSequence, FreeSequence, StepResult
 
@@ -26,15 +26,24 @@ from hf_paged.engine.step_result import FinishRequest, ForkSequence, FreeSequenc
 class _StepPlan:
     """What one ``schedule()`` call has decided so far (turned into a ``SchedulerOutput``)."""
 
+    num_groups: int
     work: list[tuple[Request, Sequence, int]] = field(default_factory=list)  # (request, seq, new tokens)
     rejected: list[tuple[Request, str]] = field(default_factory=list)  # requests that can never fit
-    copies: BlockPairs = field(default_factory=list)
-    swap_out: BlockPairs = field(default_factory=list)
-    swap_in: BlockPairs = field(default_factory=list)
+    copies: list[BlockPairs] = field(default_factory=list)  # per layer group
+    swap_out: list[BlockPairs] = field(default_factory=list)
+    swap_in: list[BlockPairs] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.copies, self.swap_out, self.swap_in = ([[] for _ in range(self.num_groups)] for _ in range(3))
 
     def add(self, request: Request, work: list[tuple[Sequence, int]]) -> int:
         self.work += [(request, seq, n) for seq, n in work]
         return sum(n for _, n in work)
+
+    @staticmethod
+    def extend(into: list[BlockPairs], per_group: list[BlockPairs]) -> None:
+        for pairs, new in zip(into, per_group):
+            pairs += new
 
 
 class Scheduler:
@@ -105,7 +114,7 @@ class Scheduler:
         Each output must go back through :meth:`update_from_output` before the next call."""
         if self._scheduled is not None:
             raise RuntimeError("Scheduler.schedule() called again before update_from_output() of the last step")
-        plan = _StepPlan()
+        plan = _StepPlan(len(self.kv.groups))
         budget = self.max_num_batched_tokens
         preempted = False
         i = 0
@@ -115,6 +124,7 @@ class Scheduler:
             if not work:
                 i += 1
                 continue
+            self.kv.release_out_of_window(work)
             while not self.kv.can_append(work):
                 victim = self.running[-1]
                 if victim is request and len(self.running) == 1 and not self.swapped and not self.waiting:
@@ -129,7 +139,7 @@ class Scheduler:
                     break
             if not work:
                 continue
-            plan.copies += self.kv.append(work)
+            plan.extend(plan.copies, self.kv.append(work))
             budget -= plan.add(request, work)
             i += 1
         if not preempted:
@@ -147,12 +157,14 @@ class Scheduler:
             if not self.kv.can_swap_in(seqs, reserve=len(seqs)):
                 break
             self.swapped.popleft()
-            plan.swap_in += self.kv.swap_in(seqs)
+            plan.extend(plan.swap_in, self.kv.swap_in(seqs))
             request.status = Status.RUNNING
             self.running.append(request)
             work = self._work(request, budget)
+            if work:
+                self.kv.release_out_of_window(work)
             if work and self.kv.can_append(work):
-                plan.copies += self.kv.append(work)
+                plan.extend(plan.copies, self.kv.append(work))
                 budget -= plan.add(request, work)
         return budget
 
@@ -182,7 +194,7 @@ class Scheduler:
             for seq in seqs:
                 self.kv.record_prefix_lookup(seq)
                 self.kv.mark_inflight(seq)
-            plan.copies += self.kv.append(work)
+            plan.extend(plan.copies, self.kv.append(work))
             request.status = Status.RUNNING
             self.running.append(request)
             budget -= plan.add(request, work)
@@ -191,7 +203,7 @@ class Scheduler:
         self.running.remove(request)
         seqs = request.live_seqs
         if self.preemption_mode == "swap" and self.kv.can_swap_out(seqs):
-            plan.swap_out += self.kv.swap_out(seqs)
+            plan.extend(plan.swap_out, self.kv.swap_out(seqs))
             request.status = Status.SWAPPED
             self.swapped.append(request)
             self.preemptions["swap"] += 1
@@ -207,25 +219,31 @@ class Scheduler:
         token's id, position and slot; the scheduled tokens count as computed from here on."""
         decode = sorted((w for w in plan.work if w[2] == 1), key=lambda w: -w[1].num_computed_tokens)
         ordered = decode + [w for w in plan.work if w[2] > 1]
-        bs = self.kv.block_size
-        sequences, ids, positions, slots, tables = [], [], [], [], []
+        bs, num_groups = self.kv.block_size, len(self.kv.groups)
+        sequences, ids, positions = [], [], []
+        slots, tables = [[] for _ in range(num_groups)], [[] for _ in range(num_groups)]
         for request, seq, n in ordered:
             start = seq.num_computed_tokens
-            table = self.kv.block_table(seq)
             span = range(start, start + n)
             sequences.append(ScheduledSequence(request.request_id, seq.seq_id, start, n, start + n == seq.num_tokens))
             ids += seq.token_ids[start : start + n]
             positions += span
-            slots += [table[p // bs] * bs + p % bs for p in span]
-            tables.append(tuple(table))
+            for g in range(num_groups):
+                table = self.kv.block_table(seq, g)
+                slots[g] += [table[p // bs] * bs + p % bs for p in span]
+                tables[g].append(tuple(table))
             if start < seq.num_prompt_tokens:
                 self.num_computed_prompt_tokens += min(n, seq.num_prompt_tokens - start)
             seq.num_computed_tokens = start + n
         self._scheduled = {seq.seq_id: seq for _, seq, _ in ordered}
+        groups = tuple(
+            GroupBlocks(slot_mapping=tuple(slots[g]), block_tables=tuple(tables[g]), num_blocks=self.kv.pool_sizes[g],
+                        block_copies=tuple(plan.copies[g]), swap_out=tuple(plan.swap_out[g]),
+                        swap_in=tuple(plan.swap_in[g]))
+            for g in range(num_groups)
+        )
         return SchedulerOutput(
-            sequences=tuple(sequences), input_ids=tuple(ids), positions=tuple(positions), slot_mapping=tuple(slots),
-            block_tables=tuple(tables), num_blocks=self.kv.num_blocks, block_copies=tuple(plan.copies),
-            swap_out=tuple(plan.swap_out), swap_in=tuple(plan.swap_in),
+            sequences=tuple(sequences), input_ids=tuple(ids), positions=tuple(positions), groups=groups,
             rejected=tuple((request.request_id, why) for request, why in plan.rejected),
         )
 

@@ -23,26 +23,63 @@ class ScheduledSequence:
 
 
 @dataclass(frozen=True)
-class SchedulerOutput:
-    """Everything one step runs, in forward order.
+class GroupBlocks:
+    """One layer group's share of a step (block ids mean something only in their group's pools).
 
-    ``sequences`` and the per-token fields follow the order of the packed forward: decoding
-    sequences (one token each, longest context first), then prefill chunks. ``block_tables``
-    are unpadded. Storage first grows to ``num_blocks``, then runs ``swap_out`` (device block →
-    CPU block), ``swap_in`` (CPU block → device block) and ``block_copies`` (copy-on-write, src →
-    dst) in that order, before the forward writes the new tokens at ``slot_mapping``.
+    ``block_tables`` are unpadded, one per scheduled sequence (-1 where a sliding group gave a
+    block back: never read). Storage first grows to ``num_blocks``, then runs ``swap_out``
+    (device block → CPU block), ``swap_in`` (CPU block → device block) and ``block_copies``
+    (copy-on-write, src → dst) in that order, before the forward writes the new tokens at
+    ``slot_mapping``.
     """
 
-    sequences: tuple[ScheduledSequence, ...] = ()
-    input_ids: tuple[int, ...] = ()
-    positions: tuple[int, ...] = ()
     slot_mapping: tuple[int, ...] = ()
     block_tables: tuple[tuple[int, ...], ...] = ()
     num_blocks: int = 0
     block_copies: tuple[tuple[int, int], ...] = ()
     swap_out: tuple[tuple[int, int], ...] = ()
     swap_in: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """Everything one step runs, in forward order.
+
+    ``sequences`` and the per-token fields follow the order of the packed forward: decoding
+    sequences (one token each, longest context first), then prefill chunks. ``groups`` holds
+    each layer group's slots, tables and block moves (see :class:`GroupBlocks`), in the order of
+    the KV cache manager's groups; the properties below read the first group's.
+    """
+
+    sequences: tuple[ScheduledSequence, ...] = ()
+    input_ids: tuple[int, ...] = ()
+    positions: tuple[int, ...] = ()
+    groups: tuple[GroupBlocks, ...] = (GroupBlocks(),)
     rejected: tuple[tuple[str, str], ...] = ()  # (request_id, why): requests that can never fit
+
+    @property
+    def slot_mapping(self) -> tuple[int, ...]:
+        return self.groups[0].slot_mapping
+
+    @property
+    def block_tables(self) -> tuple[tuple[int, ...], ...]:
+        return self.groups[0].block_tables
+
+    @property
+    def num_blocks(self) -> int:
+        return self.groups[0].num_blocks
+
+    @property
+    def block_copies(self) -> tuple[tuple[int, int], ...]:
+        return self.groups[0].block_copies
+
+    @property
+    def swap_out(self) -> tuple[tuple[int, int], ...]:
+        return self.groups[0].swap_out
+
+    @property
+    def swap_in(self) -> tuple[tuple[int, int], ...]:
+        return self.groups[0].swap_in
 
     @functools.cached_property
     def num_decode(self) -> int:

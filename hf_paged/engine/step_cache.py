@@ -6,9 +6,13 @@ function through the :class:`~hf_paged.channel.PackedStep` protocol.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from hf_paged.channel import AttentionMetadata, DecodeGroup, PackedStep
+from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, DecodeGroup, PackedStep
+from hf_paged.engine.scheduler_output import SchedulerOutput
+from hf_paged.layer_groups import LayerGroup
 from hf_paged.storage import PagedKVStorage
 
 # Padding a group to its longest sequence costs gather + attention work per key slot; a separate
@@ -18,16 +22,34 @@ GROUP_OVERHEAD_SLOTS = 1024
 
 class PackedStepCache(PackedStep):
     """One packed forward ``[1, total_tokens]``: positions come from ``position_ids`` and no mask
-    is built, so the cache reports no past and asks for no mask columns."""
+    is built, so the cache reports no past and asks for no mask columns. Each layer group has its
+    own metadata (slots and block tables), built on first use."""
 
-    def __init__(self, windows: list[int | None], storage: PagedKVStorage, num_blocks: int,
-                 metadata: AttentionMetadata):
+    def __init__(self, windows: list[int | None], groups: list[LayerGroup], storage: PagedKVStorage,
+                 step: SchedulerOutput):
         super().__init__(windows)
-        self.storage, self.num_blocks = storage, num_blocks
-        self.set_metadata(metadata)
+        self.storage, self._step = storage, step
+        self._group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
+        self._metadata_of: dict[int, AttentionMetadata] = {}
+        self._moved: dict[tuple, AttentionMetadata] = {}
         self._decode_groups: dict[tuple, list[DecodeGroup]] = {}
 
-    def decode_groups(self, window: int | None, dtype: torch.dtype) -> list[DecodeGroup]:
+    def num_blocks_for(self, layer_idx: int) -> int:
+        return self._step.groups[self._group_of[layer_idx]].num_blocks
+
+    def _group_metadata(self, group: int) -> AttentionMetadata:
+        if group not in self._metadata_of:
+            self._metadata_of[group] = step_metadata(self._step, group)
+        return self._metadata_of[group]
+
+    def metadata_for(self, layer_idx: int, device: torch.device) -> AttentionMetadata:
+        """The step's metadata for a layer's group on ``device`` (moved once per group and device)."""
+        key = (self._group_of[layer_idx], device)
+        if key not in self._moved:
+            self._moved[key] = self._group_metadata(key[0]).to(device)
+        return self._moved[key]
+
+    def decode_groups(self, layer_idx: int, window: int | None, dtype: torch.dtype) -> list[DecodeGroup]:
         """The decoding sequences (sorted longest first by the scheduler) in groups of similar
         length; padding points at slot 0 and gets -inf in the additive mask (SDPA on CPU is
         faster with a float mask than a bool one). With a sliding ``window`` only the columns
@@ -36,9 +58,9 @@ class PackedStepCache(PackedStep):
         Built once per step and shared by all layers: on CPU one gather and one fused SDPA call per
         group replace a per-sequence loop, and groups keep short sequences from paying for the
         longest one's padding."""
-        key = (window, dtype)
+        key = (self._group_of[layer_idx], window, dtype)
         if key not in self._decode_groups:
-            meta = self.metadata
+            meta = self._group_metadata(key[0])
             lens = meta.context_lens[: meta.num_decode].long()
             bs = self.storage.block_size
             groups = []
@@ -77,3 +99,18 @@ def split_by_length(lengths: list[int], overhead: int = GROUP_OVERHEAD_SLOTS) ->
         return [(0, len(lengths))]
     head = split_by_length(lengths[:cut], overhead)
     return head + [(lo + cut, hi + cut) for lo, hi in split_by_length(lengths[cut:], overhead)]
+
+
+def step_metadata(step: SchedulerOutput, group: int) -> AttentionMetadata:
+    """The attention metadata of one layer group for a step (host tensors)."""
+    blocks = step.groups[group]
+    width = max(len(t) for t in blocks.block_tables)
+    tables = [list(t) + [BLOCK_TABLE_PAD] * (width - len(t)) for t in blocks.block_tables]
+    prefill_counts = [s.num_tokens for s in step.sequences[step.num_decode :]]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(blocks.slot_mapping, dtype=torch.long),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        context_lens=torch.tensor(step.context_lens, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, *itertools.accumulate(prefill_counts)], dtype=torch.int32),
+        num_decode=step.num_decode,
+    )
