@@ -46,6 +46,8 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from hf_paged import state_layers
+
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 _NOT_MODEL_CODE = ("torch", "builtins", "transformers.modeling_utils", "transformers.generation",
                    "transformers.integrations", "transformers.utils", "transformers.modeling_layers")
@@ -107,11 +109,44 @@ def layer_problem(config: PretrainedConfig, layer_types: list[str] | None = None
         return Support(NO_LAYER_STRUCTURE, f"{type(config).__name__} has no single decoder stack ({_short(error)})")
     if len(layer_types) != config.num_hidden_layers:
         return Support(KV_SHARING, f"{len(layer_types)} cache layers for {config.num_hidden_layers} layers")
-    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES) - set(state_layers.STATE_LAYER_TYPES))
     if unsupported:
         kind = STATE_LAYERS if set(unsupported) & _STATE_LAYER_TYPES else OTHER_LAYERS
-        return Support(kind, ", ".join(unsupported))
+        detail = ", ".join(unsupported)
+        if kind == STATE_LAYERS and not state_layers.STATE_API:
+            detail += (f" (transformers {transformers_version()} lacks the state-layer cache API, "
+                       "Cache.update_conv_state and friends, that hf_paged's hybrid support uses)")
+        return Support(kind, detail)
     return None
+
+
+def engine_problem(config: PretrainedConfig) -> str | None:
+    """Why ``LLMEngine`` cannot run ``config``'s layers though ``generate()`` can (None: it can).
+
+    Hybrid layers (linear attention, state-space, convolution; MLP-only layers beside them) keep a
+    state per sequence: an engine step's single packed row ``[1, total_tokens]`` of many sequences
+    would run them as one sequence. Their state is held in ``generate()``'s padded rows only.
+    """
+    try:
+        types = get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0]
+    except Exception:  # noqa: BLE001 - layer_problem judges configs without a layer structure
+        return None
+    hybrid = sorted(set(types) & set(state_layers.STATE_LAYER_TYPES))
+    return f"hybrid layers ({', '.join(hybrid)})" if hybrid else None
+
+
+def check_engine_supported(model: PreTrainedModel) -> None:
+    """:func:`check_supported`, then ``ValueError`` for a model ``generate()`` pages but ``LLMEngine``
+    cannot run (:func:`engine_problem`)."""
+    check_supported(model)
+    problem = engine_problem(model.config)
+    if problem is not None:
+        model_type = getattr(model.config, "model_type", type(model).__name__)
+        raise ValueError(
+            f"LLMEngine cannot run {type(model).__name__} (model type {model_type!r}): it has {problem}. Hybrid models "
+            "are supported in generate() with cache_implementation='hf_paged' (after hf_paged.enable(model)), not yet "
+            "in LLMEngine, whose packed steps would run many sequences through one recurrent/conv state"
+        )
 
 
 def _attr(config: PretrainedConfig, name: str):
@@ -473,6 +508,7 @@ class Entry:
     support: Support
     tiny: bool  # a tiny model was built from tiny_config(its default config)
     note: str = ""  # why a supported architecture is not tested; what configs of it are refused
+    generate_only: bool = False  # hybrid layers: generate() pages it, LLMEngine refuses it
 
     @property
     def tested(self) -> bool:
@@ -589,9 +625,11 @@ def causal_lm_entries() -> list[Entry]:
         for model_type, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
             entry = classify_entry(model_type, class_name)
             if entry.support.supported:
-                cls = _model_class(model_type, class_name)[0]
-                notes = [UNTESTED.get(model_type, ""), entry.note, _refused_configs(cls)]
-                entry = dataclasses.replace(entry, note="; ".join(n for n in notes if n))
+                cls, config_class = _model_class(model_type, class_name)
+                engine = engine_problem(config_class())
+                notes = [UNTESTED.get(model_type, ""), entry.note, _refused_configs(cls),
+                         f"generate() only: LLMEngine refuses {engine}" if engine else ""]
+                entry = dataclasses.replace(entry, note="; ".join(n for n in notes if n), generate_only=bool(engine))
             entries.append(entry)
     return entries
 
@@ -603,11 +641,13 @@ def _cell(text: str) -> str:
 def markdown_table(entries: list[Entry]) -> str:
     """The README's table: a summary line, then one row per architecture."""
     tested = sum(e.tested for e in entries)
+    generate_only = sum(e.tested and e.generate_only for e in entries)
     untested = sum(e.support.supported and not e.tested for e in entries)
     refused = collections.Counter(e.support.kind for e in entries if not e.support.supported)
     lines = [
         f"{len(entries)} `*ForCausalLM` architectures in transformers {transformers_version()}: "
-        f"**{tested} supported and tested**, {untested} supported but not tested, "
+        f"**{tested} supported and tested** ({generate_only} of them in generate() only: hybrid layers, which "
+        f"LLMEngine refuses), {untested} supported but not tested, "
         f"{sum(refused.values())} refused ("
         + ", ".join(f"{kind}: {n}" for kind, n in sorted(refused.items(), key=lambda kv: (-kv[1], kv[0]))) + ").",
         "",
@@ -616,7 +656,7 @@ def markdown_table(entries: list[Entry]) -> str:
     ]
     for e in entries:
         if e.tested:
-            verdict = "tested"
+            verdict = "tested, generate() only" if e.generate_only else "tested"
         elif e.support.supported:
             verdict = "supported, not tested"
         else:
