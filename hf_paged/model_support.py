@@ -544,6 +544,26 @@ def _model_class(model_type: str, class_name: str) -> tuple[type, type]:
     return cls, config_class
 
 
+# Hybrid architectures whose tiny copy (2 layers, config defaults) would have no attention layer:
+# the layer pattern their tiny model gets instead, and what the table says about it.
+HYBRID_TINY_LAYERS = {
+    "bamba": (dict(attn_layer_indices=[1]), "its default config has no attention layer (nothing to page: refused)"),
+    "granitemoehybrid": (dict(layer_types=["linear_attention", "full_attention"]),
+                         "its default config has no attention layer (nothing to page: refused)"),
+    "jamba": (dict(attn_layer_period=2, attn_layer_offset=1), ""),
+    "zamba": (dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"]), ""),
+    "zamba2": (dict(hybrid_layer_ids=[1], layers_block_type=["linear_attention", "hybrid"]), ""),
+}
+
+
+def _hybrid_tiny_note(model_type: str) -> str:
+    if model_type not in HYBRID_TINY_LAYERS or not state_layers.STATE_API:
+        return ""
+    layers, why = HYBRID_TINY_LAYERS[model_type]
+    pattern = ", ".join(f"{k}={v}" for k, v in layers.items())
+    return f"tested with attention layers ({pattern})" + (f"; {why}" if why else "")
+
+
 def build_tiny(model_type: str, class_name: str | None = None, seed: int = 0,
                initializer_range: float | None = None) -> PreTrainedModel:
     """A tiny float32 model of ``model_type`` (its ``*ForCausalLM`` class by default), random weights, eval mode."""
@@ -551,6 +571,8 @@ def build_tiny(model_type: str, class_name: str | None = None, seed: int = 0,
 
     cls, config_class = _model_class(model_type, class_name or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     config = tiny_config(config_class())
+    if model_type in HYBRID_TINY_LAYERS and state_layers.STATE_API:
+        config = type(config)(**{**config.to_dict(), **HYBRID_TINY_LAYERS[model_type][0]})
     if initializer_range is not None:
         for sub in [config, *(getattr(config, key) for key in getattr(config, "sub_configs", {}))]:
             if isinstance(sub, PretrainedConfig):
@@ -610,8 +632,9 @@ def _short(error: BaseException) -> str:
 def _refused_configs(cls: type) -> str:
     """A supported architecture whose modeling code also has layers the paged cache refuses (by config)."""
     source = inspect.getsource(sys.modules[cls.__module__])
-    marks = {"conv / linear-attention layers": ("update_conv_state", "update_recurrent_state"),
-             "KV-sharing layers": ("num_kv_shared_layers", "kv_sharing_modes")}
+    marks = {"KV-sharing layers": ("num_kv_shared_layers", "kv_sharing_modes")}
+    if not state_layers.STATE_API:  # hybrid layers need transformers' state-layer cache API
+        marks["conv / linear-attention layers"] = ("update_conv_state", "update_recurrent_state")
     kinds = [what for what, found in marks.items() if any(mark in source for mark in found)]
     return f"configs with {' or '.join(kinds)} are refused" if kinds else ""
 
@@ -627,7 +650,7 @@ def causal_lm_entries() -> list[Entry]:
             if entry.support.supported:
                 cls, config_class = _model_class(model_type, class_name)
                 engine = engine_problem(config_class())
-                notes = [UNTESTED.get(model_type, ""), entry.note, _refused_configs(cls),
+                notes = [UNTESTED.get(model_type, ""), entry.note, _refused_configs(cls), _hybrid_tiny_note(model_type),
                          f"generate() only: LLMEngine refuses {engine}" if engine else ""]
                 entry = dataclasses.replace(entry, note="; ".join(n for n in notes if n), generate_only=bool(engine))
             entries.append(entry)
