@@ -76,6 +76,7 @@ NO_KV_CACHE = "no layer writes a KV cache"
 CACHE_LAYERS_EDITED = "cache layers added or replaced by the model"
 NO_LAYER_STRUCTURE = "no layer structure a cache can read"
 NOT_BUILT = "cannot be built here"
+OWN_CACHE = "a cache class of its own required by the model"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,10 +399,30 @@ def classify_model(model: PreTrainedModel, reference: PretrainedConfig | None = 
         problem = source_verdict(cls).problem
         if problem is not None:
             return problem
-    problem = head_dim_problem(reference) or sliding_mask_problem(reference, writers)
+    problem = head_dim_problem(reference) or sliding_mask_problem(reference, writers) or own_cache_problem(model)
     if problem is not None:
         return problem
     return Support(SUPPORTED)
+
+
+def own_cache_problem(model: PreTrainedModel) -> Support | None:
+    """A modeling file that defines a ``Cache`` subclass and checks ``isinstance(..., ThatCache)``
+    (MiniMax raises for any other cache): a paged cache is never accepted there."""
+    from transformers import Cache
+
+    for module_name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(module_name)
+        if module is None or not module_name.startswith("transformers.models."):
+            continue
+        own = [c.__name__ for c in vars(module).values()
+               if isinstance(c, type) and issubclass(c, Cache) and c.__module__ == module_name]
+        if not own:
+            continue
+        source = inspect.getsource(module)
+        for name in own:
+            if re.search(rf"isinstance\(\s*\w+\s*,\s*{name}\s*\)", source):
+                return Support(OWN_CACHE, f"{module_name.rsplit('.', 1)[-1]} requires its own {name}")
+    return None
 
 
 def sliding_mask_problem(config: PretrainedConfig, writers) -> Support | None:
