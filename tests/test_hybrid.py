@@ -277,3 +277,21 @@ def test_llm_engine_refuses_hybrid_models(pairs, name):
     with pytest.raises(ValueError, match=rf"{re.escape(type(stock).__name__)}.*{model_type}.*generate\(\)"):
         hf_paged.LLMEngine(stock, block_size=4)
     hf_paged.model_info.check_supported(stock)  # generate() accepts it
+
+
+# ---------------------------------------------------------------------- the kernel route
+@pytest.mark.parametrize("name", MODELS)
+def test_the_kernel_route_equals_stock(pairs, name):
+    """CUDA's route (here the Triton interpreter): attention reads the blocks with the paged kernels,
+    the state layers run as on the reference route."""
+    stock, paged = pairs[name]
+    hf_paged.enable(paged, block_size=4)
+    ids, mask = left_padded([5, 11])
+    call = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, num_beams=2)
+    expected = stock.generate(**call)
+    hf_paged.kernels.set_backend("triton")
+    try:
+        got = paged.generate(**call, cache_implementation="hf_paged")
+    finally:
+        hf_paged.kernels.set_backend("auto")
+    assert torch.equal(got, expected)
