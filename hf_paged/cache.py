@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PretrainedConfig
 
+from hf_paged import state_layers
 from hf_paged.block_manager import HOLE, BlockManager
 from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, StashingCache
 from hf_paged.layer_groups import GroupedBlockManager, LayerGroup, layer_groups
@@ -126,6 +127,7 @@ class PagedKVCache(StashingCache):
         config = config.get_text_config(decoder=True)
         self.layer_types, self.sliding_windows = layer_structure(config)
         super().__init__(self.sliding_windows)
+        state_layers.build_state_layers(self, config, self.layer_types, self.sliding_windows)  # hybrid models
         self.config = config
         self.block_size = block_size
         self.groups: list[LayerGroup] = layer_groups(self.sliding_windows)
@@ -170,6 +172,7 @@ class PagedKVCache(StashingCache):
         clone.config, clone.block_size = self.config, self.block_size
         clone.groups, clone._group_of = self.groups, self._group_of
         clone._join(self._pool)
+        state_layers.copy_state_layers(self, clone)
         clone._rows = []
         for seq_id in self._rows:
             clone._rows.append(clone._fresh_seq_id())
@@ -200,10 +203,12 @@ class PagedKVCache(StashingCache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         self.check_no_pending()
+        layer_idx = state_layers.attention_layer_index(self.layers, layer_idx)
         return self._layer_columns[layer_idx] if layer_idx < len(self._layer_columns) else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         """Same sizes as ``DynamicCache``: masks, and so outputs, match stock transformers."""
+        layer_idx = state_layers.attention_layer_index(self.layers, layer_idx)
         past = self.get_seq_length(layer_idx)
         window = self.sliding_windows[layer_idx]
         if window is None:
@@ -218,18 +223,22 @@ class PagedKVCache(StashingCache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i continues row ``beam_idx[i]``: a block-table fork, no K/V copied."""
         self._reindex_rows(beam_idx.tolist())
+        state_layers.reorder_states(self.layers, beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row becomes ``repeats`` rows sharing its blocks (a prompt for its beams or samples)."""
         self._reindex_rows([i for i in range(len(self._rows)) for _ in range(repeats)])
+        state_layers.repeat_states(self.layers, repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._reindex_rows(torch.as_tensor(indices).tolist())
+        state_layers.select_states(self.layers, indices)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop columns at the end: ``crop(-n)`` removes ``n``; ``crop(n)`` with n > 0 keeps ``n``."""
         self.check_no_pending()
         tokens_to_remove = int(tokens_to_remove)  # transformers 5.17 passes a 0-d tensor
+        state_layers.crop_states(self.layers, tokens_to_remove)  # first: one that refuses leaves all as it was
         keep = self._columns + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, self._columns)
         if tokens_to_remove == 0 or keep == self._columns:
             return
@@ -249,6 +258,7 @@ class PagedKVCache(StashingCache):
         for seq_id in self._rows:
             self.blocks.free(seq_id)
         self._rows = []
+        state_layers.reset_states(self.layers)
         self._columns = 0
         self._layer_columns = [0] * len(self._layer_columns)
         self._slot_bufs = self._empty_slot_bufs()

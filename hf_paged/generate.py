@@ -39,7 +39,7 @@ import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation import configuration_utils as generation_configuration
 
-from hf_paged import attention, kernels
+from hf_paged import attention, kernels, state_layers
 from hf_paged.block_manager import check_block_options
 from hf_paged.cache import PagedKVCache
 from hf_paged.channel import StashingCache, clear_active_cache
@@ -217,6 +217,11 @@ def _distinct_prompt_kwargs(model: PreTrainedModel, cache: PagedKVCache, args: t
         return None
     if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
         return None  # those outputs are per copy: compute every copy, as stock does
+    if state_layers.has_state_layers(cache):
+        # Hybrid models compute every copy, as stock does. Their linear-attention layers' torch
+        # kernels do not give a row the same bits in a smaller batch (Qwen3.5's gated delta rule:
+        # logits 1e-6 apart), so running the distinct prompts once would not be exact.
+        return None
     inputs = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
     if not isinstance(inputs, torch.Tensor) or inputs.shape[0] % copies:
         return None

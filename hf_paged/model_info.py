@@ -26,6 +26,14 @@ def check_supported(model: PreTrainedModel) -> None:
     model_support.check_supported(model)
 
 
+def check_engine_supported(model: PreTrainedModel) -> None:
+    """What ``LLMEngine`` asks: :func:`check_supported`, then ``ValueError`` for a model that only
+    ``generate()`` can page (hybrid layers; :func:`hf_paged.model_support.engine_problem`)."""
+    from hf_paged import model_support
+
+    model_support.check_engine_supported(model)
+
+
 def layer_structure(config: PretrainedConfig) -> tuple[list[str], list[int | None]]:
     """Per-layer (type, sliding window), derived the way ``DynamicCache(config=...)`` derives it.
 
@@ -41,7 +49,7 @@ def layer_structure(config: PretrainedConfig) -> tuple[list[str], list[int | Non
         raise NotImplementedError(f"{type(config).__name__}: PagedKVCache cannot hold these layers: {problem}")
     if isinstance(layer_kwargs, dict):  # transformers < 5.24: one dict for all layers
         layer_kwargs = [layer_kwargs] * len(layer_types)
-    windows = [kw.get("sliding_window") if t == "sliding_attention" else None
+    windows = [kw.get("sliding_window") if t in ("sliding_attention", "hybrid_sliding") else None
                for t, kw in zip(layer_types, layer_kwargs)]
     return list(layer_types), windows
 

@@ -46,6 +46,8 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from hf_paged import state_layers
+
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 _NOT_MODEL_CODE = ("torch", "builtins", "transformers.modeling_utils", "transformers.generation",
                    "transformers.integrations", "transformers.utils", "transformers.modeling_layers")
@@ -74,6 +76,7 @@ NO_KV_CACHE = "no layer writes a KV cache"
 CACHE_LAYERS_EDITED = "cache layers added or replaced by the model"
 NO_LAYER_STRUCTURE = "no layer structure a cache can read"
 NOT_BUILT = "cannot be built here"
+OWN_CACHE = "a cache class of its own required by the model"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,11 +110,44 @@ def layer_problem(config: PretrainedConfig, layer_types: list[str] | None = None
         return Support(NO_LAYER_STRUCTURE, f"{type(config).__name__} has no single decoder stack ({_short(error)})")
     if len(layer_types) != config.num_hidden_layers:
         return Support(KV_SHARING, f"{len(layer_types)} cache layers for {config.num_hidden_layers} layers")
-    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES) - set(state_layers.STATE_LAYER_TYPES))
     if unsupported:
         kind = STATE_LAYERS if set(unsupported) & _STATE_LAYER_TYPES else OTHER_LAYERS
-        return Support(kind, ", ".join(unsupported))
+        detail = ", ".join(unsupported)
+        if kind == STATE_LAYERS and not state_layers.STATE_API:
+            detail += (f" (transformers {transformers_version()} lacks the state-layer cache API, "
+                       "Cache.update_conv_state and friends, that hf_paged's hybrid support uses)")
+        return Support(kind, detail)
     return None
+
+
+def engine_problem(config: PretrainedConfig) -> str | None:
+    """Why ``LLMEngine`` cannot run ``config``'s layers though ``generate()`` can (None: it can).
+
+    Hybrid layers (linear attention, state-space, convolution; MLP-only layers beside them) keep a
+    state per sequence: an engine step's single packed row ``[1, total_tokens]`` of many sequences
+    would run them as one sequence. Their state is held in ``generate()``'s padded rows only.
+    """
+    try:
+        types = get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0]
+    except Exception:  # noqa: BLE001 - layer_problem judges configs without a layer structure
+        return None
+    hybrid = sorted(set(types) & set(state_layers.STATE_LAYER_TYPES))
+    return f"hybrid layers ({', '.join(hybrid)})" if hybrid else None
+
+
+def check_engine_supported(model: PreTrainedModel) -> None:
+    """:func:`check_supported`, then ``ValueError`` for a model ``generate()`` pages but ``LLMEngine``
+    cannot run (:func:`engine_problem`)."""
+    check_supported(model)
+    problem = engine_problem(model.config)
+    if problem is not None:
+        model_type = getattr(model.config, "model_type", type(model).__name__)
+        raise ValueError(
+            f"LLMEngine cannot run {type(model).__name__} (model type {model_type!r}): it has {problem}. Hybrid models "
+            "are supported in generate() with cache_implementation='hf_paged' (after hf_paged.enable(model)), not yet "
+            "in LLMEngine, whose packed steps would run many sequences through one recurrent/conv state"
+        )
 
 
 def _attr(config: PretrainedConfig, name: str):
@@ -363,10 +399,30 @@ def classify_model(model: PreTrainedModel, reference: PretrainedConfig | None = 
         problem = source_verdict(cls).problem
         if problem is not None:
             return problem
-    problem = head_dim_problem(reference) or sliding_mask_problem(reference, writers)
+    problem = head_dim_problem(reference) or sliding_mask_problem(reference, writers) or own_cache_problem(model)
     if problem is not None:
         return problem
     return Support(SUPPORTED)
+
+
+def own_cache_problem(model: PreTrainedModel) -> Support | None:
+    """A modeling file that defines a ``Cache`` subclass and checks ``isinstance(..., ThatCache)``
+    (MiniMax raises for any other cache): a paged cache is never accepted there."""
+    from transformers import Cache
+
+    for module_name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(module_name)
+        if module is None or not module_name.startswith("transformers.models."):
+            continue
+        own = [c.__name__ for c in vars(module).values()
+               if isinstance(c, type) and issubclass(c, Cache) and c.__module__ == module_name]
+        if not own:
+            continue
+        source = inspect.getsource(module)
+        for name in own:
+            if re.search(rf"isinstance\(\s*\w+\s*,\s*{name}\s*\)", source):
+                return Support(OWN_CACHE, f"{module_name.rsplit('.', 1)[-1]} requires its own {name}")
+    return None
 
 
 def sliding_mask_problem(config: PretrainedConfig, writers) -> Support | None:
@@ -473,6 +529,7 @@ class Entry:
     support: Support
     tiny: bool  # a tiny model was built from tiny_config(its default config)
     note: str = ""  # why a supported architecture is not tested; what configs of it are refused
+    generate_only: bool = False  # hybrid layers: generate() pages it, LLMEngine refuses it
 
     @property
     def tested(self) -> bool:
@@ -508,6 +565,26 @@ def _model_class(model_type: str, class_name: str) -> tuple[type, type]:
     return cls, config_class
 
 
+# Hybrid architectures whose tiny copy (2 layers, config defaults) would have no attention layer:
+# the layer pattern their tiny model gets instead, and what the table says about it.
+HYBRID_TINY_LAYERS = {
+    "bamba": (dict(attn_layer_indices=[1]), "its default config has no attention layer (nothing to page: refused)"),
+    "granitemoehybrid": (dict(layer_types=["linear_attention", "full_attention"]),
+                         "its default config has no attention layer (nothing to page: refused)"),
+    "jamba": (dict(attn_layer_period=2, attn_layer_offset=1), ""),
+    "zamba": (dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"]), ""),
+    "zamba2": (dict(hybrid_layer_ids=[1], layers_block_type=["linear_attention", "hybrid"]), ""),
+}
+
+
+def _hybrid_tiny_note(model_type: str) -> str:
+    if model_type not in HYBRID_TINY_LAYERS or not state_layers.STATE_API:
+        return ""
+    layers, why = HYBRID_TINY_LAYERS[model_type]
+    pattern = ", ".join(f"{k}={v}" for k, v in layers.items())
+    return f"tested with attention layers ({pattern})" + (f"; {why}" if why else "")
+
+
 def build_tiny(model_type: str, class_name: str | None = None, seed: int = 0,
                initializer_range: float | None = None) -> PreTrainedModel:
     """A tiny float32 model of ``model_type`` (its ``*ForCausalLM`` class by default), random weights, eval mode."""
@@ -515,6 +592,8 @@ def build_tiny(model_type: str, class_name: str | None = None, seed: int = 0,
 
     cls, config_class = _model_class(model_type, class_name or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     config = tiny_config(config_class())
+    if model_type in HYBRID_TINY_LAYERS and state_layers.STATE_API:
+        config = type(config)(**{**config.to_dict(), **HYBRID_TINY_LAYERS[model_type][0]})
     if initializer_range is not None:
         for sub in [config, *(getattr(config, key) for key in getattr(config, "sub_configs", {}))]:
             if isinstance(sub, PretrainedConfig):
@@ -574,8 +653,9 @@ def _short(error: BaseException) -> str:
 def _refused_configs(cls: type) -> str:
     """A supported architecture whose modeling code also has layers the paged cache refuses (by config)."""
     source = inspect.getsource(sys.modules[cls.__module__])
-    marks = {"conv / linear-attention layers": ("update_conv_state", "update_recurrent_state"),
-             "KV-sharing layers": ("num_kv_shared_layers", "kv_sharing_modes")}
+    marks = {"KV-sharing layers": ("num_kv_shared_layers", "kv_sharing_modes")}
+    if not state_layers.STATE_API:  # hybrid layers need transformers' state-layer cache API
+        marks["conv / linear-attention layers"] = ("update_conv_state", "update_recurrent_state")
     kinds = [what for what, found in marks.items() if any(mark in source for mark in found)]
     return f"configs with {' or '.join(kinds)} are refused" if kinds else ""
 
@@ -589,9 +669,11 @@ def causal_lm_entries() -> list[Entry]:
         for model_type, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
             entry = classify_entry(model_type, class_name)
             if entry.support.supported:
-                cls = _model_class(model_type, class_name)[0]
-                notes = [UNTESTED.get(model_type, ""), entry.note, _refused_configs(cls)]
-                entry = dataclasses.replace(entry, note="; ".join(n for n in notes if n))
+                cls, config_class = _model_class(model_type, class_name)
+                engine = engine_problem(config_class())
+                notes = [UNTESTED.get(model_type, ""), entry.note, _refused_configs(cls), _hybrid_tiny_note(model_type),
+                         f"generate() only: LLMEngine refuses {engine}" if engine else ""]
+                entry = dataclasses.replace(entry, note="; ".join(n for n in notes if n), generate_only=bool(engine))
             entries.append(entry)
     return entries
 
@@ -603,11 +685,13 @@ def _cell(text: str) -> str:
 def markdown_table(entries: list[Entry]) -> str:
     """The README's table: a summary line, then one row per architecture."""
     tested = sum(e.tested for e in entries)
+    generate_only = sum(e.tested and e.generate_only for e in entries)
     untested = sum(e.support.supported and not e.tested for e in entries)
     refused = collections.Counter(e.support.kind for e in entries if not e.support.supported)
     lines = [
         f"{len(entries)} `*ForCausalLM` architectures in transformers {transformers_version()}: "
-        f"**{tested} supported and tested**, {untested} supported but not tested, "
+        f"**{tested} supported and tested** ({generate_only} of them in generate() only: hybrid layers, which "
+        f"LLMEngine refuses), {untested} supported but not tested, "
         f"{sum(refused.values())} refused ("
         + ", ".join(f"{kind}: {n}" for kind, n in sorted(refused.items(), key=lambda kv: (-kv[1], kv[0]))) + ").",
         "",
@@ -616,7 +700,7 @@ def markdown_table(entries: list[Entry]) -> str:
     ]
     for e in entries:
         if e.tested:
-            verdict = "tested"
+            verdict = "tested, generate() only" if e.generate_only else "tested"
         elif e.support.supported:
             verdict = "supported, not tested"
         else:

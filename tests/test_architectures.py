@@ -17,7 +17,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.models.llama import modeling_llama
 
 import hf_paged
-from hf_paged import kernels, model_support
+from hf_paged import kernels, model_support, state_layers
 from hf_paged.model_support import INLINE, KV_CHANGED, OWN_MASK, Support
 from tests.helpers.tiny_models import (
     UNSUPPORTED,
@@ -122,7 +122,11 @@ def test_every_architecture_is_tested_or_refused_with_a_reason(model_type):
         assert torch.equal(_generate(model, inputs, paged=True), stock), f"{model_type}: greedy differs from stock"
         beams = _generate(model, inputs, paged=False, num_beams=2)
         assert torch.equal(_generate(model, inputs, paged=True, num_beams=2), beams), f"{model_type}: beams differ"
-        assert _engine_tokens(model, inputs) == _stock_tokens(model, inputs), f"{model_type}: LLMEngine differs"
+        if entry.generate_only:  # hybrid layers: generate() only, the engine refuses at construction
+            with pytest.raises(ValueError, match=f"{re.escape(type(model).__name__)}.*generate\\(\\)"):
+                hf_paged.LLMEngine(model, block_size=BLOCK_SIZE)
+        else:
+            assert _engine_tokens(model, inputs) == _stock_tokens(model, inputs), f"{model_type}: LLMEngine differs"
     elif entry.support.supported:
         assert entry.note, f"{model_type} is supported but not tested, and the table does not say why"
     else:
@@ -149,7 +153,12 @@ def test_the_classification_covers_the_mapping_and_the_known_cases():
     for composite in ("gemma3", "gemma4", "fuyu"):  # text-only through a composite class
         assert found[composite].tested, found[composite].support
     assert found["gemma3n"].support.kind == model_support.KV_SHARING
-    assert found["qwen3_next"].support.kind == model_support.STATE_LAYERS
+    if state_layers.STATE_API:  # hybrid models: generate() pages them, LLMEngine refuses them
+        for hybrid in ("qwen3_next", "qwen3_5_text", "falcon_h1", "bamba", "jamba", "nemotron_h", "zamba2"):
+            assert found[hybrid].tested and found[hybrid].generate_only, found[hybrid]
+        assert found["mamba"].support.kind == model_support.NO_KV_CACHE  # state layers only: nothing to page
+    else:
+        assert found["qwen3_next"].support.kind == model_support.STATE_LAYERS
     assert found["bart"].support.kind == model_support.CROSS_ATTENTION
     assert found["jetmoe"].support.kind == KV_CHANGED
     assert found["doge"].support.kind == OWN_MASK

@@ -26,7 +26,7 @@ from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Request
 from hf_paged.layer_groups import layer_groups
-from hf_paged.model_info import check_supported, eos_token_ids, kv_bytes_per_token, layer_structure, max_positions
+from hf_paged.model_info import check_engine_supported, eos_token_ids, kv_bytes_per_token, layer_structure, max_positions
 from hf_paged.storage import PagedKVStorage
 
 
@@ -54,7 +54,7 @@ class LLMEngine:
         preemption_mode: str = "recompute", swap_space_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None,
     ):
-        check_supported(model)
+        check_engine_supported(model)  # generate()-only models (hybrid layers) are refused here
         check_block_options(block_size, num_blocks)
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
