@@ -50,21 +50,56 @@ def layer_groups(windows: Sequence[int | None]) -> list[LayerGroup]:
     return [LayerGroup(w, tuple(by_window[w])) for w in order]
 
 
+def sliding_cap(group: LayerGroup, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int | None:
+    """Most blocks a sliding group can hold at once in an engine (None for a full group): each
+    sequence its window's blocks plus two partial ones, and the step's new tokens on top."""
+    if group.window is None:
+        return None
+    per_seq = -(-(group.window - 1) // block_size) + 2
+    return max_num_seqs * per_seq + -(-max_num_batched_tokens // block_size)
+
+
+def split_budget(total_bytes: int, bytes_per_block: Sequence[int], caps: Sequence[int | None]) -> list[int]:
+    """Blocks per layer-group pool from one byte budget: equal counts, except that a group with a
+    cap (a sliding group, see :func:`sliding_cap`) gets no more than it can ever use, and what it
+    leaves goes to the others. Caps apply only beside an uncapped group (a model whose layers are
+    all sliding spends its whole budget on them)."""
+    groups = range(len(bytes_per_block))
+    if all(cap is not None for cap in caps):
+        caps = [None] * len(caps)
+    sizes: list[int | None] = [None] * len(bytes_per_block)
+    open_groups, remaining = set(groups), total_bytes
+    while open_groups:
+        share = remaining // sum(bytes_per_block[g] for g in open_groups)
+        capped = [g for g in open_groups if caps[g] is not None and caps[g] < share]
+        if not capped:
+            break
+        for g in capped:
+            sizes[g] = caps[g]
+            remaining -= caps[g] * bytes_per_block[g]
+            open_groups.discard(g)
+    for g in open_groups:
+        sizes[g] = max(1, share)
+    return sizes
+
+
 class GroupedBlockManager:
     """One :class:`BlockManager` per layer group, holding the same sequences.
 
-    ``num_blocks`` is each group's budget (a layer's pool holds that many blocks), or ``None`` to
-    grow on demand.
+    ``num_blocks`` is each group's budget (a layer's pool holds that many blocks; one count for
+    all groups, or one per group), or ``None`` to grow on demand.
     """
 
-    def __init__(self, block_size: int, num_blocks: int | None, groups: Sequence[LayerGroup], *,
+    def __init__(self, block_size: int, num_blocks: int | Sequence[int] | None, groups: Sequence[LayerGroup], *,
                  enable_prefix_caching: bool = False):
         if not groups:
             raise ValueError("a model needs at least one attention layer group")
         self.block_size = block_size
         self.groups = list(groups)
-        self.managers = [BlockManager(block_size, num_blocks, enable_prefix_caching=enable_prefix_caching)
-                         for _ in self.groups]
+        budgets = list(num_blocks) if isinstance(num_blocks, (list, tuple)) else [num_blocks] * len(self.groups)
+        if len(budgets) != len(self.groups):
+            raise ValueError(f"{len(budgets)} block budgets for {len(self.groups)} layer groups")
+        self.managers = [BlockManager(block_size, n, enable_prefix_caching=enable_prefix_caching) for n in budgets]
 
     # ------------------------------------------------------------------ facts
     def __contains__(self, seq_id: SeqId) -> bool:

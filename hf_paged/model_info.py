@@ -54,14 +54,17 @@ def layer_structure(config: PretrainedConfig) -> tuple[list[str], list[int | Non
     return list(layer_types), windows
 
 
-def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token takes over all layers of ``config`` (a text config) in ``dtype``.
+def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, layer_ids: Iterable[int] | None = None) -> int:
+    """Bytes of K and V one token takes over all layers of ``config`` (a text config), or those of
+    ``layer_ids``, in ``dtype``.
 
     Heterogeneous configs (Gemma 4: another head size on full-attention layers) are summed layer by layer."""
     try:
         layers = list(config.per_layer_config)
     except Exception:  # noqa: BLE001 - configs without per-layer views
         layers = [config] * config.num_hidden_layers
+    if layer_ids is not None:
+        layers = [layers[i] for i in layer_ids]
     total = 0
     for layer in layers:
         heads = getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads

@@ -432,3 +432,29 @@ def test_engine_prefix_cache_hits_through_sliding_groups():
     exact, ties = compare(outputs, _references(model, [second], 6))
     assert exact + len(ties) == 1
     _check_no_leak(engine)
+
+
+def test_split_budget_caps_sliding_groups_and_gives_the_rest_to_full_layers():
+    from hf_paged.layer_groups import split_budget
+
+    assert split_budget(1000, [10, 10], [None, None]) == [50, 50]
+    assert split_budget(1000, [10, 10], [None, 20]) == [80, 20]  # the sliding group can use 20 at most
+    assert split_budget(1000, [10, 10], [None, 90]) == [50, 50]  # a cap above the share changes nothing
+    assert split_budget(1000, [10, 50], [12, 12]) == [16, 16]  # all sliding: no caps
+
+
+def test_engine_budget_from_bytes_sizes_sliding_pools_by_what_they_can_hold():
+    model = build("gemma3")  # 2 sliding layers (window 7) and 1 full
+    per_layer = hf_paged.model_info.kv_bytes_per_token(model.config, torch.float32, [0]) * 4
+    budget = 3 * per_layer * 400  # 400 blocks per layer if split evenly
+    engine = hf_paged.LLMEngine(model, block_size=4, kv_cache_bytes=budget, max_num_seqs=4, max_num_batched_tokens=16)
+    full, sliding = engine.kv.pool_sizes
+    assert sliding == 4 * (2 + 2) + 4 and full == (budget - 2 * sliding * per_layer) // per_layer
+    assert full > 400 and full * per_layer + 2 * sliding * per_layer <= budget
+    prompts = _engine_prompts(6, seed=2)
+    from tests.test_engine import _check_no_leak, compare
+
+    params = hf_paged.SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    exact, ties = compare(engine.generate(prompts, params, use_tqdm=False), _references(model, prompts, 8))
+    assert exact + len(ties) == len(prompts)
+    _check_no_leak(engine)

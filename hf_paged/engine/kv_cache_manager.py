@@ -38,8 +38,8 @@ class KVCacheManager:
     the K/V of the same tokens after the same prefix.
     """
 
-    def __init__(self, block_size: int, num_blocks: int | None, *, enable_prefix_caching: bool = True,
-                 swap_space_blocks: int = 0, groups: Seq[LayerGroup] = FULL_ATTENTION):
+    def __init__(self, block_size: int, num_blocks: int | Seq[int] | None, *, enable_prefix_caching: bool = True,
+                 swap_space_blocks: int | Seq[int] = 0, groups: Seq[LayerGroup] = FULL_ATTENTION):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.groups = list(groups)
@@ -58,8 +58,9 @@ class KVCacheManager:
 
     @property
     def num_blocks(self) -> int:
-        """Device blocks of the smallest layer-group pool now (pools grow when no budget was set)."""
-        return min(m.num_blocks for m in self._blocks)
+        """Device blocks of the first layer group's pool now: the full-attention layers' when the
+        model has any (the pool a long sequence needs most of; pools grow when no budget was set)."""
+        return self._blocks[0].num_blocks
 
     @property
     def pool_sizes(self) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ from hf_paged.engine.outputs import RequestOutput
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Request
-from hf_paged.layer_groups import layer_groups
+from hf_paged.layer_groups import LayerGroup, layer_groups, sliding_cap, split_budget
 from hf_paged.model_info import check_engine_supported, eos_token_ids, kv_bytes_per_token, layer_structure, max_positions
 from hf_paged.storage import PagedKVStorage
 
@@ -63,13 +63,14 @@ class LLMEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = model.config.get_text_config(decoder=True)
+        groups = layer_groups(layer_structure(self.config)[1])
         if num_blocks is None:
-            num_blocks = self._derived_budget(block_size, gpu_memory_utilization, kv_cache_bytes)
+            caps = [sliding_cap(g, block_size, max_num_seqs, max_num_batched_tokens) for g in groups]
+            num_blocks = self._derived_budget(block_size, groups, caps, gpu_memory_utilization, kv_cache_bytes)
         if swap_space_blocks is None:
             swap_space_blocks = (num_blocks or 0) if preemption_mode == "swap" else 0
         self.kv = KVCacheManager(block_size, num_blocks, enable_prefix_caching=enable_prefix_caching,
-                                 swap_space_blocks=swap_space_blocks,
-                                 groups=layer_groups(layer_structure(self.config)[1]))
+                                 swap_space_blocks=swap_space_blocks, groups=groups)
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    preemption_mode=preemption_mode)
         swap_storage = PagedKVStorage(block_size, device="cpu", pin_memory=model.device.type == "cuda")
@@ -83,16 +84,18 @@ class LLMEngine:
         self._ids = itertools.count()
         self._counters = {"steps": 0, "generated_tokens": 0, "busy_s": 0.0}
 
-    def _derived_budget(self, block_size: int, utilization: float, kv_cache_bytes: int | None) -> int | None:
-        """Blocks that fit ``kv_cache_bytes``, or free CUDA memory; None: grow on demand."""
-        per_block = kv_bytes_per_token(self.config, self.model.dtype) * block_size
-        if kv_cache_bytes is not None:
-            return max(1, kv_cache_bytes // per_block)
-        if self.model.device.type == "cuda":
+    def _derived_budget(self, block_size: int, groups: list[LayerGroup], caps: list[int | None],
+                        utilization: float, kv_cache_bytes: int | None) -> list[int] | None:
+        """Blocks per layer-group pool that fit ``kv_cache_bytes``, or free CUDA memory; None: grow
+        on demand. Sliding groups get no more than they can ever hold (``sliding_cap``): the rest
+        of the budget goes to the full-attention layers."""
+        if kv_cache_bytes is None and self.model.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.model.device)
-            usable = total * utilization - (total - free)
-            return max(1, int(usable * 0.9 // per_block))  # 10% left for activations
-        return None
+            kv_cache_bytes = int((total * utilization - (total - free)) * 0.9)  # 10% left for activations
+        if kv_cache_bytes is None:
+            return None
+        per_block = [kv_bytes_per_token(self.config, self.model.dtype, g.layers) * block_size for g in groups]
+        return split_budget(kv_cache_bytes, per_block, caps)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:

@@ -25,11 +25,12 @@ class ModelRunner:
     """Runs steps of ``model`` on the device pools in ``storage`` (and the CPU ``swap_storage``)."""
 
     def __init__(self, model: PreTrainedModel, storage: PagedKVStorage, swap_storage: PagedKVStorage,
-                 swap_space_blocks: int = 0):
+                 swap_space_blocks: int | list[int] = 0):
         self.model, self.storage, self.swap_storage = model, storage, swap_storage
-        self.swap_space_blocks = swap_space_blocks
         _, self.windows = layer_structure(model.config.get_text_config(decoder=True))  # derived once: configs are slow
         self.groups = layer_groups(self.windows)  # the KV cache manager's groups, in its order
+        self.swap_space_blocks = (list(swap_space_blocks) if isinstance(swap_space_blocks, (list, tuple))
+                                  else [swap_space_blocks] * len(self.groups))  # per group
         self.device = model.device
         self._cache_kwarg = cache_kwarg(model)
         self._logits_to_keep = takes_logits_to_keep(model)
@@ -62,10 +63,10 @@ class ModelRunner:
     def _run_block_moves(self, step: SchedulerOutput) -> None:
         """Per layer group: swaps out before swaps in before copy-on-write copies (the order the
         scheduler assumes)."""
-        for group, blocks in zip(self.groups, step.groups):
+        for group, blocks, swap_blocks in zip(self.groups, step.groups, self.swap_space_blocks):
             self.storage.grow(blocks.num_blocks, group.layers)
             if blocks.swap_out:
-                self.storage.transfer(self.swap_storage, list(blocks.swap_out), self.swap_space_blocks, group.layers)
+                self.storage.transfer(self.swap_storage, list(blocks.swap_out), swap_blocks, group.layers)
             if blocks.swap_in:
                 self.swap_storage.transfer(self.storage, list(blocks.swap_in), blocks.num_blocks, group.layers)
             self.storage.copy_blocks(list(blocks.block_copies), group.layers)
