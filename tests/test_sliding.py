@@ -352,7 +352,12 @@ def test_assisted_decoding_with_an_enabled_sliding_assistant_equals_stock():
     hf_paged.enable(assistant, block_size=4)
     ids, mask = left_padded([26])
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
-    want = stock.generate(**kwargs, assistant_model=assistant_stock)
+    try:
+        want = stock.generate(**kwargs, assistant_model=assistant_stock)
+    except RuntimeError as stock_error:  # transformers 5.17 crops sliding layers wrongly here: so must we fail
+        with pytest.raises(type(stock_error)):
+            paged.generate(**kwargs, assistant_model=assistant, cache_implementation="hf_paged")
+        return
     got = paged.generate(**kwargs, assistant_model=assistant, cache_implementation="hf_paged")
     assert torch.equal(got, want)
 

@@ -5,7 +5,8 @@
 One ``generate()`` call per model and context length (a prompt of ``length - 16`` tokens, 16 new
 tokens, greedy) on a stock copy and an enabled copy of the same tiny random weights. Reported:
 the bytes the returned caches hold (stock: its tensors; hf_paged: ``stats()["bytes_used"]``, the
-blocks in use) and their ratio, and whether the sequences are identical. Full-attention layers
+blocks in use; both: a hybrid model's conv and recurrent states) and their ratio, and whether the
+sequences are identical. Full-attention layers
 cost the same in both (up to the last partial block); sliding layers cost stock its window, and
 hf_paged its window plus at most two partial blocks since its sliding layer groups give blocks back.
 """
@@ -26,23 +27,37 @@ _SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attentio
 
 
 def _configs() -> dict[str, transformers.PretrainedConfig]:
-    return {
+    from hf_paged import state_layers
+
+    hybrid = {}
+    if state_layers.STATE_API:  # transformers with the state-layer cache API (after 5.17)
+        hybrid["Qwen3.5-like hybrid (2 linear attention : 1 full)"] = transformers.Qwen3_5TextConfig(
+            **_SMALL, num_hidden_layers=3, head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_conv_kernel_dim=4)
+    return {**hybrid, **{
         "Llama (full attention)": transformers.LlamaConfig(**_SMALL, num_hidden_layers=2),
         "Mistral (all sliding, window 64)": transformers.MistralConfig(**_SMALL, num_hidden_layers=2,
                                                                         sliding_window=64),
         "Gemma3-like (5 sliding : 1 full, window 512)": transformers.Gemma3TextConfig(
             **{**_SMALL, "initializer_range": 0.02}, num_hidden_layers=6, head_dim=16, sliding_window=512,
             layer_types=["sliding_attention"] * 5 + ["full_attention"], query_pre_attn_scalar=16),
-    }
+    }}
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _state_bytes(cache) -> int:
+    """Conv and recurrent states of a hybrid model's layers (the same classes in both caches)."""
+    return sum(_tensor_bytes(list(getattr(layer, name, {}).values()))
+               for layer in cache.layers for name in ("conv_states", "recurrent_states"))
 
 
 def _stock_bytes(cache) -> int:
-    total = 0
-    for layer in cache.layers:
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+    kv = [getattr(layer, name, None) for layer in cache.layers for name in ("keys", "values")]
+    return _tensor_bytes(kv) + _state_bytes(cache)
 
 
 @torch.inference_mode()
@@ -63,7 +78,8 @@ def run(lengths=(256, 512, 1024, 2048, 4096), block_size: int = 16, log=print) -
                           min_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
             want = stock.generate(**kwargs)
             got = paged.generate(**kwargs, cache_implementation="hf_paged")
-            stock_bytes, paged_bytes = _stock_bytes(want.past_key_values), got.past_key_values.stats()["bytes_used"]
+            stock_bytes = _stock_bytes(want.past_key_values)
+            paged_bytes = got.past_key_values.stats()["bytes_used"] + _state_bytes(got.past_key_values)
             rows.append({"context": length, "stock_bytes": stock_bytes, "hf_paged_bytes": paged_bytes,
                          "ratio": paged_bytes / stock_bytes, "identical": bool(torch.equal(got.sequences, want.sequences))})
             got.past_key_values.release()
@@ -79,7 +95,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
     for i, (name, rows) in enumerate(results["models"].items()):
         color = f"C{i}"
         x = [r["context"] for r in rows]
@@ -87,7 +103,7 @@ def plot(results: dict, path: Path) -> None:
         ax.plot(x, [r["hf_paged_bytes"] / 1024 for r in rows], "s-", color=color, label=f"{name}: hf_paged")
     ax.set(xlabel="context length (tokens)", ylabel="KV held (KiB)", xscale="log", yscale="log",
            title=f"KV bytes held at the end of generate() (block size {results['block_size']})")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
