@@ -463,3 +463,19 @@ def test_engine_budget_from_bytes_sizes_sliding_pools_by_what_they_can_hold():
     exact, ties = compare(engine.generate(prompts, params, use_tqdm=False), _references(model, prompts, 8))
     assert exact + len(ties) == len(prompts)
     _check_no_leak(engine)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_engine_beam_search_through_sliding_groups_equals_transformers(arch):
+    from tests.test_engine import _check_no_leak
+
+    model = build(arch)
+    prompts = _engine_prompts(3, seed=5)
+    engine = hf_paged.LLMEngine(model, block_size=4, num_blocks=512, max_num_batched_tokens=32)
+    params = hf_paged.SamplingParams(max_new_tokens=12, num_beams=4, n=2, ignore_eos=True)
+    outputs = engine.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        ref = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, num_beams=4, num_return_sequences=2,
+                             do_sample=False, eos_token_id=None)
+        assert [c.token_ids for c in out.outputs] == [row[len(prompt):].tolist() for row in ref]
+    _check_no_leak(engine)
