@@ -10,6 +10,7 @@ from hf_paged.cache import PagedKVCache
 from hf_paged.engine import CompletionOutput, LLMEngine, RequestOutput, SamplingParams
 from hf_paged.generate import CACHE_IMPLEMENTATION, disable, enable
 from hf_paged.pipeline import PagedTextGenerationPipeline, pipeline
+from hf_paged.prefix_snapshot import SnapshotError
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -20,6 +21,7 @@ __all__ = [
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
+    "SnapshotError",
     "NoFreeBlocksError",
     "PagedKVCache",
     "PagedMask",

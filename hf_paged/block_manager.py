@@ -249,6 +249,18 @@ class BlockManager:
         """The block registered under ``key`` (held or evictable), if any."""
         return self._block_of_key.get(key)
 
+    def cached_blocks(self) -> dict[Hashable, int]:
+        """Every registered key and its block (held or evictable)."""
+        return dict(self._block_of_key)
+
+    def cache_block(self, block: int, key: Hashable) -> None:
+        """Register a block taken with :meth:`allocate_blocks` under ``key`` (a loaded snapshot);
+        :meth:`release_blocks` then parks it as evictable."""
+        if self._ref_counts[block] != 1 or key in self._block_of_key or block in self._key_of_block:
+            raise BlockManagerError(f"block {block} cannot be cached under a new key")
+        self._block_of_key[key] = block
+        self._key_of_block[block] = key
+
     def register_block(self, seq_id: SeqId, index: int, key: Hashable) -> None:
         """Register the sequence's full block number ``index`` under ``key`` (first one wins)."""
         seq = self._get(seq_id)

@@ -48,6 +48,7 @@ class KVCacheManager:
         self._swap = GroupedBlockManager(block_size, swap_space_blocks, self.groups) if swap_space_blocks else None
         self._keys: dict[int, list[Hashable]] = {}  # seq_id -> keys of its registered full blocks
         self._inflight: dict[Hashable, int] = {}  # key -> seq computing that block right now
+        self._parents: dict[Hashable, Hashable | None] = {}  # key -> the key before it (snapshots rebuild the chain)
         self._prefix_queried_tokens = 0
         self._prefix_hit_tokens = 0
 
@@ -177,13 +178,66 @@ class KVCacheManager:
         full = seq.num_computed_tokens // self.block_size
         if full > len(keys):
             new = self._chain(seq.token_ids, len(keys), full - len(keys), keys[-1] if keys else None)
+            parent = keys[-1] if keys else None
             for i, key in enumerate(new, start=len(keys)):
+                self._parents.setdefault(key, parent)
+                parent = key
                 for manager in self._blocks:
                     if i >= manager.num_released(seq.seq_id):
                         manager.register_block(seq.seq_id, i, key)
                 if self._inflight.get(key) == seq.seq_id:
                     del self._inflight[key]
             keys.extend(new)
+
+    def export_prefix_cache(self) -> tuple[list[tuple[tuple[int, ...], int]], list[list[tuple[int, int]]]]:
+        """What a snapshot holds: the chain, as ``(tokens, index of the parent entry or -1)`` with
+        parents first, and per layer group ``(chain entry, block)`` for each cached block. Keys are
+        not saved (they contain Python hashes, which differ between processes): a loader rebuilds
+        them from the tokens with its own hash."""
+        cached = [manager.cached_blocks() for manager in self._blocks]
+        index: dict[Hashable, int] = {}
+        chain: list[tuple[tuple[int, ...], int]] = []
+
+        def add(key) -> int | None:
+            if key in index:
+                return index[key]
+            if key not in self._parents:
+                return None
+            parent = self._parents[key]
+            parent_index = -1 if parent is None else add(parent)
+            if parent_index is None:
+                return None
+            index[key] = len(chain)
+            chain.append((tuple(key[1]), parent_index))
+            return index[key]
+
+        groups = []
+        for blocks in cached:
+            entries = [(add(key), block) for key, block in blocks.items()]
+            groups.append([(i, block) for i, block in entries if i is not None])
+        return chain, groups
+
+    def import_prefix_cache(self, chain: list[tuple[tuple[int, ...], int]],
+                            groups: list[list[int]]) -> list[list[tuple[int, int]]]:
+        """Take blocks for a snapshot's cached blocks (``groups[g]``: chain entries) that are not
+        cached yet, register them under keys rebuilt from the chain, and park them as evictable.
+        Returns per group ``(position in groups[g], block)``: where storage must copy each one's
+        K/V. Stops in a group whose fixed budget has no free block left."""
+        keys: list[Hashable] = []
+        for tokens, parent in chain:
+            keys.append((hash(keys[parent] if parent >= 0 else None), tuple(tokens)))
+            self._parents.setdefault(keys[-1], keys[parent] if parent >= 0 else None)
+        placed = []
+        for manager, entries in zip(self._blocks, groups):
+            todo = [(pos, keys[i]) for pos, i in enumerate(entries) if manager.cached_block(keys[i]) is None]
+            room = len(todo) if manager.growable else min(len(todo), manager.num_free_blocks)
+            todo = todo[:room]
+            blocks = manager.allocate_blocks(len(todo)) if todo else []
+            for (_, key), block in zip(todo, blocks):
+                manager.cache_block(block, key)
+            manager.release_blocks(blocks)
+            placed.append([(pos, block) for (pos, _), block in zip(todo, blocks)])
+        return placed
 
     # ------------------------------------------------------------------ slots
     def release_out_of_window(self, work: list[tuple[Sequence, int]]) -> None:

@@ -25,6 +25,7 @@ from hf_paged.engine.outputs import RequestOutput
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Request
+from hf_paged import prefix_snapshot
 from hf_paged.layer_groups import LayerGroup, layer_groups, sliding_cap, split_budget
 from hf_paged.model_info import check_engine_supported, eos_token_ids, kv_bytes_per_token, layer_structure, max_positions
 from hf_paged.storage import PagedKVStorage
@@ -185,6 +186,31 @@ class LLMEngine:
                     return
             if request_id not in self.requests and not outputs:
                 return
+
+    # ------------------------------------------------------------------ prefix-cache snapshots
+    def _fingerprint(self) -> dict[str, str]:
+        return prefix_snapshot.fingerprint(self.model, self.model.dtype, self.kv.block_size)
+
+    @torch.inference_mode()
+    def save_prefix_cache(self, path) -> int:
+        """Write the prefix cache (its blocks' K/V, token chain and a fingerprint of the model, dtype
+        and block size) to one safetensors file. Returns the number of blocks saved."""
+        chain, groups = self.kv.export_prefix_cache()
+        return prefix_snapshot.save(path, self._fingerprint(), chain, groups, self.kv.groups, self.runner.storage)
+
+    @torch.inference_mode()
+    def load_prefix_cache(self, path) -> int:
+        """Add a snapshot's cached blocks to the prefix cache (those not cached yet, as far as a
+        fixed budget's free blocks go; they are evictable like any cached block). A snapshot of
+        another model, dtype or block size, or a damaged file, raises ``SnapshotError`` and loads
+        nothing. Returns the number of blocks loaded."""
+        if not self.kv.enable_prefix_caching:
+            raise ValueError("load_prefix_cache needs an engine with enable_prefix_caching=True")
+        tensors, _ = prefix_snapshot.read(path, self._fingerprint(), len(self.kv.groups))
+        groups = [tensors[f"group{g}.entries"].tolist() for g in range(len(self.kv.groups))]
+        placed = self.kv.import_prefix_cache(prefix_snapshot.chain_of(tensors), groups)
+        return prefix_snapshot.write_blocks(tensors, self.kv.groups, placed, self.runner.storage, self.kv.pool_sizes,
+                                            self.model.device)
 
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, float | int]:

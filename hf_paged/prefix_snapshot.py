@@ -1,0 +1,145 @@
+"""Prefix-cache snapshots in one safetensors file: a long system prompt's K/V survive a restart.
+
+A snapshot holds, per layer group, the K/V of the cached full blocks, layer by layer; the chain of
+their tokens (each block's tokens and the entry before it, so a loader rebuilds the chained keys
+with its own hash: Python's differs between processes); and a fingerprint of what the K/V depend
+on: the model config, a weights fingerprint, the dtype, the block size and the sharding. Loading
+checks the fingerprint (a mismatch is refused with an error naming it) and every tensor's sha256
+(a truncated or corrupted file is refused) before anything changes.
+
+The weights fingerprint stays cheap for any model size: per parameter its name, shape, dtype and
+64 values read at fixed strides, hashed together (a few thousand values for a 70B model).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+FORMAT = "hf_paged.prefix_cache.v1"
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "_attn_implementation_internal",
+                         "_attn_implementation_autoset", "torch_dtype", "dtype", "architectures"}
+
+
+class SnapshotError(ValueError):
+    """A snapshot that cannot be loaded here: another model, dtype or block size, or a damaged file."""
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def config_fingerprint(config) -> str:
+    values = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    return _sha(json.dumps(values, sort_keys=True, default=str).encode())
+
+
+@torch.no_grad()
+def weights_fingerprint(model: torch.nn.Module, samples: int = 64) -> str:
+    """Name, shape, dtype and ``samples`` strided values of every parameter and buffer, hashed."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        flat = tensor.detach().reshape(-1)
+        if flat.numel():
+            index = torch.linspace(0, flat.numel() - 1, min(samples, flat.numel()), device=flat.device).long()
+            digest.update(flat[index].to("cpu", torch.float64).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def fingerprint(model, dtype: torch.dtype, block_size: int, rank: int = 0, world_size: int = 1) -> dict[str, str]:
+    """What cached K/V depend on (all strings: safetensors metadata)."""
+    return {"config": config_fingerprint(model.config), "weights": weights_fingerprint(model), "dtype": str(dtype),
+            "block_size": str(block_size), "sharding": f"{rank}/{world_size}"}
+
+
+def _tensor_sha(t: torch.Tensor) -> str:
+    return _sha(t.contiguous().view(torch.uint8).numpy().tobytes()) if t.numel() else _sha(b"")
+
+
+def save(path, print_: dict[str, str], chain, groups, layer_groups, storage) -> int:
+    """Write a snapshot: ``chain`` and ``groups`` as ``KVCacheManager.export_prefix_cache`` gives
+    them, the blocks' K/V read from ``storage`` for each group's layers. Returns the blocks saved."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {
+        "chain.tokens": torch.tensor([list(t) for t, _ in chain], dtype=torch.int64).reshape(len(chain), -1),
+        "chain.parents": torch.tensor([p for _, p in chain], dtype=torch.int64),
+    }
+    saved = 0
+    for g, (group, entries) in enumerate(zip(layer_groups, groups)):
+        if not _kv_layers(group, storage):  # the group's layers never ran: no K/V to save
+            entries = []
+        tensors[f"group{g}.entries"] = torch.tensor([i for i, _ in entries], dtype=torch.int64)
+        blocks = torch.tensor([b for _, b in entries], dtype=torch.long)
+        for layer in _kv_layers(group, storage):
+            for kind, pools in (("keys", storage.key_pools), ("values", storage.value_pools)):
+                pool = pools[layer]
+                tensors[f"group{g}.layer{layer}.{kind}"] = pool.index_select(0, blocks.to(pool.device)).cpu()
+        saved += len(entries)
+    metadata = {"format": FORMAT, **print_, "groups": str(len(groups)),
+                "checksums": json.dumps({name: _tensor_sha(t) for name, t in tensors.items()}, sort_keys=True)}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    return saved
+
+
+def _kv_layers(group, storage) -> list[int]:
+    return [layer for layer in group.layers if layer in storage.key_pools]
+
+
+def read(path, expected: dict[str, str], num_groups: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read and check a snapshot (fingerprint, then every tensor's checksum); nothing is applied."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as err:  # noqa: BLE001 - safetensors raises several types for a damaged file
+        raise SnapshotError(f"{path}: not a readable safetensors snapshot ({err})") from err
+    if metadata.get("format") != FORMAT:
+        raise SnapshotError(f"{path}: not an hf_paged prefix-cache snapshot (format {metadata.get('format')!r})")
+    names = {"dtype": "dtype", "block_size": "block size", "sharding": "tensor-parallel rank/size",
+             "config": "model config", "weights": "model weights"}  # the most specific mismatch is named
+    for key, what in names.items():
+        if metadata.get(key) != expected[key]:
+            raise SnapshotError(f"{path}: saved for another {what} ({key}: snapshot {metadata.get(key)!r}, "
+                                f"here {expected[key]!r})")
+    if metadata.get("groups") != str(num_groups):
+        raise SnapshotError(f"{path}: {metadata.get('groups')} layer groups in the snapshot, {num_groups} here")
+    checksums = json.loads(metadata.get("checksums", "{}"))
+    if set(checksums) != set(tensors) or any(_tensor_sha(t) != checksums[n] for n, t in tensors.items()):
+        raise SnapshotError(f"{path}: damaged (a tensor's checksum does not match)")
+    return tensors, metadata
+
+
+def chain_of(tensors: dict[str, torch.Tensor]) -> list[tuple[tuple[int, ...], int]]:
+    return [(tuple(t), int(p)) for t, p in zip(tensors["chain.tokens"].tolist(), tensors["chain.parents"].tolist())]
+
+
+def write_blocks(tensors, layer_groups, placed, storage, pool_sizes, device) -> int:
+    """Copy loaded K/V into their new blocks (``placed[g]``: (position in the group's entries, block))."""
+    loaded = 0
+    for g, (group, pairs) in enumerate(zip(layer_groups, placed)):
+        if not pairs:
+            continue
+        rows = torch.tensor([pos for pos, _ in pairs], dtype=torch.long)
+        blocks = torch.tensor([b for _, b in pairs], dtype=torch.long)
+        for layer in group.layers:
+            name = f"group{g}.layer{layer}"
+            if f"{name}.keys" not in tensors:
+                continue
+            keys, values = tensors[f"{name}.keys"], tensors[f"{name}.values"]
+            pool = storage.key_pools.get(layer)
+            target = pool.device if pool is not None else device
+            storage.ensure_layer(layer, keys[0].to(target), pool_sizes[g])
+            storage.grow(pool_sizes[g], [layer])
+            for pools, data in ((storage.key_pools, keys), (storage.value_pools, values)):
+                dst = pools[layer]
+                dst.index_copy_(0, blocks.to(dst.device), data.index_select(0, rows).to(dst.device, dst.dtype))
+        loaded += len(pairs)
+    return loaded
