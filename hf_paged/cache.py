@@ -12,7 +12,7 @@ with its 2D padding mask (pad columns are not stored) and one of two routes:
 
 Columns vs tokens: transformers counts *columns* (the padded length, pads included). The cache
 reports columns exactly as ``DynamicCache`` would (so masks and positions match stock), but stores
-only real tokens; ``_slot_maps[group][row, column]`` holds each column's slot (−1 = pad).
+only real tokens; ``_slot_map(group)[row, column]`` holds each column's slot (−1 = pad).
 
 Layer groups (:mod:`hf_paged.layer_groups`): full-attention layers share one block table per row,
 the layers of each sliding window another; a sliding group gives back the blocks its window has
@@ -139,7 +139,7 @@ class PagedKVCache(StashingCache):
         self._rows: list[int] = []  # block-manager sequence id of each batch row (the same in every group)
         self._columns = 0  # columns with allocated slots (all layers reach it within a forward)
         self._layer_columns = [0] * len(self.layers)
-        self._slot_bufs = self._empty_slot_bufs()  # per group [rows, capacity]; see _slot_maps
+        self._slot_bufs = self._empty_slot_bufs()  # per group [rows, capacity]; see _slot_map
         self._has_holes = False  # a pad column after a real one: kernels need contiguous tokens
         self._plan: _ForwardPlan | None = None  # the forward in progress
         self._runs: list[int | None] = [None] * len(self.groups)  # per group: one row whose slots follow each other
@@ -243,7 +243,7 @@ class PagedKVCache(StashingCache):
         if tokens_to_remove == 0 or keep == self._columns:
             return
         keep = max(keep, 0)
-        kept = [int((self._slot_maps[0][row, :keep] >= 0).sum()) for row in range(len(self._rows))]
+        kept = [int((self._slot_map(0)[row, :keep] >= 0).sum()) for row in range(len(self._rows))]
         for seq_id, kept_tokens in zip(self._rows, kept):
             self.blocks.truncate(seq_id, kept_tokens)
             # as DynamicSlidingWindowLayer.crop: back to the window, recording or not
@@ -385,12 +385,12 @@ class PagedKVCache(StashingCache):
         elif self._runs[group] is not None and flat[0] != self._runs[group] + lengths[0]:
             self._runs[group] = None
 
-    @property
-    def _slot_maps(self) -> list[torch.Tensor]:
-        """Per layer group ``[rows, columns]``: the slot of each column's token, -1 for pads (views
-        of buffers that grow by doubling, so a step appends its columns without copying the others).
-        A sliding group's columns before its window keep slots that were given back: never read."""
-        return [buf[:, : self._columns] for buf in self._slot_bufs]
+    def _slot_map(self, group: int) -> torch.Tensor:
+        """A layer group's ``[rows, columns]``: the slot of each column's token, -1 for pads (a view
+        of a buffer that grows by doubling, so a step appends its columns without copying the
+        others). A sliding group's columns before its window keep slots that were given back:
+        never read."""
+        return self._slot_bufs[group][:, : self._columns]
 
     def _append_columns(self, new_columns: list[torch.Tensor]) -> None:
         end = self._columns + new_columns[0].shape[1]
@@ -405,7 +405,7 @@ class PagedKVCache(StashingCache):
 
     def _move_copied_slots(self, group: int, copies: list[tuple[int, int]], new_slots: list[list[int]]) -> None:
         """Copy on write moved a row's partly filled last block: its tokens there have new slots."""
-        bs, slot_map = self.block_size, self._slot_maps[group]
+        bs, slot_map = self.block_size, self._slot_map(group)
         row_of_block = {row[0] // bs: r for r, row in enumerate(new_slots) if row}
         for src, dst in copies:
             r = row_of_block[dst]  # the row's first new token went into the copy
@@ -456,7 +456,7 @@ class PagedKVCache(StashingCache):
         columns = self._layer_columns[layer_idx]
         window = self.sliding_windows[layer_idx]
         first = 0 if window is None else max(columns - (window - 1), 0)
-        keys, values = self.storage.gather(layer_idx, self._slot_maps[self._group_of[layer_idx]][:, first:columns])
+        keys, values = self.storage.gather(layer_idx, self._slot_map(self._group_of[layer_idx])[:, first:columns])
         return keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
 
     # ------------------------------------------------------------------ reading (attention side)
@@ -506,7 +506,7 @@ class PagedKVCache(StashingCache):
             start = run + offset
             keys, values = k_rows[start : start + length], v_rows[start : start + length]
             return keys.unsqueeze(0).transpose(1, 2), values.unsqueeze(0).transpose(1, 2)
-        index = plan.read_index(self._slot_maps[group], offset, length, k_rows.device, group)
+        index = plan.read_index(self._slot_map(group), offset, length, k_rows.device, group)
         shape = (rows, length, *k_rows.shape[1:])
         keys = plan.gather(k_rows.flatten(1), index, "keys").view(shape)
         values = plan.gather(v_rows.flatten(1), index, "values").view(shape)
