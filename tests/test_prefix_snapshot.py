@@ -96,3 +96,18 @@ def test_a_fixed_budget_loads_what_fits(tmp_path):
     assert engine.load_prefix_cache(path) == 4 < saved
     assert engine.kv.stats()["blocks_cached"] == 4
     _check_no_leak(engine)
+
+
+def test_the_chain_map_stays_proportional_to_the_pool():
+    """Many distinct prompts through a small pool: the chain links of evicted blocks are dropped,
+    and a snapshot still loads and hits."""
+    model = build("llama")
+    engine = LLMEngine(model, block_size=8, num_blocks=16)
+    g = torch.Generator().manual_seed(3)
+    computed = 0
+    for _ in range(10):
+        prompts = [torch.randint(3, VOCAB, (120,), generator=g).tolist() for _ in range(12)]
+        engine.generate(prompts, SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False)
+        computed += 12 * (119 // 8)
+    assert computed > 1500 and len(engine.kv._parents) <= 2 * 16 + 1024 + 15 * 12
+    _check_no_leak(engine)

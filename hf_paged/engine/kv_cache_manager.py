@@ -188,6 +188,19 @@ class KVCacheManager:
                 if self._inflight.get(key) == seq.seq_id:
                     del self._inflight[key]
             keys.extend(new)
+            if len(self._parents) > 2 * sum(self.pool_sizes) + 1024:
+                self._prune_parents()
+
+    def _prune_parents(self) -> None:
+        """Forget chain links nothing needs: keys no group caches any more and that are no
+        cached key's ancestor (keeps the map proportional to the pools, not to all history)."""
+        keep: dict[Hashable, Hashable | None] = {}
+        for manager in self._blocks:
+            for key in manager.cached_blocks():
+                while key is not None and key not in keep and key in self._parents:
+                    keep[key] = self._parents[key]
+                    key = keep[key]
+        self._parents = keep
 
     def export_prefix_cache(self) -> tuple[list[tuple[tuple[int, ...], int]], list[list[tuple[int, int]]]]:
         """What a snapshot holds: the chain, as ``(tokens, index of the parent entry or -1)`` with
