@@ -247,7 +247,7 @@ class PagedKVCache(StashingCache):
         for seq_id, kept_tokens in zip(self._rows, kept):
             self.blocks.truncate(seq_id, kept_tokens)
             # as DynamicSlidingWindowLayer.crop: back to the window, recording or not
-            self.blocks.release_out_of_window(seq_id, kept_tokens, [False] * len(self.groups))
+            self.blocks.release_out_of_window(seq_id, kept_tokens)
         self._plan = None
         self._columns = keep
         self._layer_columns = [keep] * len(self._layer_columns)
@@ -343,7 +343,7 @@ class PagedKVCache(StashingCache):
             valid = None
         counts = [q_len] * rows if valid is None else valid.sum(1).tolist()
         lengths = [self.blocks.seq_len(s) for s in self._rows]
-        if len(self.groups) > 1 or self.groups[0].is_sliding:
+        if self.blocks.has_sliding:
             recording = [self._recording(group) for group in self.groups]
             for seq_id, length in zip(self._rows, lengths):
                 self.blocks.release_out_of_window(seq_id, length, recording)

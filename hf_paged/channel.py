@@ -216,8 +216,9 @@ class PackedStep(StashingCache, abc.ABC):
     """The cache of one engine forward: one packed row ``[1, total_tokens]`` of many sequences.
 
     This is what the attention function reads an engine step through: the new K/V go to
-    ``storage`` at the layer group's ``metadata_for(layer).slot_mapping``; decode tokens come first (``metadata.num_decode``)
-    and are read in :meth:`decode_groups` on CPU; the rest go to the varlen prefill kernel.
+    ``storage`` at the layer group's ``metadata_for(layer).slot_mapping``; decode tokens come
+    first (``metadata.num_decode``) and are read in :meth:`decode_groups` on CPU; the rest go to
+    the varlen prefill kernel.
     """
 
     storage: PagedKVStorage

@@ -112,6 +112,11 @@ class GroupedBlockManager:
     def num_used_blocks(self) -> int:
         return sum(m.num_used_blocks for m in self.managers)
 
+    @property
+    def has_sliding(self) -> bool:
+        """Whether some group gives blocks back (else :meth:`release_out_of_window` does nothing)."""
+        return any(group.is_sliding for group in self.groups)
+
     def check_invariants(self) -> None:
         for manager in self.managers:
             manager.check_invariants()
@@ -144,11 +149,12 @@ class GroupedBlockManager:
         for manager in self.managers:
             manager.truncate(seq_id, length)
 
-    def release_out_of_window(self, seq_id: SeqId, next_position: int, recording: Sequence[bool]) -> None:
+    def release_out_of_window(self, seq_id: SeqId, next_position: int,
+                              recording: Sequence[bool] | None = None) -> None:
         """Before a forward from ``next_position``: sliding groups give back what it cannot read
-        (a group whose layers record their past keeps everything until it is cropped)."""
-        for group, manager, keep_all in zip(self.groups, self.managers, recording):
-            if group.is_sliding and not keep_all:
+        (a group whose layers record their past, ``recording[g]``, keeps everything until it is cropped)."""
+        for g, (group, manager) in enumerate(zip(self.groups, self.managers)):
+            if group.is_sliding and not (recording and recording[g]):
                 manager.release_before(seq_id, group.first_needed(next_position))
 
     def append_many(self, requests: list[tuple[SeqId, int]]) -> list[tuple[list[list[int]], list[tuple[int, int]]]]:

@@ -71,11 +71,12 @@ def save(path, print_: dict[str, str], chain, groups, layer_groups, storage) -> 
     }
     saved = 0
     for g, (group, entries) in enumerate(zip(layer_groups, groups)):
-        if not _kv_layers(group, storage):  # the group's layers never ran: no K/V to save
+        layers = [layer for layer in group.layers if layer in storage.key_pools]
+        if not layers:  # the group's layers never ran: no K/V to save
             entries = []
         tensors[f"group{g}.entries"] = torch.tensor([i for i, _ in entries], dtype=torch.int64)
         blocks = torch.tensor([b for _, b in entries], dtype=torch.long)
-        for layer in _kv_layers(group, storage):
+        for layer in layers:
             for kind, pools in (("keys", storage.key_pools), ("values", storage.value_pools)):
                 pool = pools[layer]
                 tensors[f"group{g}.layer{layer}.{kind}"] = pool.index_select(0, blocks.to(pool.device)).cpu()
@@ -84,10 +85,6 @@ def save(path, print_: dict[str, str], chain, groups, layer_groups, storage) -> 
                 "checksums": json.dumps({name: _tensor_sha(t) for name, t in tensors.items()}, sort_keys=True)}
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
     return saved
-
-
-def _kv_layers(group, storage) -> list[int]:
-    return [layer for layer in group.layers if layer in storage.key_pools]
 
 
 def read(path, expected: dict[str, str], num_groups: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -136,8 +133,7 @@ def write_blocks(tensors, layer_groups, placed, storage, pool_sizes, device) -> 
             keys, values = tensors[f"{name}.keys"], tensors[f"{name}.values"]
             pool = storage.key_pools.get(layer)
             target = pool.device if pool is not None else device
-            storage.ensure_layer(layer, keys[0].to(target), pool_sizes[g])
-            storage.grow(pool_sizes[g], [layer])
+            storage.ensure_layer(layer, keys[0].to(target), pool_sizes[g])  # creates or grows the pools
             for pools, data in ((storage.key_pools, keys), (storage.value_pools, values)):
                 dst = pools[layer]
                 dst.index_copy_(0, blocks.to(dst.device), data.index_select(0, rows).to(dst.device, dst.dtype))

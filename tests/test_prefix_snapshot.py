@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hf_paged
 from hf_paged import LLMEngine, SamplingParams, SnapshotError
 from tests.helpers.tiny_models import VOCAB, build
 from tests.test_engine import _check_no_leak

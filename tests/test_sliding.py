@@ -17,6 +17,7 @@ import transformers
 
 import hf_paged
 from hf_paged import kernels
+from hf_paged.bench.kv_bytes import dynamic_cache_bytes
 from hf_paged.block_manager import HOLE, BlockManager, BlockManagerError, NoFreeBlocksError
 from hf_paged.layer_groups import GroupedBlockManager, LayerGroup, layer_groups
 from tests.helpers.tiny_models import build, left_padded
@@ -85,21 +86,6 @@ def test_grouped_append_is_all_or_nothing_across_groups():
 # ---------------------------------------------------------------------- memory against stock
 
 
-def _stock_bytes(cache) -> int:
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-
-
-def _prompt(lengths, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n :] = torch.randint(3, vocab, (n,), generator=g)
-        mask[row, width - n :] = 1
-    return ids, mask
-
-
 def _long_context_pair(config):
     torch.manual_seed(0)
     stock = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -127,7 +113,7 @@ def test_mistral_window_64_at_2048_tokens_holds_about_what_stock_holds():
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                                         sliding_window=64, initializer_range=0.1, pad_token_id=0)
     stock, paged = _long_context_pair(config)
-    ids, mask = _prompt([2000, 1990], config.vocab_size)
+    ids, mask = left_padded([2000, 1990])
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=48, min_new_tokens=48, do_sample=False,
                   return_dict_in_generate=True, pad_token_id=0)
     want = stock.generate(**kwargs)
@@ -140,9 +126,9 @@ def test_mistral_window_64_at_2048_tokens_holds_about_what_stock_holds():
     assert 0 < peaks[0] <= bound, peaks
     stats = cache.stats()
     assert len(stats["groups"]) == 1 and stats["groups"][0]["window"] == window
-    ratio = stats["bytes_used"] / _stock_bytes(want.past_key_values)
+    ratio = stats["bytes_used"] / dynamic_cache_bytes(want.past_key_values)
     assert ratio <= 1.6, ratio
-    assert stats["bytes_contiguous_equivalent"] == _stock_bytes(want.past_key_values)
+    assert stats["bytes_contiguous_equivalent"] == dynamic_cache_bytes(want.past_key_values)
     cache.release()
     assert cache.blocks.num_used_blocks == 0
 
@@ -154,7 +140,7 @@ def test_gemma3_five_to_one_window_512_at_2048_tokens_within_5_percent_of_stock(
         layer_types=["sliding_attention"] * 5 + ["full_attention"], query_pre_attn_scalar=16,
         initializer_range=0.02, pad_token_id=0)
     stock, paged = _long_context_pair(config)
-    ids, mask = _prompt([2000], config.vocab_size, seed=1)
+    ids, mask = left_padded([2000], seed=1)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=48, min_new_tokens=48, do_sample=False,
                   return_dict_in_generate=True, pad_token_id=0)
     want = stock.generate(**kwargs)
@@ -162,7 +148,7 @@ def test_gemma3_five_to_one_window_512_at_2048_tokens_within_5_percent_of_stock(
     assert torch.equal(got.sequences, want.sequences)
     stats = got.past_key_values.stats()
     assert [g["window"] for g in stats["groups"]] == [None, 512]
-    ratio = stats["bytes_used"] / _stock_bytes(want.past_key_values)
+    ratio = stats["bytes_used"] / dynamic_cache_bytes(want.past_key_values)
     assert ratio <= 1.05, ratio
     got.past_key_values.release()
 
@@ -297,7 +283,8 @@ def test_kernels_never_read_blocks_before_the_window(backend):
     scale = dim**-0.5
     # decode: one query at position ctx - 1 sees keys > ctx - 1 - window
     q = torch.randn(len(ctx), heads, dim, generator=g)
-    want = kernels.paged_attention_decode(q, k_cache, v_cache, tables, ctx, scale, sliding_window=window, backend=backend)
+    want = kernels.paged_attention_decode(q, k_cache, v_cache, tables, ctx, scale, sliding_window=window,
+                                          backend=backend)
     for hole in (HOLE, 0):  # an entry never filled in, and one pointing at a NaN block
         holed = _hole_out(tables, ctx, lambda c: c - window, bs, hole)
         got = kernels.paged_attention_decode(q, k_poisoned, v_poisoned, holed, ctx, scale, sliding_window=window,

@@ -55,7 +55,8 @@ def _state_bytes(cache) -> int:
                for layer in cache.layers for name in ("conv_states", "recurrent_states"))
 
 
-def _stock_bytes(cache) -> int:
+def dynamic_cache_bytes(cache) -> int:
+    """Bytes a transformers ``DynamicCache`` holds: its layers' K/V and any conv/recurrent states."""
     kv = [getattr(layer, name, None) for layer in cache.layers for name in ("keys", "values")]
     return _tensor_bytes(kv) + _state_bytes(cache)
 
@@ -78,7 +79,7 @@ def run(lengths=(256, 512, 1024, 2048, 4096), block_size: int = 16, log=print) -
                           min_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
             want = stock.generate(**kwargs)
             got = paged.generate(**kwargs, cache_implementation="hf_paged")
-            stock_bytes = _stock_bytes(want.past_key_values)
+            stock_bytes = dynamic_cache_bytes(want.past_key_values)
             paged_bytes = got.past_key_values.stats()["bytes_used"] + _state_bytes(got.past_key_values)
             rows.append({"context": length, "stock_bytes": stock_bytes, "hf_paged_bytes": paged_bytes,
                          "ratio": paged_bytes / stock_bytes, "identical": bool(torch.equal(got.sequences, want.sequences))})

@@ -256,9 +256,9 @@ class KVCacheManager:
     def release_out_of_window(self, work: list[tuple[Sequence, int]]) -> None:
         """Before the sequences compute their next tokens: sliding groups give back the blocks
         those tokens (and all later ones) can no longer read."""
-        if any(group.is_sliding for group in self.groups):
+        if self._device.has_sliding:
             for seq, _ in work:
-                self._device.release_out_of_window(seq.seq_id, seq.num_computed_tokens, [False] * len(self.groups))
+                self._device.release_out_of_window(seq.seq_id, seq.num_computed_tokens)
 
     def can_append(self, work: list[tuple[Sequence, int]], reserve: int = 0) -> bool:
         requests = [(seq.seq_id, n) for seq, n in work]
