@@ -166,7 +166,7 @@ class PagedKVCache(StashingCache):
         self._has_holes = False  # a pad column after a real one: kernels need contiguous tokens
         self._plan: _ForwardPlan | None = None  # the forward in progress
         self._runs: list[int | None] = [None] * len(self.groups)  # per group: one row whose slots follow each other
-        self._forward: tuple | None = None  # (padding mask, kernels?) of the forward running now
+        self._forward: tuple | None = None  # (padding mask, kernels?, token ids) of the forward running now
         self.prompt_copies = 1  # set by generate(): rows of the first forward are this many copies
 
     def _join(self, pool: KVPool) -> None:
@@ -328,7 +328,7 @@ class PagedKVCache(StashingCache):
                     self.prefix.register(seq_id, tokens, len(tokens))
 
     # ------------------------------------------------------------------ prefix cache
-    def adopt_prefix(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None) -> int:
+    def adopt_prefix(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None, max_skip: int | None = None) -> int:
         """Before the first forward, with a prefix cache: each row adopts the cached blocks of its
         prompt's longest cached prefix, so that the forward computes only the columns after them.
 
@@ -336,8 +336,9 @@ class PagedKVCache(StashingCache):
         shared by all rows, so it can start only at a column every row has cached up to: ``C =
         min(pad + hit)`` over rows. A row adopts its first ``C - pad`` tokens (the block holding
         the last of them is copied before the row writes into it, as a cached block never changes).
-        Every row computes at least its last token (its logits are needed). Returns ``C``, the
-        columns the forward can skip (0: nothing was adopted).
+        Every row computes at least its last token (its logits are needed), and the forward keeps
+        at least ``columns - max_skip`` columns. Returns ``C``, the columns the forward can skip (0:
+        nothing was adopted).
         """
         if self.prefix is None or self._rows:
             return 0
@@ -349,7 +350,7 @@ class PagedKVCache(StashingCache):
         bs = self.block_size
         pads = [columns - n for n in lengths]
         hits = [self.prefix.longest_hit(t, (len(t) - 1) // bs) for t in tokens]
-        skip = min(pad + len(keys) * bs for pad, keys in zip(pads, hits))
+        skip = min([pad + len(keys) * bs for pad, keys in zip(pads, hits)] + [columns if max_skip is None else max_skip])
         tables = self._tables_for(hits, pads, skip)
         while tables is None:  # a sliding group misses a block a shorter start reads: start at a lower block boundary
             skip = max(pad + (skip - pad - 1) // bs * bs for pad in pads if skip > pad)

@@ -13,8 +13,9 @@ holds stay cached until a fixed budget needs them (LRU). The index is the engine
 (:class:`hf_paged.prefix_index.PrefixIndex`), and so are the snapshots.
 
 The first forward is left whole when its outputs cover every position (attentions, hidden
-states, ``logits_to_keep`` other than 1) or when it carries inputs that are not per-token ids
-(embeddings, images): computing from a later column would change what those calls return.
+states, ``logits_to_keep`` of 0 or a tensor) or when it carries inputs that are not per-token ids
+(embeddings, images): computing from a later column would change what those calls return. With
+``logits_to_keep=k`` (assisted decoding's candidates) it keeps at least its last ``k`` columns.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def skip_cached_prefix(model: PreTrainedModel, cache: PagedKVCache, kwargs: dict
         return None
     if cache.shares_prefixes:
         _compute_shared_prefixes(model, cache, kwargs)
-    skip = cache.adopt_prefix(kwargs["input_ids"], kwargs.get("attention_mask"))
+    logits_to_keep = kwargs.get("logits_to_keep") or 1  # the forward must cover the positions whose logits are kept
+    skip = cache.adopt_prefix(kwargs["input_ids"], kwargs.get("attention_mask"), kwargs["input_ids"].shape[1] - logits_to_keep)
     return _columns(kwargs, skip) if skip else None
 
 
@@ -104,8 +106,10 @@ def _can_skip(cache: PagedKVCache, kwargs: dict) -> bool:
     if cache.prefix is None or cache.batch_size != -1 or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         return False
     logits_to_keep = kwargs.get("logits_to_keep")
-    if kwargs.get("output_attentions") or kwargs.get("output_hidden_states") or logits_to_keep not in (None, 1):
+    if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
         return False
+    if logits_to_keep is not None and (not isinstance(logits_to_keep, int) or logits_to_keep < 1):
+        return False  # all positions (0) or chosen ones (a tensor)
     for key, value in kwargs.items():
         if key in PER_COLUMN:
             if value is not None and (not isinstance(value, torch.Tensor) or value.dim() != 2

@@ -386,3 +386,17 @@ def test_hybrid_models_refuse_prefix_caching():
 
     with pytest.raises(ValueError, match="recurrent"):
         hf_paged.enable(build_hybrid(MODELS[0]), prefix_caching=True)
+
+
+@pytest.mark.parametrize("assist", ["assistant", "prompt lookup"])
+def test_assisted_decoding_with_a_prefix_cache_equals_stock(assist):
+    """Assisted decoding crops rejected candidates: the rows' indexed tokens follow the crop."""
+    stock, model = pair("llama")
+    options = {"assistant_model": build("llama", seed=1)} if assist == "assistant" else {"prompt_lookup_num_tokens": 3}
+    prefix = tokens(40, 1)
+    for suffix in (2, 3, 2):
+        rows = [prefix + tokens(6, suffix)]
+        want, got = both(stock, model, rows, new=10, **options)[:2]
+        assert torch.equal(want, got), assist
+    check_books(model)
+    assert hf_paged.prefix_cache(model).stats()["hit_tokens"] >= 40
