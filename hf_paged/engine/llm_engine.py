@@ -25,6 +25,7 @@ from hf_paged.engine.outputs import RequestOutput
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Request
+from hf_paged.engine.tensor_parallel import TensorParallelGroup, check_kv_heads, tp_size_of
 from hf_paged import prefix_snapshot
 from hf_paged.layer_groups import LayerGroup, layer_groups, sliding_cap, split_budget
 from hf_paged.model_info import check_engine_supported, eos_token_ids, kv_bytes_per_token, layer_structure, max_positions
@@ -47,6 +48,10 @@ class LLMEngine:
 
     The engine's forwards run with the ``"hf_paged"`` attention implementation; everything else
     about ``model`` stays as it is (its ``generate``, its attention implementation between steps).
+
+    Tensor parallelism (:mod:`hf_paged.engine.tensor_parallel`): build the engine in every rank on
+    a model loaded with ``tp_plan="auto"``. Rank 0 takes requests and steps; the other ranks call
+    :meth:`run_worker` (or ``generate`` with the same arguments, which returns rank 0's outputs).
     """
 
     def __init__(
@@ -57,6 +62,8 @@ class LLMEngine:
     ):
         check_engine_supported(model)  # generate()-only models (hybrid layers) are refused here
         check_block_options(block_size, num_blocks)
+        check_kv_heads(model.config, tp_size_of(model))
+        self.tp = TensorParallelGroup.of(model)
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
@@ -95,12 +102,15 @@ class LLMEngine:
             kv_cache_bytes = int((total * utilization - (total - free)) * 0.9)  # 10% left for activations
         if kv_cache_bytes is None:
             return None
-        per_block = [kv_bytes_per_token(self.config, self.model.dtype, g.layers) * block_size for g in groups]
-        return split_budget(kv_cache_bytes, per_block, caps)
+        ranks = self.tp.size if self.tp else 1  # a rank holds its share of the heads
+        per_block = [kv_bytes_per_token(self.config, self.model.dtype, g.layers) * block_size // ranks for g in groups]
+        budget = split_budget(kv_cache_bytes, per_block, caps)
+        return self.tp.agree_min(budget) if self.tp else budget  # ranks may see different free memory
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a request; returns its id. Bad input raises ``ValueError`` and queues nothing."""
+        self._check_driver("add_request")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         request = self.intake.request(request_id, prompt, params, taken=self.requests)
         self.requests[request_id] = request
@@ -124,8 +134,11 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, process, update. Returns outputs of the requests that changed."""
+        self._check_driver("step")
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
+        if self.tp:
+            self.tp.send("step", scheduled)
         logits = self.runner.execute(scheduled)
         result = self.output_processor.process(scheduled, logits, self.requests)
         self.scheduler.update_from_output(scheduled, result)
@@ -141,7 +154,10 @@ class LLMEngine:
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run all prompts to completion; outputs in input order. A bad prompt or bad parameters
-        give that request an output with ``error`` set; the others are served."""
+        give that request an output with ``error`` set; the others are served. Under tensor
+        parallelism every rank calls it; the others execute rank 0's steps and return its outputs."""
+        if self.tp and not self.tp.is_driver:
+            return self._follow(until="done")
         if isinstance(prompts, (str, torch.Tensor)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
@@ -166,7 +182,36 @@ class LLMEngine:
                     results[out.request_id] = out
                     progress.update(1)
         progress.close()
-        return [results[rid] for rid in order]
+        outputs = [results[rid] for rid in order]
+        if self.tp:
+            self.tp.send("done", outputs)
+        return outputs
+
+    # ------------------------------------------------------------------ tensor parallelism
+    def run_worker(self) -> None:
+        """Ranks > 0: execute rank 0's steps until rank 0 calls :meth:`close`."""
+        self._follow(until="stop")
+
+    def close(self) -> None:
+        """Rank 0: release the other ranks from :meth:`run_worker` (no-op without tensor parallelism)."""
+        if self.tp and self.tp.is_driver:
+            self.tp.send("stop")
+
+    @torch.inference_mode()
+    def _follow(self, until: str):
+        if self.tp is None or self.tp.is_driver:
+            raise RuntimeError("only ranks > 0 of a tensor-parallel engine follow rank 0's steps")
+        while True:
+            kind, payload = self.tp.receive()
+            if kind == "step":
+                self.runner.execute(payload)
+            elif kind == until:
+                return payload
+
+    def _check_driver(self, what: str) -> None:
+        if self.tp and not self.tp.is_driver:
+            raise RuntimeError(f"{what}: under tensor parallelism requests go to rank 0; rank {self.tp.rank} "
+                               "runs run_worker()")
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[dict]:
         """Serve one request (alongside any others queued) and yield its new tokens as they come:
@@ -192,6 +237,7 @@ class LLMEngine:
     def save_prefix_cache(self, path) -> int:
         """Write the prefix cache (its blocks' K/V, token chain and a fingerprint of the model, dtype
         and block size) to one safetensors file. Returns the number of blocks saved."""
+        self._check_single_rank("save_prefix_cache")
         return prefix_snapshot.save_index(path, self.model, self.kv.prefix, self.runner.storage)
 
     @torch.inference_mode()
@@ -200,9 +246,14 @@ class LLMEngine:
         to the prefix cache (those not cached yet, as far as a fixed budget's free blocks go; they
         are evictable like any cached block). A snapshot of another model, dtype or block size, or
         a damaged file, raises ``SnapshotError`` and loads nothing. Returns the number of blocks loaded."""
+        self._check_single_rank("load_prefix_cache")
         if not self.kv.enable_prefix_caching:
             raise ValueError("load_prefix_cache needs an engine with enable_prefix_caching=True")
         return prefix_snapshot.load_index(path, self.model, self.kv.prefix, self.runner.storage)
+
+    def _check_single_rank(self, what: str) -> None:
+        if self.tp:
+            raise NotImplementedError(f"{what} under tensor parallelism (one shard per rank) is not built yet")
 
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, float | int]:
@@ -220,7 +271,13 @@ class LLMEngine:
             "preemptions_recompute": s.preemptions["recompute"], "preemptions_swap": s.preemptions["swap"],
             "steps": self._counters["steps"], "generated_tokens": self._counters["generated_tokens"],
             "tokens_per_second": self._counters["generated_tokens"] / busy if busy else 0.0,
+            "tensor_parallel_size": self.tp.size if self.tp else 1,
+            "kv_heads_per_rank": self._kv_heads // (self.tp.size if self.tp else 1),
         }
+
+    @property
+    def _kv_heads(self) -> int:
+        return getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
 
 
 class _NoProgress:

@@ -1,0 +1,93 @@
+"""One rank of the tensor-parallel tests, started by ``torch.distributed.run`` (see tests/test_tensor_parallel.py).
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/helpers/tp_worker.py CHECKPOINT BAD_CHECKPOINT OUT.json
+
+Every scenario runs in every rank (the forwards of a split model need all ranks); rank 0 writes
+what it saw, plus what the other ranks reported, to ``OUT.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from hf_paged import LLMEngine, SamplingParams, enable
+from hf_paged.engine.tensor_parallel import load_model
+
+PROMPTS = [[5, 17, 33, 8, 61, 12, 9], [44, 3, 71, 29], list(range(10, 40)), [88, 7, 19, 23, 54, 66, 2, 90, 31]]
+TINY_PROMPTS, TINY_BUDGET = [PROMPTS[0], PROMPTS[1], PROMPTS[3]], 8  # 12 blocks of 4 needed at once: preemptions
+
+
+def _token_ids(outputs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in out.outputs] for out in outputs]
+
+
+def main(checkpoint: str, bad_checkpoint: str, out_path: str) -> None:
+    model = load_model(checkpoint)
+    rank = dist.get_rank()
+    report: dict = {"world_size": dist.get_world_size()}
+
+    greedy = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.9, seed=7, n=2, ignore_eos=True)
+    engine = LLMEngine(model, block_size=4, num_blocks=64)
+    report["greedy"] = _token_ids(engine.generate(PROMPTS, greedy, use_tqdm=False))  # every rank calls it
+    report["sampled"] = _token_ids(engine.generate(PROMPTS[:2], sampled, use_tqdm=False))
+    report["stats"] = {k: v for k, v in engine.stats().items() if k in ("tensor_parallel_size", "kv_heads_per_rank")}
+    pools = {layer: list(pool.shape) for layer, pool in engine.runner.storage.key_pools.items()}
+
+    # Online: requests arrive at rank 0 only, between steps; the other ranks follow.
+    if rank == 0:
+        online: dict[str, list[int]] = {}
+        engine.add_request(PROMPTS[0], greedy, request_id="a")
+        for step in range(200):
+            if step == 3:
+                engine.add_request(PROMPTS[1], greedy, request_id="b")
+            for out in engine.step():
+                if out.finished:
+                    online[out.request_id] = out.outputs[0].token_ids
+            if len(online) == 2:
+                break
+        engine.close()
+        report["online"] = online
+        report["blocks_used_after"] = engine.stats()["blocks_used"]
+    else:
+        engine.run_worker()
+        try:
+            engine.add_request(PROMPTS[0], greedy)
+        except RuntimeError as err:
+            report["follower_refuses_requests"] = str(err)
+
+    # Preemption under a tiny budget (recompute and swap).
+    tiny = {}
+    for mode in ("recompute", "swap"):
+        small = LLMEngine(model, block_size=4, num_blocks=TINY_BUDGET, max_num_seqs=4, preemption_mode=mode)
+        tiny[mode] = {"tokens": _token_ids(small.generate(TINY_PROMPTS, greedy, use_tqdm=False)),
+                      "preemptions": small.stats()[f"preemptions_{mode}"]}
+    report["tiny_budget"] = tiny
+
+    # The flag in generate(), every rank calling generate() the same way.
+    enable(model, block_size=4)
+    ids = torch.tensor([PROMPTS[1]])
+    flagged = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, cache_implementation="hf_paged")
+    report["generate_flag"] = flagged[0, ids.shape[1]:].tolist()
+
+    # Heads that do not divide by the world size.
+    try:
+        load_model(bad_checkpoint)
+    except ValueError as err:
+        report["bad_heads_error"] = str(err)
+
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"pools": pools, **{k: v for k, v in report.items() if k != "world_size"}})
+    if rank == 0:
+        report["ranks"] = everyone
+        with open(out_path, "w") as fh:
+            json.dump(report, fh)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,115 @@
+"""Tensor parallelism over torch.distributed (gloo, 2 CPU processes started here with a deadline):
+rank 0 decides and broadcasts each step, every rank computes it; outputs equal one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from hf_paged import LLMEngine, SamplingParams
+from hf_paged.engine.tensor_parallel import check_kv_heads
+from tests.helpers import tp_worker
+from tests.helpers.tiny_models import _COMMON, _LLAMA_LIKE, build
+
+ROOT = Path(__file__).resolve().parents[1]
+DEADLINE_S = 420
+
+
+def _run_ranks(tmp_path: Path, nproc: int = 2) -> dict:
+    """Start the ranks in their own process group; kill the whole group past the deadline (no orphans)."""
+    good, bad = tmp_path / "llama", tmp_path / "three_kv_heads"
+    build("llama").save_pretrained(good)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**_COMMON, **{**_LLAMA_LIKE, "num_attention_heads": 6, "num_key_value_heads": 3,
+                                                    "hidden_size": 48})
+    transformers.LlamaForCausalLM(config).save_pretrained(bad)
+    out = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(ROOT / "tests/helpers/tp_worker.py"), str(good), str(bad), str(out)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"the ranks did not finish within {DEADLINE_S}s:\n{log[-4000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, log[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    return _run_ranks(tmp_path_factory.mktemp("tp"))
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    """The same requests in one process."""
+    model = build("llama")
+    greedy = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.9, seed=7, n=2, ignore_eos=True)
+    engine = LLMEngine(model, block_size=4, num_blocks=64)
+    ids = lambda outs: [[c.token_ids for c in o.outputs] for o in outs]  # noqa: E731
+    tiny = {mode: ids(LLMEngine(model, block_size=4, num_blocks=tp_worker.TINY_BUDGET, max_num_seqs=4,
+                                preemption_mode=mode).generate(tp_worker.TINY_PROMPTS, greedy, use_tqdm=False))
+            for mode in ("recompute", "swap")}
+    prompt = torch.tensor([tp_worker.PROMPTS[1]])
+    flagged = model.generate(input_ids=prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1]:].tolist()
+    return {"greedy": ids(engine.generate(tp_worker.PROMPTS, greedy, use_tqdm=False)),
+            "sampled": ids(engine.generate(tp_worker.PROMPTS[:2], sampled, use_tqdm=False)),
+            "tiny": tiny, "generate": flagged}
+
+
+def test_engine_greedy_and_seeded_sampling_equal_one_process(report, single):
+    assert report["world_size"] == 2
+    assert report["greedy"] == single["greedy"]
+    assert report["sampled"] == single["sampled"]
+    follower = report["ranks"][1]
+    assert follower["greedy"] == report["greedy"] and follower["sampled"] == report["sampled"]  # rank 0's outputs
+
+
+def test_requests_arriving_online_at_rank_0_only(report, single):
+    assert report["online"] == {"a": single["greedy"][0][0], "b": single["greedy"][1][0]}
+    assert report["blocks_used_after"] == 0
+    assert "rank 0" in report["ranks"][1]["follower_refuses_requests"]
+
+
+def test_preemption_under_a_tiny_budget(report, single):
+    for mode in ("recompute", "swap"):
+        assert report["tiny_budget"][mode]["preemptions"] > 0, mode
+        assert report["tiny_budget"][mode]["tokens"] == single["tiny"][mode], mode
+
+
+def test_each_rank_holds_its_own_heads(report):
+    assert report["stats"] == {"tensor_parallel_size": 2, "kv_heads_per_rank": 1}
+    for rank in report["ranks"]:
+        assert rank["pools"] and all(shape[2] == 1 for shape in rank["pools"].values()), rank["pools"]  # 2 KV heads / 2
+
+
+def test_the_flag_in_generate_under_tensor_parallelism(report, single):
+    assert report["generate_flag"] == single["generate"]
+    assert report["ranks"][1]["generate_flag"] == single["generate"]
+
+
+def test_heads_that_do_not_divide_are_refused(report):
+    for rank in report["ranks"]:
+        assert "num_key_value_heads=3" in rank["bad_heads_error"] and "size 2" in rank["bad_heads_error"]
+    model = build("llama")
+    model._tp_size = 3  # as a tp_plan load over 3 ranks marks it (read through model.tp_size): 2 KV heads do not split
+    with pytest.raises(ValueError, match="does not divide"):
+        LLMEngine(model)
+    with pytest.raises(ValueError, match="num_key_value_heads=2"):
+        check_kv_heads(model.config, 4)
