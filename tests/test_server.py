@@ -359,6 +359,20 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(strict, str
     assert KEY not in caplog.text and KEY not in httpx.get(server.url + "/metrics").text
 
 
+def test_a_chunked_body_over_the_limit_gets_413(strict):
+    server, loop = strict
+
+    def chunks():  # no Content-Length: the limit is enforced while the body is read
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(10):
+            yield b"x" * 8192
+        yield b'"}'
+
+    resp = httpx.post(server.url + "/v1/completions", content=chunks(), headers={"Authorization": f"Bearer {KEY}"})
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+    assert_all_free(loop)
+
+
 def test_the_openai_client_sees_typed_errors(strict):
     server, _ = strict
     url = server.url + "/v1"

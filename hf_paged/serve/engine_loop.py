@@ -197,7 +197,7 @@ class EngineLoop:
             for index, (request_id, prompt) in enumerate(zip(stream.request_ids, prompts)):
                 self.engine.add_request(prompt, params, request_id=request_id)
                 self._live[request_id] = _Live(stream, index, now)
-        except ValueError as err:
+        except Exception as err:  # noqa: BLE001 - ValueError: a bad request; anything else: the handler's 500
             for request_id in stream.request_ids:
                 if self._live.pop(request_id, None) is not None:
                     self.engine.abort(request_id)
