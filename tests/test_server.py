@@ -250,6 +250,20 @@ def test_models_health_and_metrics(client, served):
         assert count >= 1 and f'hf_paged_{hist}_bucket{{le="+Inf"}} {count}' in text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_serving_benchmark_loops_agree(client, served, engine, stream):
+    import asyncio
+
+    from hf_paged.bench import serving as bench, workloads
+
+    server, _ = served
+    requests = workloads.dataset("sharegpt", 12, scale=0.05, seed=3).requests
+    local = bench.engine_closed_loop(engine, requests, concurrency=4)
+    remote = asyncio.run(bench.http_closed_loop(server.url, requests, 4, stream=stream, model=MODEL))
+    assert remote.tokens == local.tokens and [len(t) for t in local.tokens] == [r.max_new_tokens for r in requests]
+    assert remote.summary()["tokens_per_s"] > 0 and ("ttft_s_p50" in remote.summary()) == stream
+
+
 # ---------------------------------------------------------------------------- disconnects abort
 def test_a_client_leaving_mid_stream_aborts_its_request(client, served):
     server, loop = served
