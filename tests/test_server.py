@@ -39,7 +39,8 @@ def served():
 @pytest.fixture
 def client(served):
     server, loop = served
-    yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
     assert_all_free(loop)
 
 
@@ -87,7 +88,8 @@ def test_completions_equal_the_engine(client, engine):
     assert resp.usage.completion_tokens == sum(len(r.token_ids) for r in refs)
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
     ids = client.completions.create(model=MODEL, prompt=[72, 105, 33], max_tokens=6, **GREEDY).choices[0]
-    assert ids.model_extra["token_ids"] == truth(engine, [72, 105, 33], max_new_tokens=6, temperature=0).outputs[0].token_ids
+    ref = truth(engine, [72, 105, 33], max_new_tokens=6, temperature=0).outputs[0]
+    assert ids.model_extra["token_ids"] == ref.token_ids
 
 
 def test_chat_equals_the_engine(client, engine):
@@ -305,6 +307,12 @@ def strict_truth(strict):
                  temperature=0).outputs[0].text
 
 
+def answers_normally(server, expected: str) -> bool:
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as good:
+        return good.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0).choices[0].text == \
+            expected
+
+
 def completion(**fields) -> dict:
     return {"model": MODEL, "prompt": "Hello", "max_tokens": 8, **fields}
 
@@ -366,9 +374,7 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(strict, str
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     if param is not None:
         assert error["param"] == param, error
-    good = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-    assert good.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0).choices[0].text == \
-        strict_truth
+    assert answers_normally(server, strict_truth)
     assert_all_free(loop)
     assert KEY not in caplog.text and KEY not in httpx.get(server.url + "/metrics").text
 
@@ -390,13 +396,13 @@ def test_a_chunked_body_over_the_limit_gets_413(strict):
 def test_the_openai_client_sees_typed_errors(strict):
     server, _ = strict
     url = server.url + "/v1"
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
-    good = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)
-    with pytest.raises(openai.NotFoundError):
-        good.completions.create(model="gpt-4", prompt="Hi")
-    with pytest.raises(openai.BadRequestError, match="top_p"):
-        good.completions.create(model=MODEL, prompt="Hi", top_p=0)
+    with openai.OpenAI(base_url=url, api_key="wrong", max_retries=0) as bad, pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    with openai.OpenAI(base_url=url, api_key=KEY, max_retries=0) as good:
+        with pytest.raises(openai.NotFoundError):
+            good.completions.create(model="gpt-4", prompt="Hi")
+        with pytest.raises(openai.BadRequestError, match="top_p"):
+            good.completions.create(model=MODEL, prompt="Hi", top_p=0)
 
 
 def test_a_full_waiting_queue_gets_503_and_the_rest_is_served(strict, strict_truth):
@@ -422,9 +428,7 @@ def test_a_full_waiting_queue_gets_503_and_the_rest_is_served(strict, strict_tru
             assert lines[-1] == "data: [DONE]"
         else:
             assert '"server_overloaded"' in lines[0]
-    good = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
-    assert good.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0).choices[0].text == \
-        strict_truth
+    assert answers_normally(server, strict_truth)
     assert_all_free(loop)
 
 
@@ -476,8 +480,9 @@ def test_hf_paged_serve_answers_and_shuts_down_cleanly():
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
-        resp = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60) as client:
+            resp = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}],
+                                                  max_tokens=4)
         assert resp.usage.completion_tokens == 4
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=30)

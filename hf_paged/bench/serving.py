@@ -83,7 +83,8 @@ def engine_closed_loop(engine, requests: list[workloads.Request], concurrency: i
 
 
 # ---------------------------------------------------------------------------- the server
-async def _http_request(client, url: str, r: workloads.Request, stream: bool, model: str) -> tuple[list[int], float, float]:
+async def _http_request(client, url: str, r: workloads.Request, stream: bool,
+                        model: str) -> tuple[list[int], float, float]:
     body = {"model": model, "prompt": r.prompt, "max_tokens": r.max_new_tokens, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, "stream": stream}
     t0 = time.perf_counter()
@@ -237,7 +238,8 @@ def report(results: dict) -> str:
     lines += ["", f"server / engine throughput: {results['server_vs_engine_throughput']:.3f} "
                   f"(per round {[round(x, 3) for x in results['server_vs_engine_throughput_per_round']]}); "
                   f"token mismatches: {results['token_mismatches_server_vs_engine']}",
-              f"one tiny request alone: engine {single['engine_p50_ms']:.1f} ms, server {single['server_p50_ms']:.1f} ms "
+              f"one tiny request alone: engine {single['engine_p50_ms']:.1f} ms, "
+              f"server {single['server_p50_ms']:.1f} ms "
               f"(HTTP adds {single['http_overhead_ms']:.1f} ms)"]
     return "\n".join(lines)
 

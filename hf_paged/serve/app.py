@@ -329,7 +329,9 @@ class _OpenAIServing:
                prompt_index: int) -> dict | None:
         """The stream chunk for one completion's latest state (None: nothing new to send)."""
         first = index not in texts
-        text_stream = texts.get(index) or texts.setdefault(index, TextStream(self.tokenizer, job.request.stop_strings()))
+        if first:
+            texts[index] = TextStream(self.tokenizer, job.request.stop_strings())
+        text_stream = texts[index]
         if text_stream.finished:
             return None
         start = text_stream.num_tokens

@@ -95,7 +95,8 @@ class ServingMetrics:
                          [('{mode="recompute"}', engine_stats.get("preemptions_recompute", 0)),
                           ('{mode="swap"}', engine_stats.get("preemptions_swap", 0))])
         with self._lock:
-            lines += _sample("requests_finished_total", "counter", "Engine requests finished, by finish reason (of their first completion).",
+            lines += _sample("requests_finished_total", "counter",
+                             "Engine requests finished, by finish reason (of their first completion).",
                              [(f'{{finish_reason="{r}"}}', n) for r, n in sorted(self.finished.items())])
             lines += _sample("requests_rejected_total", "counter", "Engine requests refused before queueing.",
                              [(f'{{reason="{r}"}}', n) for r, n in sorted(self.rejected.items())])
