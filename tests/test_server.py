@@ -288,6 +288,26 @@ def test_a_client_leaving_a_non_streamed_request_aborts_it(client, served):
     assert aborted(server) == before + 1
 
 
+def test_an_engine_failure_ends_the_requests_in_flight_and_serving_goes_on(client, served):
+    server, loop = served
+
+    def break_once(engine):
+        real = engine.step
+
+        def failing():
+            engine.step = real
+            raise RuntimeError("injected")
+
+        engine.step = failing
+
+    loop.call(break_once).result(10)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+    assert err.value.status_code == 503 and "injected" in err.value.message
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0) \
+        .usage.completion_tokens == 4
+
+
 # ---------------------------------------------------------------------------- bad input
 KEY = "sekrit-test-key-42"
 STRICT = dict(api_key=KEY, max_body_bytes=64 * 1024, max_n=4, max_tokens=64, max_waiting=2)
@@ -346,6 +366,7 @@ BAD = {  # name -> (path, body or raw bytes, headers, status, param)
     "best_of without beams": ("/v1/completions", completion(best_of=3), {}, 400, "best_of"),
     "stream_options without stream": ("/v1/completions", completion(stream_options={"include_usage": True}), {},
                                       400, "stream_options"),
+    "min_tokens over max_tokens": ("/v1/completions", completion(min_tokens=9), {}, 400, "min_tokens"),
     "echo with logprobs": ("/v1/completions", completion(echo=True, logprobs=1), {}, 400, "echo"),
     "chat without messages": (CHAT, {"model": MODEL}, {}, 400, "messages"),
     "chat image part": (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
@@ -394,7 +415,7 @@ def test_a_chunked_body_over_the_limit_gets_413(strict):
 
 
 def test_the_openai_client_sees_typed_errors(strict):
-    server, _ = strict
+    server, loop = strict
     url = server.url + "/v1"
     with openai.OpenAI(base_url=url, api_key="wrong", max_retries=0) as bad, pytest.raises(openai.AuthenticationError):
         bad.models.list()
@@ -403,6 +424,7 @@ def test_the_openai_client_sees_typed_errors(strict):
             good.completions.create(model="gpt-4", prompt="Hi")
         with pytest.raises(openai.BadRequestError, match="top_p"):
             good.completions.create(model=MODEL, prompt="Hi", top_p=0)
+    assert_all_free(loop)
 
 
 def test_a_full_waiting_queue_gets_503_and_the_rest_is_served(strict, strict_truth):
@@ -482,7 +504,7 @@ def test_hf_paged_serve_answers_and_shuts_down_cleanly():
                 time.sleep(0.2)
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60) as client:
             resp = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}],
-                                                  max_tokens=4)
+                                                  max_tokens=4, temperature=0)
         assert resp.usage.completion_tokens == 4
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=30)

@@ -253,6 +253,8 @@ class _OpenAIServing:
             raise APIError(503, str(err), code="server_overloaded") from None
         except ValueError as err:
             raise invalid("messages" if job.kind == "chat" else "prompt", str(err)) from None
+        except EngineFailure as err:
+            raise APIError(503, str(err)) from None
         except BaseException:  # cancelled while waiting: drop what may have been queued
             job.stream.abort()
             raise

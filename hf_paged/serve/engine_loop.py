@@ -160,6 +160,7 @@ class EngineLoop:
                     self._dispatch(outputs)
             self._flush()
         self._end_all(EngineFailure("the server is shutting down"))
+        self._refuse_queued()
         self._flush()
 
     def _drain(self, block: bool) -> None:
@@ -231,6 +232,18 @@ class EngineLoop:
             self.metrics.finish("error")
             self._send(live.stream, error)
         self._live.clear()
+
+    def _refuse_queued(self) -> None:
+        """After the loop: answer what is still queued, so no handler waits forever."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                self._send(command[1], EngineFailure("the server is shutting down"))
+            elif command[0] == "call":
+                command[2].set_exception(EngineFailure("the server is shutting down"))
 
     def _send(self, stream: RequestStream, item: Any) -> None:
         self._outbox.setdefault(stream._loop, []).append((stream, item))

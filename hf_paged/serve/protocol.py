@@ -9,6 +9,7 @@ OpenAI's fields the requests take vLLM's extensions: ``top_k``, ``min_p``,
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -20,8 +21,7 @@ MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64  # prompts in one completions request
 
 # SamplingParams field -> the request field that sets it (for error messages)
-_API_NAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "num_beams": "best_of",
-             "logprobs": "logprobs"}
+_API_NAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "num_beams": "best_of"}
 
 
 class APIError(Exception):
@@ -37,7 +37,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def invalid(param: str, message: str) -> APIError:
+def invalid(param: str | None, message: str) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
@@ -77,6 +77,7 @@ def _param(loc: tuple, unknown: bool) -> str | None:
     return ".".join(parts) or None
 
 
+@functools.cache
 def _field_names() -> set[str]:
     models = (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)
     return {name for model in models for name in model.model_fields}
@@ -167,8 +168,7 @@ class _GenerationRequest(_Strict):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's parameters for this request (``max_tokens`` already resolved)."""
-        common = dict(max_new_tokens=max_tokens, min_new_tokens=min(self.min_tokens, max_tokens), n=self.n,
-                      ignore_eos=self.ignore_eos)
+        common = dict(max_new_tokens=max_tokens, min_new_tokens=self.min_tokens, n=self.n, ignore_eos=self.ignore_eos)
         try:
             if self.use_beam_search:
                 return SamplingParams(**common, temperature=0, num_beams=self.best_of or self.n,
