@@ -8,8 +8,9 @@ from hf_paged.attention import ATTN_IMPLEMENTATION, PagedMask, set_kernel_mode
 from hf_paged.block_manager import BlockManager, BlockManagerError, NoFreeBlocksError, UnknownSequenceError
 from hf_paged.cache import PagedKVCache
 from hf_paged.engine import CompletionOutput, LLMEngine, RequestOutput, SamplingParams
-from hf_paged.generate import CACHE_IMPLEMENTATION, disable, enable
+from hf_paged.generate import CACHE_IMPLEMENTATION, disable, enable, prefix_cache
 from hf_paged.pipeline import PagedTextGenerationPipeline, pipeline
+from hf_paged.prefix_cache import PrefixCache
 from hf_paged.prefix_snapshot import SnapshotError
 
 __all__ = [
@@ -26,10 +27,12 @@ __all__ = [
     "PagedKVCache",
     "PagedMask",
     "PagedTextGenerationPipeline",
+    "PrefixCache",
     "UnknownSequenceError",
     "disable",
     "enable",
     "pipeline",
+    "prefix_cache",
     "set_kernel_mode",
 ]
 __version__ = "0.1.0"

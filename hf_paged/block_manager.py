@@ -99,6 +99,7 @@ class BlockManager:
         self._key_of_block: dict[int, Hashable] = {}
         self._block_of_key: dict[Hashable, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, LRU first
+        self.num_evictions = 0  # cached blocks reused for other data
 
     # ------------------------------------------------------------------ pool facts
     @property
@@ -203,6 +204,7 @@ class BlockManager:
         else:  # evict the least recently used cached block
             block, _ = self._evictable.popitem(last=False)
             del self._block_of_key[self._key_of_block.pop(block)]
+            self.num_evictions += 1
         self._ref_counts[block] = 1
         return block
 
@@ -261,6 +263,22 @@ class BlockManager:
         self._block_of_key[key] = block
         self._key_of_block[block] = key
 
+    def uncache_all(self) -> int:
+        """Drop every key: evictable blocks become plain free ones, held ones stay with their
+        sequences. Returns how many blocks were cached."""
+        dropped = len(self._key_of_block)
+        self._free.extend(reversed(self._evictable))
+        self._evictable.clear()
+        self._key_of_block.clear()
+        self._block_of_key.clear()
+        return dropped
+
+    def _must_copy(self, block: int, released: int = 0) -> bool:
+        """Whether writing into ``block`` (partly filled, the last of a sequence) needs a copy first:
+        another sequence holds it, or it is cached (a cached block's contents never change; a
+        sequence adopting a prefix that ends inside a cached block writes into a copy)."""
+        return self._ref_counts[block] - released > 1 or block in self._key_of_block
+
     def register_block(self, seq_id: SeqId, index: int, key: Hashable) -> None:
         """Register the sequence's full block number ``index`` under ``key`` (first one wins)."""
         seq = self._get(seq_id)
@@ -283,7 +301,7 @@ class BlockManager:
             needed += -(-(seq.length + n) // bs) - len(seq.table)
             if seq.length % bs:
                 last = seq.table[-1]
-                if self._ref_counts[last] - released.get(last, 0) > 1:
+                if self._must_copy(last, released.get(last, 0)):
                     needed += 1
                     released[last] = released.get(last, 0) + 1
         return needed
@@ -319,7 +337,7 @@ class BlockManager:
         copies: list[tuple[int, int]] = []
         for seq, n in seqs:
             slots: list[int] = []
-            if n and seq.length % bs and self._ref_counts[seq.table[-1]] > 1:
+            if n and seq.length % bs and self._must_copy(seq.table[-1]):
                 shared = seq.table[-1]
                 seq.table[-1] = self._take()
                 self._release(shared)

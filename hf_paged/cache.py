@@ -33,7 +33,10 @@ from hf_paged.block_manager import HOLE, BlockManager
 from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, StashingCache
 from hf_paged.layer_groups import GroupedBlockManager, LayerGroup, layer_groups
 from hf_paged.model_info import layer_structure
+from hf_paged.prefix_index import PrefixIndex
 from hf_paged.storage import PagedKVStorage
+
+RELEASED_SLOT = 0  # slot-map entry of a column whose block a sliding group does not hold: never read
 
 
 def new_columns_valid(padding_mask: torch.Tensor | None, q_len: int, columns: int) -> torch.Tensor | None:
@@ -47,13 +50,23 @@ def new_columns_valid(padding_mask: torch.Tensor | None, q_len: int, columns: in
 
 
 @dataclass
-class _Pool:
-    """Blocks and their K/V, shared by a cache and its forks (each fork has rows of its own)."""
+class KVPool:
+    """Blocks and their K/V, shared by a cache and its forks (each fork has rows of its own), or by
+    every ``generate()`` call of a model with a prefix cache (``prefix``: the pool's index of
+    cached blocks; such a pool outlives its caches)."""
 
     blocks: GroupedBlockManager
     storage: PagedKVStorage
+    prefix: PrefixIndex | None = None
     seq_ids: itertools.count = field(default_factory=itertools.count)
     users: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+
+    @classmethod
+    def for_config(cls, config: PretrainedConfig, block_size: int, num_blocks: int | None,
+                   prefix_caching: bool = False) -> KVPool:
+        _, windows = layer_structure(config.get_text_config(decoder=True))
+        blocks = GroupedBlockManager(block_size, num_blocks, layer_groups(windows))
+        return cls(blocks, PagedKVStorage(block_size), PrefixIndex(blocks) if prefix_caching else None)
 
 
 @dataclass
@@ -110,6 +123,8 @@ class PagedKVCache(StashingCache):
         block_size: tokens per block.
         num_blocks: a fixed budget of blocks (``NoFreeBlocksError`` when exceeded), or ``None`` to
             grow on demand.
+        pool: blocks and K/V to live in instead of a pool of its own (a model's prefix cache:
+            :mod:`hf_paged.prefix_cache`); ``block_size`` and ``num_blocks`` are then the pool's.
 
     Use it with a model prepared by :func:`hf_paged.enable`::
 
@@ -121,7 +136,8 @@ class PagedKVCache(StashingCache):
     a prompt cache can be reused for many requests at the cost of their new tokens only.
     """
 
-    def __init__(self, config: PretrainedConfig, block_size: int = 16, num_blocks: int | None = None):
+    def __init__(self, config: PretrainedConfig, block_size: int = 16, num_blocks: int | None = None,
+                 pool: KVPool | None = None):
         if not isinstance(config, PretrainedConfig):
             raise TypeError(f"PagedKVCache needs the model config, got {type(config).__name__}")
         config = config.get_text_config(decoder=True)
@@ -135,7 +151,14 @@ class PagedKVCache(StashingCache):
         for g, group in enumerate(self.groups):
             for layer in group.layers:
                 self._group_of[layer] = g
-        self._join(_Pool(GroupedBlockManager(block_size, num_blocks, self.groups), PagedKVStorage(block_size)))
+        if pool is None:
+            pool = KVPool(GroupedBlockManager(block_size, num_blocks, self.groups), PagedKVStorage(block_size))
+        elif pool.blocks.block_size != block_size or [g.window for g in pool.blocks.groups] != [g.window for g in self.groups]:
+            raise ValueError("PagedKVCache: the pool was made for another block size or layer structure")
+        self._join(pool)
+        self._tokens: dict[int, list[int]] = {}  # with a prefix index: each row's stored tokens
+        self._prefix_queried = self._prefix_hit = 0  # this cache's own prefix lookups
+        self.shares_prefixes = True  # with a prefix index: the first forward may first compute what rows share
         self._rows: list[int] = []  # block-manager sequence id of each batch row (the same in every group)
         self._columns = 0  # columns with allocated slots (all layers reach it within a forward)
         self._layer_columns = [0] * len(self.layers)
@@ -143,12 +166,18 @@ class PagedKVCache(StashingCache):
         self._has_holes = False  # a pad column after a real one: kernels need contiguous tokens
         self._plan: _ForwardPlan | None = None  # the forward in progress
         self._runs: list[int | None] = [None] * len(self.groups)  # per group: one row whose slots follow each other
-        self._forward: tuple | None = None  # (padding mask, kernels?) of the forward running now
+        self._forward: tuple | None = None  # (padding mask, kernels?, token ids) of the forward running now
         self.prompt_copies = 1  # set by generate(): rows of the first forward are this many copies
 
-    def _join(self, pool: _Pool) -> None:
+    def _join(self, pool: KVPool) -> None:
         self._pool, self.blocks, self.storage = pool, pool.blocks, pool.storage
+        self.prefix = pool.prefix
         pool.users.add(self)
+
+    @property
+    def pool(self) -> KVPool:
+        """The blocks and K/V this cache lives in (shared with its forks, or a model's prefix cache)."""
+        return self._pool
 
     @property
     def managers(self) -> list[BlockManager]:
@@ -173,10 +202,12 @@ class PagedKVCache(StashingCache):
         clone.groups, clone._group_of = self.groups, self._group_of
         clone._join(self._pool)
         state_layers.copy_state_layers(self, clone)
-        clone._rows = []
+        clone._rows, clone._tokens = [], {}
+        clone._prefix_queried = clone._prefix_hit = 0
+        clone.shares_prefixes = True
         for seq_id in self._rows:
             clone._rows.append(clone._fresh_seq_id())
-            self.blocks.fork(seq_id, clone._rows[-1])
+            self._fork_seq(seq_id, clone._rows[-1], clone)
         clone._columns, clone._layer_columns = self._columns, list(self._layer_columns)
         clone._slot_bufs = [buf.clone() for buf in self._slot_bufs]
         clone._has_holes, clone._plan, clone._runs = self._has_holes, None, [None] * len(self.groups)
@@ -192,7 +223,7 @@ class PagedKVCache(StashingCache):
         try:
             for seq_id in self._rows:
                 if seq_id in self.blocks:
-                    self.blocks.free(seq_id)
+                    self._free_seq(seq_id)
         except Exception:  # noqa: BLE001 - never raise from a finalizer (e.g. at interpreter exit)
             pass
 
@@ -248,6 +279,9 @@ class PagedKVCache(StashingCache):
             self.blocks.truncate(seq_id, kept_tokens)
             # as DynamicSlidingWindowLayer.crop: back to the window, recording or not
             self.blocks.release_out_of_window(seq_id, kept_tokens)
+            if seq_id in self._tokens:
+                del self._tokens[seq_id][kept_tokens:]
+                self.prefix.truncate(seq_id, kept_tokens)
         self._plan = None
         self._columns = keep
         self._layer_columns = [keep] * len(self._layer_columns)
@@ -256,7 +290,7 @@ class PagedKVCache(StashingCache):
     def reset(self) -> None:
         """Free every block of this cache's rows and forget them (the pools stay allocated for reuse)."""
         for seq_id in self._rows:
-            self.blocks.free(seq_id)
+            self._free_seq(seq_id)
         self._rows = []
         state_layers.reset_states(self.layers)
         self._columns = 0
@@ -272,17 +306,92 @@ class PagedKVCache(StashingCache):
         """Return all blocks and drop the pools unless a fork still uses them (the cache can be
         reused afterwards)."""
         self.reset()
-        if all(user is self for user in self._pool.users):
+        if self.prefix is None and all(user is self for user in self._pool.users):
             self.storage.clear()
 
     # ------------------------------------------------------------------ one forward
-    def begin_forward(self, padding_mask: torch.Tensor | None, kernels: bool) -> None:
-        """A paged forward starts: its 2D padding mask ``[rows, columns]`` (None: no padding), and
-        whether the Triton kernels read this forward (else ``update`` returns dense K/V)."""
-        self._forward = (padding_mask if padding_mask is not None and padding_mask.dim() == 2 else None, kernels)
+    def begin_forward(self, padding_mask: torch.Tensor | None, kernels: bool, input_ids: torch.Tensor | None = None) -> None:
+        """A paged forward starts: its 2D padding mask ``[rows, columns]`` (None: no padding),
+        whether the Triton kernels read this forward (else ``update`` returns dense K/V), and its
+        token ids (a prefix cache indexes the blocks by them; None: rows stop being indexed)."""
+        self._forward = (padding_mask if padding_mask is not None and padding_mask.dim() == 2 else None, kernels,
+                         input_ids if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else None)
 
-    def end_forward(self) -> None:
+    def end_forward(self, completed: bool = True) -> None:
+        """The forward is over: with a prefix cache, a completed one's new full blocks are indexed
+        (every layer has written them)."""
         self._forward = None
+        if completed and self.prefix is not None:
+            for seq_id in self._rows:
+                tokens = self._tokens.get(seq_id)
+                if tokens is not None:
+                    self.prefix.register(seq_id, tokens, len(tokens))
+
+    # ------------------------------------------------------------------ prefix cache
+    def adopt_prefix(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None, max_skip: int | None = None) -> int:
+        """Before the first forward, with a prefix cache: each row adopts the cached blocks of its
+        prompt's longest cached prefix, so that the forward computes only the columns after them.
+
+        ``input_ids`` is the left-padded ``[rows, columns]`` batch. The forward's columns are
+        shared by all rows, so it can start only at a column every row has cached up to: ``C =
+        min(pad + hit)`` over rows. A row adopts its first ``C - pad`` tokens (the block holding
+        the last of them is copied before the row writes into it, as a cached block never changes).
+        Every row computes at least its last token (its logits are needed), and the forward keeps
+        at least ``columns - max_skip`` columns. Returns ``C``, the columns the forward can skip (0:
+        nothing was adopted).
+        """
+        if self.prefix is None or self._rows:
+            return 0
+        rows, columns = input_ids.shape
+        mask = torch.ones(rows, columns, dtype=torch.bool) if padding_mask is None else padding_mask.to("cpu", torch.bool)
+        lengths = mask.sum(1).tolist()
+        ids = input_ids.tolist()
+        tokens = [row[columns - n :] for row, n in zip(ids, lengths)]
+        bs = self.block_size
+        pads = [columns - n for n in lengths]
+        hits = [self.prefix.longest_hit(t, (len(t) - 1) // bs) for t in tokens]
+        skip = min([pad + len(keys) * bs for pad, keys in zip(pads, hits)] + [columns if max_skip is None else max_skip])
+        tables = self._tables_for(hits, pads, skip)
+        while tables is None:  # a sliding group misses a block a shorter start reads: start at a lower block boundary
+            skip = max(pad + (skip - pad - 1) // bs * bs for pad in pads if skip > pad)
+            tables = self._tables_for(hits, pads, skip)
+        self._prefix_queried += sum(lengths)
+        self._prefix_hit += sum(max(skip - pad, 0) for pad in pads)
+        self.prefix.record(sum(lengths), sum(max(skip - pad, 0) for pad in pads))
+        self._rows = []
+        self._slot_bufs = [torch.full((rows, skip), -1, dtype=torch.long) for _ in self.groups]
+        for r, (keys, pad, row_tables) in enumerate(zip(hits, pads, tables)):
+            seq_id, length = self._fresh_seq_id(), max(skip - pad, 0)
+            self.prefix.adopt(seq_id, keys, length, row_tables)
+            self._rows.append(seq_id)
+            self._tokens[seq_id] = tokens[r][:length]
+            for g, table in enumerate(row_tables):
+                slots = [RELEASED_SLOT if table[p // bs] == HOLE else table[p // bs] * bs + p % bs for p in range(length)]
+                self._slot_bufs[g][r, pad:skip] = torch.tensor(slots, dtype=torch.long)
+        self._columns = skip
+        self._layer_columns = [skip] * len(self._layer_columns)
+        return skip
+
+    def _tables_for(self, hits: list[list], pads: list[int], skip: int) -> list[list[list[int]]] | None:
+        tables = []
+        for keys, pad in zip(hits, pads):
+            row = self.prefix.tables_for(keys, max(skip - pad, 0))
+            if row is None:
+                return None
+            tables.append(row)
+        return tables
+
+    def _fork_seq(self, parent: int, child: int, into: PagedKVCache) -> None:
+        """``child`` (a row of ``into``: this cache or a fork of it) shares every block of ``parent``."""
+        self.blocks.fork(parent, child)
+        if parent in self._tokens:
+            into._tokens[child] = list(self._tokens[parent])
+            self.prefix.fork(parent, child)
+
+    def _free_seq(self, seq_id: int) -> None:
+        self.blocks.free(seq_id)
+        if self._tokens.pop(seq_id, None) is not None:
+            self.prefix.forget(seq_id)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """The reference route: store this layer's new K/V and return its K/V as ``DynamicCache``
@@ -342,6 +451,8 @@ class PagedKVCache(StashingCache):
         if valid is not None and bool(valid.all()):
             valid = None
         counts = [q_len] * rows if valid is None else valid.sum(1).tolist()
+        if self._tokens:
+            self._track_tokens(valid)
         lengths = [self.blocks.seq_len(s) for s in self._rows]
         if self.blocks.has_sliding:
             recording = [self._recording(group) for group in self.groups]
@@ -370,6 +481,22 @@ class PagedKVCache(StashingCache):
         self._append_columns(new_columns)
         self._plan = _ForwardPlan(q_len, valid, write_slots, write_rows, new_columns, lengths, counts)
         self.set_metadata(None)
+
+    def _track_tokens(self, valid: torch.Tensor | None) -> None:
+        """With a prefix cache: each row's new real tokens join its token list (a forward without
+        token ids, e.g. from embeddings, ends the indexing of its rows)."""
+        input_ids = self._forward[2] if self._forward else None
+        if input_ids is None or input_ids.shape[0] != len(self._rows):
+            for seq_id in self._rows:
+                if self._tokens.pop(seq_id, None) is not None:
+                    self.prefix.forget(seq_id)
+            return
+        ids = input_ids.tolist()
+        keep = None if valid is None else valid.tolist()
+        for r, seq_id in enumerate(self._rows):
+            if seq_id in self._tokens:
+                new = ids[r] if keep is None else [t for t, k in zip(ids[r], keep[r]) if k]
+                self._tokens[seq_id].extend(new)
 
     def _recording(self, group: LayerGroup) -> bool:
         """Whether transformers asked the group's layers to keep their past (``activate_past_recording``)."""
@@ -418,6 +545,8 @@ class PagedKVCache(StashingCache):
     def _new_seq(self) -> int:
         seq_id = self._fresh_seq_id()
         self.blocks.add_sequence(seq_id)
+        if self.prefix is not None:
+            self._tokens[seq_id] = []
         return seq_id
 
     def _reindex_rows(self, sources: list[int]) -> None:
@@ -434,13 +563,13 @@ class PagedKVCache(StashingCache):
         for src in sources:
             if src in taken:
                 new_rows.append(self._fresh_seq_id())
-                self.blocks.fork(self._rows[src], new_rows[-1])
+                self._fork_seq(self._rows[src], new_rows[-1], self)
             else:
                 taken.add(src)
                 new_rows.append(self._rows[src])
         for row, seq_id in enumerate(self._rows):
             if row not in taken:
-                self.blocks.free(seq_id)
+                self._free_seq(seq_id)
         self._rows = new_rows
         self._slot_bufs = [buf[sources] for buf in self._slot_bufs]
         self._plan, self._runs = None, [None] * len(self.groups)
@@ -570,6 +699,8 @@ class PagedKVCache(StashingCache):
             "bytes_used": sum(g["bytes_used"] for g in groups),
             "bytes_allocated": sum(g["bytes_allocated"] for g in groups),
             "bytes_contiguous_equivalent": sum(g["bytes_contiguous_equivalent"] for g in groups),
+            "prefix_queried_tokens": self._prefix_queried,
+            "prefix_hit_tokens": self._prefix_hit,
             "groups": groups,
         }
 

@@ -42,8 +42,9 @@ from transformers.generation import configuration_utils as generation_configurat
 from hf_paged import attention, kernels, state_layers
 from hf_paged.block_manager import check_block_options
 from hf_paged.cache import PagedKVCache
+from hf_paged.prefix_cache import PrefixCache, skip_cached_prefix
 from hf_paged.channel import StashingCache, clear_active_cache
-from hf_paged.model_info import cache_kwarg, check_supported
+from hf_paged.model_info import cache_kwarg, check_supported, layer_structure
 
 CACHE_IMPLEMENTATION = "hf_paged"
 _OPTIONS_ATTR = "_hf_paged_options"
@@ -55,19 +56,29 @@ class _Options:
 
     block_size: int
     num_blocks: int | None
+    prefix: PrefixCache | None = None  # with prefix_caching=True
     hooks: list = field(default_factory=list)
     calls: list = field(default_factory=list)  # paged forwards in flight (what each must undo)
 
 
-def enable(model: PreTrainedModel, block_size: int = 16, num_blocks: int | None = None) -> PreTrainedModel:
+def enable(model: PreTrainedModel, block_size: int = 16, num_blocks: int | None = None,
+           prefix_caching: bool = False) -> PreTrainedModel:
     """Make ``model`` paged-capable; calling it again changes the options.
 
     ``cache_implementation="hf_paged"`` then runs ``generate`` on a fresh :class:`PagedKVCache` of
     ``block_size`` tokens per block and ``num_blocks`` blocks (``None``: grow on demand), and any
     forward given a ``PagedKVCache`` is paged. Everything else the model does stays stock.
+
+    With ``prefix_caching=True`` every flagged call shares one persistent pool of ``num_blocks``
+    blocks per layer instead (:func:`prefix_cache`): a row adopts the cached blocks of its
+    prompt's longest cached prefix and computes only the rest, rows of one batch that share a
+    prefix compute it once, and cached blocks nobody holds are evicted in LRU order when the
+    budget needs them. Changing any option starts an empty prefix cache.
     """
     check_supported(model)
     check_block_options(block_size, num_blocks)
+    if not isinstance(prefix_caching, bool):
+        raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
     options = getattr(model, _OPTIONS_ATTR, None)
     if options is None:
         options = _Options(block_size, num_blocks)
@@ -76,8 +87,27 @@ def enable(model: PreTrainedModel, block_size: int = 16, num_blocks: int | None 
             model.register_forward_hook(_after_forward, with_kwargs=True, always_call=True),
         ]
         setattr(model, _OPTIONS_ATTR, options)
+    layer_types, _ = layer_structure(model.config.get_text_config(decoder=True))
+    if prefix_caching and any(t in state_layers.STATE_ONLY_TYPES + state_layers.HYBRID_TYPES for t in layer_types):
+        raise ValueError(f"prefix_caching=True: {type(model).__name__} has non-attention (recurrent) layers, whose "
+                         "state at a prefix's end is not kept in blocks; use prefix_caching=False")
+    same = (options.block_size, options.num_blocks) == (block_size, num_blocks)
     options.block_size, options.num_blocks = block_size, num_blocks
+    if not prefix_caching:
+        options.prefix = None
+    elif options.prefix is None or not same:
+        options.prefix = PrefixCache(model, block_size, num_blocks)
     return model
+
+
+def prefix_cache(model: PreTrainedModel) -> PrefixCache:
+    """The prefix cache of a model enabled with ``prefix_caching=True``: ``stats()``, ``save(path)``,
+    ``load(path)``, ``clear()``."""
+    options = getattr(model, _OPTIONS_ATTR, None)
+    if options is None or options.prefix is None:
+        raise ValueError(f"{type(model).__name__} has no prefix cache: call "
+                         "hf_paged.enable(model, prefix_caching=True) first")
+    return options.prefix
 
 
 def disable(model: PreTrainedModel) -> PreTrainedModel:
@@ -128,7 +158,8 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
         return None
     if cache is None:
         options = getattr(self, _OPTIONS_ATTR)
-        cache = model_kwargs[name] = PagedKVCache(self.config, options.block_size, options.num_blocks)
+        cache = model_kwargs[name] = (options.prefix.new_cache() if options.prefix is not None
+                                      else PagedKVCache(self.config, options.block_size, options.num_blocks))
     _note_prompt_copies(cache, generation_config)
     return None
 
@@ -170,19 +201,22 @@ def _before_forward(model: PreTrainedModel, args: tuple, kwargs: dict):
     if cache is None:
         return None
     paged_cache = isinstance(cache, PagedKVCache)
+    distinct = _distinct_prompt_kwargs(model, cache, args, kwargs) if paged_cache else None
+    inputs = distinct or kwargs
+    if paged_cache and not args:  # a prefix cache: skip the columns every row has cached (first forward)
+        inputs = skip_cached_prefix(model, cache, inputs) or inputs
     use_kernels = not paged_cache or _uses_kernels(model, kwargs)
     call = _PagedForward(attention.begin_paged_call(model) if use_kernels else None)
     getattr(model, _OPTIONS_ATTR).calls.append(call)
-    distinct = _distinct_prompt_kwargs(model, cache, args, kwargs) if paged_cache else None
     if paged_cache:
-        cache.begin_forward((distinct or kwargs).get("attention_mask"), use_kernels)
+        cache.begin_forward(inputs.get("attention_mask"), use_kernels, inputs.get("input_ids"))
     if distinct is None:
-        return None
+        return None if inputs is kwargs else (args, inputs)
     call.copies = cache.prompt_copies
     copies = call.copies
     call.lm_head_hook = model.get_output_embeddings().register_forward_pre_hook(
         lambda module, inputs: (inputs[0].repeat_interleave(copies, 0), *inputs[1:]))
-    return args, distinct
+    return args, inputs
 
 
 def _after_forward(model: PreTrainedModel, args: tuple, kwargs: dict, output):
@@ -194,7 +228,7 @@ def _after_forward(model: PreTrainedModel, args: tuple, kwargs: dict, output):
     if call.saved is not None:
         attention.end_paged_call(call.saved)
     if isinstance(cache, PagedKVCache):
-        cache.end_forward()
+        cache.end_forward(completed=output is not None)
     clear_active_cache()
     if call.copies == 1:
         return None

@@ -61,7 +61,7 @@ def _tensor_sha(t: torch.Tensor) -> str:
 
 
 def save(path, print_: dict[str, str], chain, groups, layer_groups, storage) -> int:
-    """Write a snapshot: ``chain`` and ``groups`` as ``KVCacheManager.export_prefix_cache`` gives
+    """Write a snapshot: ``chain`` and ``groups`` as ``PrefixIndex.export`` gives
     them, the blocks' K/V read from ``storage`` for each group's layers. Returns the blocks saved."""
     from safetensors.torch import save_file
 
@@ -139,3 +139,21 @@ def write_blocks(tensors, layer_groups, placed, storage, pool_sizes, device) -> 
                 dst.index_copy_(0, blocks.to(dst.device), data.index_select(0, rows).to(dst.device, dst.dtype))
         loaded += len(pairs)
     return loaded
+
+
+def save_index(path, model, index, storage, rank: int = 0, world_size: int = 1) -> int:
+    """Save a prefix index's cached blocks (``PrefixIndex``) with their K/V from ``storage``."""
+    chain, groups = index.export()
+    return save(path, fingerprint(model, model.dtype, index.block_size, rank, world_size), chain, groups,
+                index.groups, storage)
+
+
+def load_index(path, model, index, storage, rank: int = 0, world_size: int = 1) -> int:
+    """Read and check a snapshot, then add its blocks to a prefix index and their K/V to ``storage``
+    (nothing changes when the checks fail). Returns the blocks loaded."""
+    expected = fingerprint(model, model.dtype, index.block_size, rank, world_size)
+    tensors, _ = read(path, expected, len(index.groups))
+    entries = [tensors[f"group{g}.entries"].tolist() for g in range(len(index.groups))]
+    placed = index.import_(chain_of(tensors), entries)
+    pool_sizes = [manager.num_blocks for manager in index.blocks.managers]
+    return write_blocks(tensors, index.groups, placed, storage, pool_sizes, model.device)

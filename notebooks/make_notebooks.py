@@ -101,6 +101,40 @@ engine.generate(questions, SamplingParams(max_new_tokens=8, temperature=0), use_
 st = engine.stats()
 print(f"prefix cache hit rate {st['prefix_cache_hit_rate']:.0%}; prompt tokens computed {st['computed_prompt_tokens']}"
       f" of {sum(len(tok(q).input_ids) for q in questions)}")''',
+        "## Prefix caching inside `generate()`\nA few-shot prefix in front of every question: with "
+        "`prefix_caching=True` the model keeps one pool of blocks across calls, and each row adopts its "
+        "prompt's longest cached prefix. Tokens computed are counted at the model's input.",
+        '''import copy, time
+shots = "Q: what is a block? A: sixteen tokens of K/V.\\n" * 8          # the few-shot prefix
+asked = [shots + f"Q: question number {i}? A:" for i in range(16)]
+stock_model = copy.deepcopy(model)
+hf_paged.enable(model, block_size=16, prefix_caching=True)
+computed = {}
+
+def few_shot(m, name, **flag):
+    computed[name] = 0
+    def count(module, args):
+        computed[name] += int((args[0] != tok.pad_token_id).sum())
+    hook = m.get_input_embeddings().register_forward_pre_hook(count)
+    start, outs = time.perf_counter(), []
+    for i in range(0, len(asked), 4):
+        enc = tok(asked[i : i + 4], return_tensors="pt", padding=True)
+        outs.append(m.generate(**enc, max_new_tokens=8, do_sample=False, **flag)[:, enc.input_ids.shape[1]:])
+    hook.remove()
+    return time.perf_counter() - start, torch.cat(outs)
+
+t_stock, out_stock = few_shot(stock_model, "stock")
+t_cached, out_cached = few_shot(model, "prefix caching", cache_implementation="hf_paged")
+print("identical to stock:", torch.equal(out_stock, out_cached))
+print(hf_paged.prefix_cache(model).stats())
+print(f"tokens computed: stock {computed['stock']}, with prefix caching {computed['prefix caching']}; "
+      f"time {t_stock:.2f} s vs {t_cached:.2f} s")''',
+        '''import matplotlib.pyplot as plt
+fig, (a, b) = plt.subplots(1, 2, figsize=(8, 2.5))
+a.bar(list(computed), list(computed.values())); a.set_ylabel("tokens computed")
+b.bar(["stock", "prefix caching"], [t_stock, t_cached]); b.set_ylabel("seconds")
+plt.tight_layout(); plt.show()
+hf_paged.disable(model)''',
     ],
     "04_throughput.ipynb": [
         "# Throughput: engine vs generate vs transformers' continuous batching\nSide by side on the same model "
@@ -128,7 +162,8 @@ plt.tight_layout(); plt.show()''',
 def main() -> None:
     for name, cells in NOTEBOOKS.items():
         nb = nbformat.v4.new_notebook()
-        nb.cells = [nbformat.v4.new_markdown_cell(cells[0])] + [nbformat.v4.new_code_cell(c) for c in cells[1:]]
+        nb.cells = [nbformat.v4.new_markdown_cell(cells[0])] + [  # a later cell starting with "## " is markdown too
+            nbformat.v4.new_markdown_cell(c) if c.startswith("## ") else nbformat.v4.new_code_cell(c) for c in cells[1:]]
         nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
         nbformat.write(nb, HERE / name)
 

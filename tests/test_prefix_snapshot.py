@@ -108,5 +108,5 @@ def test_the_chain_map_stays_proportional_to_the_pool():
         prompts = [torch.randint(3, VOCAB, (120,), generator=g).tolist() for _ in range(12)]
         engine.generate(prompts, SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False)
         computed += 12 * (119 // 8)
-    assert computed > 1500 and len(engine.kv._parents) <= 2 * 16 + 1024 + 15 * 12
+    assert computed > 1500 and engine.kv.prefix.num_chain_links <= 2 * 16 + 1024 + 15 * 12
     _check_no_leak(engine)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from hf_paged.bench import generate_speed, memory, systems, workloads
+from hf_paged.bench import generate_speed, memory, prefix_generate, systems, workloads
 
 
 def _ratio(a: dict, b: dict, key: str = "tokens_per_s") -> float:
@@ -161,6 +161,11 @@ def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int =
     results["generate_flag_vs_stock"] = generate_speed.run(rounds=max(1, repeats), log=log,
                                                            new_tokens=generate_new_tokens)
 
+    # Prefix caching inside generate(): few-shot and multi-turn, against stock and the flag without it.
+    log("prefix caching in generate():")
+    results["prefix_generate"] = prefix_generate.run(questions=16 if quick else 128, prefix_len=200 if quick else 1000,
+                                                     turns=3 if quick else 8, log=log)
+
     # Utilization depends on lengths only: computed at the paper's own length scale (ShareGPT-like,
     # means 161 / 338 tokens, reservation to a 2048-token maximum as the paper's OPT-13B), 1000 requests.
     paper_scale = workloads.dataset("sharegpt", 1000, scale=1.0, vocab=vocab, max_len=2048, seed=1)
@@ -222,6 +227,12 @@ def report(results: dict) -> str:
     lines += ["", "| generate() case | stock time / flag time (median) | sequences identical |", "| --- | --- | --- |"]
     lines += [f"| {case} | {r['median']:.2f}x | {r['sequences_identical']} |"
               for case, r in results.get("generate_flag_vs_stock", {}).items()]
+    few = results.get("prefix_generate", {}).get("few_shot")
+    if few:
+        lines += ["", f"| few-shot generate(), {few['questions']} questions, {few['prefix_tokens']}-token prefix | wall s | "
+                  "vs stock | tokens computed | prefix not recomputed |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {name} | {r['wall_s']:.2f} | {r['speedup_vs_stock']:.2f}x | {r['tokens_computed']} | "
+                  f"{r['prefix_tokens_not_recomputed']:.1%} |" for name, r in few["systems"].items()]
     lines += ["", "| KV reservation | utilization |", "| --- | --- |"]
     lines += [f"| {k} | {v:.1%} |" for k, v in results["kv_utilization"].items()]
     lines += ["", "| sharing | blocks saved |", "| --- | --- |"]

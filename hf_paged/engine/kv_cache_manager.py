@@ -5,9 +5,8 @@ block ids, reference counts and the prefix index stay behind this facade. It onl
 (pure Python, no torch): the block copies and swaps it returns are executed later against
 storage by the model runner, which is the only part that holds K/V tensors.
 
-Prefix cache keys are chained: the key of a sequence's block ``i`` is
-``(hash(key of block i-1), tokens of block i)``, so a block is reused only after the same
-prefix, and the tokens themselves are compared (no reliance on a hash alone for the block).
+The prefix cache's index (chained block keys, lookups, registration, snapshots) is
+:class:`hf_paged.prefix_index.PrefixIndex`, the same code ``generate()`` uses.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from collections.abc import Hashable, Sequence as Seq
 from hf_paged.block_manager import HOLE, BlockManager, NoFreeBlocksError
 from hf_paged.engine.sequence import Sequence
 from hf_paged.layer_groups import GroupedBlockManager, LayerGroup
+from hf_paged.prefix_index import PrefixIndex
 
 BlockPairs = list[tuple[int, int]]  # (source block, destination block)
 FULL_ATTENTION = (LayerGroup(None, ()),)  # the layer groups of a model without sliding windows
@@ -46,11 +46,8 @@ class KVCacheManager:
         self._device = GroupedBlockManager(block_size, num_blocks, self.groups,
                                            enable_prefix_caching=enable_prefix_caching)
         self._swap = GroupedBlockManager(block_size, swap_space_blocks, self.groups) if swap_space_blocks else None
-        self._keys: dict[int, list[Hashable]] = {}  # seq_id -> keys of its registered full blocks
+        self.prefix = PrefixIndex(self._device)
         self._inflight: dict[Hashable, int] = {}  # key -> seq computing that block right now
-        self._parents: dict[Hashable, Hashable | None] = {}  # key -> the key before it (snapshots rebuild the chain)
-        self._prefix_queried_tokens = 0
-        self._prefix_hit_tokens = 0
 
     # ------------------------------------------------------------------ facts
     @property
@@ -96,57 +93,25 @@ class KVCacheManager:
         return {
             "block_size": self.block_size, **totals,
             "swap_blocks_total": sum(m.num_blocks for m in swap), "swap_blocks_used": sum(m.num_used_blocks for m in swap),
-            "prefix_queried_tokens": self._prefix_queried_tokens, "prefix_hit_tokens": self._prefix_hit_tokens,
+            "prefix_queried_tokens": self.prefix.queried_tokens, "prefix_hit_tokens": self.prefix.hit_tokens,
             "groups": groups,
         }
 
     # ------------------------------------------------------------------ prefix cache
-    def _chain(self, token_ids: list[int], start: int, count: int, parent: Hashable | None) -> list[Hashable]:
-        keys, bs = [], self.block_size
-        for i in range(start, start + count):
-            parent = (hash(parent), tuple(token_ids[i * bs : (i + 1) * bs]))
-            keys.append(parent)
-        return keys
-
     def _prompt_keys(self, seq: Sequence) -> list[Hashable]:
         """Keys of the full blocks of a sequence's known tokens but the last (which must be computed)."""
-        return self._chain(seq.token_ids, 0, (seq.num_tokens - 1) // self.block_size, None)
-
-    def _match(self, keys: list[Hashable]) -> tuple[int, list[list[int]]]:
-        """The longest hit (in blocks) that every layer group can serve, and each group's table for it."""
-        found = [manager.match_prefix(keys) if not group.is_sliding else None
-                 for group, manager in zip(self.groups, self._blocks)]
-        hit = min((len(f) for f in found if f is not None), default=len(keys))
-        while hit > 0:
-            tables = []
-            for group, manager, full in zip(self.groups, self._blocks, found):
-                if full is not None:
-                    tables.append(full[:hit])
-                    continue
-                first = group.first_needed(hit * self.block_size) // self.block_size
-                window = [manager.cached_block(key) for key in keys[first:hit]]
-                if None in window:
-                    break
-                tables.append([HOLE] * first + window)
-            else:
-                return hit, tables
-            hit -= 1
-        return 0, [[] for _ in self.groups]
+        return self.prefix.keys_of(seq.token_ids, (seq.num_tokens - 1) // self.block_size)
 
     def allocate_prefix(self, seq: Sequence) -> int:
         """Register ``seq`` with every cached full block of its known tokens (all but the last,
         which must be computed to get logits) that all layer groups can serve. Returns the number
         of tokens found cached."""
-        keys: list[Hashable] = []
-        hit, tables = 0, [[] for _ in self.groups]
-        if self.enable_prefix_caching:
-            keys = self._prompt_keys(seq)
-            hit, tables = self._match(keys)
-            keys = keys[:hit]
-        cached = hit * self.block_size
-        for manager, table in zip(self._blocks, tables):
-            manager.add_sequence(seq.seq_id, table, cached)
-        self._keys[seq.seq_id] = keys
+        if not self.enable_prefix_caching:
+            self._device.add_sequence(seq.seq_id)
+            return 0
+        keys = self.prefix.longest_hit(seq.token_ids, (seq.num_tokens - 1) // self.block_size)
+        cached = len(keys) * self.block_size
+        self.prefix.adopt(seq.seq_id, keys, cached, self.prefix.tables_for(keys, cached))
         return cached
 
     def waits_for_inflight(self, seq: Sequence) -> bool:
@@ -155,102 +120,26 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return False
         keys = self._prompt_keys(seq)
-        done = len(self._keys[seq.seq_id])
+        done = self.prefix.num_registered(seq.seq_id)
         return done < len(keys) and self._inflight.get(keys[done], seq.seq_id) != seq.seq_id
 
     def mark_inflight(self, seq: Sequence) -> None:
         """The admitted ``seq`` will compute its prompt blocks: others with the same prefix wait."""
         if self.enable_prefix_caching:
-            for key in self._prompt_keys(seq)[len(self._keys[seq.seq_id]) :]:
+            for key in self._prompt_keys(seq)[self.prefix.num_registered(seq.seq_id) :]:
                 self._inflight.setdefault(key, seq.seq_id)
 
     def record_prefix_lookup(self, seq: Sequence) -> None:
         """Count an admitted sequence's known tokens and how many came from the prefix cache."""
-        self._prefix_queried_tokens += seq.num_tokens
-        self._prefix_hit_tokens += seq.num_computed_tokens
+        self.prefix.record(seq.num_tokens, seq.num_computed_tokens)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register in the prefix cache the full blocks that ``seq`` has now computed (in every
         layer group that still holds them)."""
-        if not self.enable_prefix_caching:
-            return
-        keys = self._keys[seq.seq_id]
-        full = seq.num_computed_tokens // self.block_size
-        if full > len(keys):
-            new = self._chain(seq.token_ids, len(keys), full - len(keys), keys[-1] if keys else None)
-            parent = keys[-1] if keys else None
-            for i, key in enumerate(new, start=len(keys)):
-                self._parents.setdefault(key, parent)
-                parent = key
-                for manager in self._blocks:
-                    if i >= manager.num_released(seq.seq_id):
-                        manager.register_block(seq.seq_id, i, key)
+        if self.enable_prefix_caching:
+            for key in self.prefix.register(seq.seq_id, seq.token_ids, seq.num_computed_tokens):
                 if self._inflight.get(key) == seq.seq_id:
                     del self._inflight[key]
-            keys.extend(new)
-            if len(self._parents) > 2 * sum(self.pool_sizes) + 1024:
-                self._prune_parents()
-
-    def _prune_parents(self) -> None:
-        """Forget chain links nothing needs: keys no group caches any more and that are no
-        cached key's ancestor (keeps the map proportional to the pools, not to all history)."""
-        keep: dict[Hashable, Hashable | None] = {}
-        for manager in self._blocks:
-            for key in manager.cached_blocks():
-                while key is not None and key not in keep and key in self._parents:
-                    keep[key] = self._parents[key]
-                    key = keep[key]
-        self._parents = keep
-
-    def export_prefix_cache(self) -> tuple[list[tuple[tuple[int, ...], int]], list[list[tuple[int, int]]]]:
-        """What a snapshot holds: the chain, as ``(tokens, index of the parent entry or -1)`` with
-        parents first, and per layer group ``(chain entry, block)`` for each cached block. Keys are
-        not saved (they contain Python hashes, which differ between processes): a loader rebuilds
-        them from the tokens with its own hash."""
-        cached = [manager.cached_blocks() for manager in self._blocks]
-        index: dict[Hashable, int] = {}
-        chain: list[tuple[tuple[int, ...], int]] = []
-
-        def add(key) -> int | None:
-            if key in index:
-                return index[key]
-            if key not in self._parents:
-                return None
-            parent = self._parents[key]
-            parent_index = -1 if parent is None else add(parent)
-            if parent_index is None:
-                return None
-            index[key] = len(chain)
-            chain.append((tuple(key[1]), parent_index))
-            return index[key]
-
-        groups = []
-        for blocks in cached:
-            entries = [(add(key), block) for key, block in blocks.items()]
-            groups.append([(i, block) for i, block in entries if i is not None])
-        return chain, groups
-
-    def import_prefix_cache(self, chain: list[tuple[tuple[int, ...], int]],
-                            groups: list[list[int]]) -> list[list[tuple[int, int]]]:
-        """Take blocks for a snapshot's cached blocks (``groups[g]``: chain entries) that are not
-        cached yet, register them under keys rebuilt from the chain, and park them as evictable.
-        Returns per group ``(position in groups[g], block)``: where storage must copy each one's
-        K/V. Stops in a group whose fixed budget has no free block left."""
-        keys: list[Hashable] = []
-        for tokens, parent in chain:
-            keys.append((hash(keys[parent] if parent >= 0 else None), tuple(tokens)))
-            self._parents.setdefault(keys[-1], keys[parent] if parent >= 0 else None)
-        placed = []
-        for manager, entries in zip(self._blocks, groups):
-            todo = [(pos, keys[i]) for pos, i in enumerate(entries) if manager.cached_block(keys[i]) is None]
-            room = len(todo) if manager.growable else min(len(todo), manager.num_free_blocks)
-            todo = todo[:room]
-            blocks = manager.allocate_blocks(len(todo)) if todo else []
-            for (_, key), block in zip(todo, blocks):
-                manager.cache_block(block, key)
-            manager.release_blocks(blocks)
-            placed.append([(pos, block) for (pos, _), block in zip(todo, blocks)])
-        return placed
 
     # ------------------------------------------------------------------ slots
     def release_out_of_window(self, work: list[tuple[Sequence, int]]) -> None:
@@ -271,11 +160,11 @@ class KVCacheManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         self._device.fork(parent.seq_id, child.seq_id)
-        self._keys[child.seq_id] = list(self._keys.get(parent.seq_id, []))
+        self.prefix.fork(parent.seq_id, child.seq_id)
 
     def free(self, seq: Sequence) -> None:
         """Give back a sequence's blocks, wherever they are (device or swap space)."""
-        self._keys.pop(seq.seq_id, None)
+        self.prefix.forget(seq.seq_id)
         for key in [k for k, owner in self._inflight.items() if owner == seq.seq_id]:
             del self._inflight[key]
         if seq.seq_id in self._device:

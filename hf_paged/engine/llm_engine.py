@@ -188,29 +188,21 @@ class LLMEngine:
                 return
 
     # ------------------------------------------------------------------ prefix-cache snapshots
-    def _fingerprint(self) -> dict[str, str]:
-        return prefix_snapshot.fingerprint(self.model, self.model.dtype, self.kv.block_size)
-
     @torch.inference_mode()
     def save_prefix_cache(self, path) -> int:
         """Write the prefix cache (its blocks' K/V, token chain and a fingerprint of the model, dtype
         and block size) to one safetensors file. Returns the number of blocks saved."""
-        chain, groups = self.kv.export_prefix_cache()
-        return prefix_snapshot.save(path, self._fingerprint(), chain, groups, self.kv.groups, self.runner.storage)
+        return prefix_snapshot.save_index(path, self.model, self.kv.prefix, self.runner.storage)
 
     @torch.inference_mode()
     def load_prefix_cache(self, path) -> int:
-        """Add a snapshot's cached blocks to the prefix cache (those not cached yet, as far as a
-        fixed budget's free blocks go; they are evictable like any cached block). A snapshot of
-        another model, dtype or block size, or a damaged file, raises ``SnapshotError`` and loads
-        nothing. Returns the number of blocks loaded."""
+        """Add a snapshot's cached blocks (saved by an engine or by ``generate()``'s prefix cache)
+        to the prefix cache (those not cached yet, as far as a fixed budget's free blocks go; they
+        are evictable like any cached block). A snapshot of another model, dtype or block size, or
+        a damaged file, raises ``SnapshotError`` and loads nothing. Returns the number of blocks loaded."""
         if not self.kv.enable_prefix_caching:
             raise ValueError("load_prefix_cache needs an engine with enable_prefix_caching=True")
-        tensors, _ = prefix_snapshot.read(path, self._fingerprint(), len(self.kv.groups))
-        groups = [tensors[f"group{g}.entries"].tolist() for g in range(len(self.kv.groups))]
-        placed = self.kv.import_prefix_cache(prefix_snapshot.chain_of(tensors), groups)
-        return prefix_snapshot.write_blocks(tensors, self.kv.groups, placed, self.runner.storage, self.kv.pool_sizes,
-                                            self.model.device)
+        return prefix_snapshot.load_index(path, self.model, self.kv.prefix, self.runner.storage)
 
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, float | int]:
