@@ -4,6 +4,7 @@
     python -m hf_paged demo --model PATH    # a local checkpoint instead
     python -m hf_paged generate "Once upon a time" --max-new-tokens 40
     python -m hf_paged bench [--quick]      # side-by-side benchmarks, JSON and plots
+    python -m hf_paged serve [--port 8000]  # OpenAI-compatible HTTP server on the engine
 """
 
 from __future__ import annotations
@@ -200,6 +201,31 @@ def bench(args) -> int:
     return 0
 
 
+def serve(args) -> int:
+    """The OpenAI-compatible HTTP server (hf_paged/serve) on one LLMEngine."""
+    if args.tensor_parallel_size != 1:
+        raise CliError(f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not built yet; "
+                       "only 1 is accepted")
+    for name in ("port", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_body_bytes", "max_n",
+                 "max_tokens_limit"):
+        if getattr(args, name) < (0 if name == "port" else 1):
+            raise CliError(f"--{name.replace('_', '-')} must be positive")
+    from hf_paged import LLMEngine
+    from hf_paged.serve import ServerSettings, build_app, server
+
+    api_key = args.api_key or os.environ.get("HF_PAGED_API_KEY") or None
+    model, tokenizer = load(args)
+    engine = LLMEngine(model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    settings = ServerSettings(model_name=args.served_model_name or args.model or "hf-paged-demo", api_key=api_key,
+                              max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting, max_n=args.max_n,
+                              max_tokens=args.max_tokens_limit)
+    model_kind = f"{args.model}" if args.model else "the built-in demo model (random weights: its text is gibberish)"
+    print(f"hf-paged serve: {model_kind} as '{settings.model_name}' on http://{args.host}:{args.port}/v1 "
+          f"(API key {'required' if api_key else 'not required'})", flush=True)
+    return server.run(build_app(engine, settings), args.host, args.port, api_key)
+
+
 def parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", help="local checkpoint directory (default: the built-in demo model)")
@@ -222,6 +248,18 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="benchmarks/out", help="where JSON and plots go")
     b.add_argument("--quick", action="store_true", help="skip the Poisson-rate sweep; one round offline")
     b.add_argument("--repeats", type=int, default=5, help="offline rounds (median reported)")
+    s = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/...)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1: tensor parallelism is not built yet")
+    s.add_argument("--max-num-seqs", type=int, default=256, help="sequences per engine step")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
+    s.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond which new ones get 503")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $HF_PAGED_API_KEY)")
+    s.add_argument("--served-model-name", help="the model name clients pass (default: --model, or hf-paged-demo)")
+    s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413")
+    s.add_argument("--max-n", type=int, default=16, help="the largest n a request may ask for")
+    s.add_argument("--max-tokens-limit", type=int, default=4096, help="the largest max_tokens a request may ask for")
     return top
 
 
@@ -230,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.block_size < 1 or (args.num_blocks is not None and args.num_blocks < 1):
             raise CliError("--block-size and --num-blocks must be positive")
-        return {"generate": generate, "bench": bench}.get(args.command, demo)(args)
+        return {"generate": generate, "bench": bench, "serve": serve}.get(args.command, demo)(args)
     except CliError as err:
         print(f"hf-paged: error: {err}", file=sys.stderr)
         return 2

@@ -65,7 +65,7 @@ class OutputProcessor:
     @staticmethod
     def _is_plain_greedy(request: Request, seq: Sequence) -> bool:
         params = request.params
-        return (request.beam is None and request.forked and params.greedy and params.repetition_penalty == 1.0
+        return (request.beam is None and request.forked and params.greedy and not params.penalized
                 and params.logprobs is None and len(seq.output_token_ids) >= params.min_new_tokens)
 
     def _advance_plain_greedy(self, plain: list[tuple[Request, Sequence, int]], logits: torch.Tensor,

@@ -21,6 +21,8 @@ class SamplingParams:
     top_k: int = 0  # 0 (or -1): no top-k
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # ... and this times the number of times it was generated
     n: int = 1
     num_beams: int = 1
     length_penalty: float = 1.0
@@ -53,6 +55,9 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]")
         if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0:
             raise bad("repetition_penalty", "must be > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not isinstance(getattr(self, name), (int, float)) or not -2 <= getattr(self, name) <= 2:
+                raise bad(name, "must be in [-2, 2]")
         if not is_int(self.n) or self.n < 1:
             raise bad("n", "must be an int >= 1")
         if not is_int(self.num_beams) or self.num_beams < 1:
@@ -77,6 +82,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits (a plain argmax is not enough)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def beam_search(self) -> bool:

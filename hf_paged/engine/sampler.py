@@ -1,4 +1,5 @@
-"""Turning a row of logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded draws.
+"""Turning a row of logits into tokens: penalties (repetition over prompt and output; presence and
+frequency, OpenAI's, over the output only), temperature, top-k/top-p/min-p, seeded draws.
 
 Each request samples with its own ``torch.Generator`` when it has a seed, row by row in a fixed
 order, so its tokens do not depend on what else is in the batch. Greedy rows (temperature 0)
@@ -20,6 +21,10 @@ def process(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], 
         seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=logits.device)
         picked = logits[seen]
         logits[seen] = torch.where(picked < 0, picked * params.repetition_penalty, picked / params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and num_generated:
+        generated = torch.tensor(token_ids[-num_generated:], dtype=torch.long, device=logits.device)
+        counts = torch.bincount(generated, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
     if num_generated < params.min_new_tokens and not params.ignore_eos:
         for eos in eos_token_ids:
             logits[eos] = float("-inf")

@@ -1,0 +1,12 @@
+"""An OpenAI-compatible HTTP server on ``LLMEngine`` (``hf-paged serve``), on FastAPI + uvicorn.
+
+``app.py`` routes and errors, ``protocol.py`` request bodies and their ``SamplingParams``,
+``engine_loop.py`` the one thread that owns the engine, ``detokenize.py`` streamed text,
+``responses.py`` response bodies, ``metrics.py`` Prometheus text, ``server.py`` running it.
+"""
+
+from hf_paged.serve.app import ServerSettings, build_app
+from hf_paged.serve.engine_loop import EngineLoop
+from hf_paged.serve.server import ServerThread
+
+__all__ = ["EngineLoop", "ServerSettings", "ServerThread", "build_app"]

@@ -1,0 +1,351 @@
+"""The FastAPI app: OpenAI routes over one :class:`EngineLoop`, errors in OpenAI's shape.
+
+Handlers parse and check a request, tokenize it (with the HTTP side's own copy of the tokenizer:
+the engine thread uses the engine's), queue it on the engine loop and read its outputs; a
+client that disconnects aborts its requests at once. Statuses: 400 bad parameter (named), 401
+bad key, 404 unknown model, 413 body too large, 422 malformed JSON, 503 queue full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hf_paged.engine.llm_engine import LLMEngine
+from hf_paged.engine.outputs import RequestOutput
+from hf_paged.engine.params import SamplingParams
+from hf_paged.serve import responses
+from hf_paged.serve.detokenize import TextStream
+from hf_paged.serve.engine_loop import EngineFailure, EngineLoop, Overloaded, RequestStream
+from hf_paged.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Limits, invalid, parse,
+                                     resolve_max_tokens)
+
+logger = logging.getLogger("hf_paged.serve")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the command line sets (the engine's own options go to ``LLMEngine``)."""
+
+    model_name: str = "hf-paged-demo"
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 2**20
+    max_waiting: int | None = 512
+    max_n: int = 16
+    max_tokens: int = 4096
+
+
+@dataclass
+class _Job:
+    """One HTTP generation request on its way through the engine."""
+
+    kind: str  # "completion" | "chat"
+    response_id: str
+    request: CompletionRequest | ChatCompletionRequest
+    prompt_texts: list[str]
+    stream: RequestStream | None = None
+
+    @property
+    def n(self) -> int:
+        return self.request.n
+
+
+def build_app(engine: LLMEngine, settings: ServerSettings = ServerSettings()) -> FastAPI:
+    """The app serving ``engine``; its engine loop starts and stops with the app's lifespan
+    (``app.state.engine_loop``)."""
+    if engine.tokenizer is None:
+        raise ValueError("serving needs an engine with a tokenizer")
+    loop = EngineLoop(engine, max_waiting=settings.max_waiting)
+    kv = engine.kv
+    limits = Limits(max_n=settings.max_n, max_tokens=settings.max_tokens, vocab_size=engine.config.vocab_size,
+                    context=engine.max_positions, kv_tokens=None if kv.growable else kv.num_blocks * kv.block_size)
+    serving = _OpenAIServing(loop, copy.deepcopy(engine.tokenizer), settings, limits)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        loop.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(loop.stop)
+
+    app = FastAPI(title="hf_paged", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine_loop = loop
+    app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
+    _add_error_handlers(app)
+    auth = [Depends(_api_key_check(settings.api_key))]
+    app.add_api_route("/health", serving.health, methods=["GET"])
+    app.add_api_route("/metrics", serving.metrics, methods=["GET"])
+    app.add_api_route("/v1/models", serving.models, methods=["GET"], dependencies=auth)
+    app.add_api_route("/v1/models/{model_id:path}", serving.model, methods=["GET"], dependencies=auth)
+    app.add_api_route("/v1/completions", serving.completions, methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/chat/completions", serving.chat, methods=["POST"], dependencies=auth)
+    return app
+
+
+# ---------------------------------------------------------------------------- errors, key, body size
+def _add_error_handlers(app: FastAPI) -> None:
+    async def api_error(_: Request, err: APIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
+
+    async def validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+        return await api_error(_, invalid(None, str(err.errors()[0].get("msg"))))
+
+    async def internal_error(_: Request, err: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return JSONResponse(APIError(500, "internal server error").body(), status_code=500)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, internal_error)
+
+
+def _api_key_check(api_key: str | None):
+    """A dependency comparing ``Authorization: Bearer <key>`` in constant time (none: no check)."""
+    expected = f"Bearer {api_key}".encode()
+
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        got = request.headers.get("authorization", "").encode("utf-8", "replace")
+        if not hmac.compare_digest(got, expected):
+            raise APIError(401, "missing or invalid API key (Authorization: Bearer ...)", code="invalid_api_key")
+
+    return check
+
+
+class _BodyLimit:
+    """Refuses bodies over ``limit`` bytes with 413: by Content-Length before reading, else as read."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            response = JSONResponse(self._error().body(), status_code=413)
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise self._error()
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _error(self) -> APIError:
+        return APIError(413, f"request body over {self.limit} bytes", code="request_too_large")
+
+
+async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
+    """Wait for the client to go away (after the body, ``receive`` yields only that), then abort."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    stream.abort()
+
+
+# ---------------------------------------------------------------------------- the routes
+class _OpenAIServing:
+    def __init__(self, loop: EngineLoop, tokenizer, settings: ServerSettings, limits: Limits):
+        self.loop, self.tokenizer, self.settings, self.limits = loop, tokenizer, settings, limits
+        self.token_text = responses.TokenText(tokenizer)
+
+    async def health(self) -> Response:
+        ok = self.loop.alive
+        return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
+
+    async def metrics(self) -> Response:
+        try:
+            stats = await asyncio.wait_for(asyncio.wrap_future(self.loop.call(LLMEngine.stats)), timeout=10)
+        except asyncio.TimeoutError:
+            raise APIError(503, "the engine loop did not answer") from None
+        return PlainTextResponse(self.loop.metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    def _model_card(self) -> dict:
+        return {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "hf_paged",
+                "max_model_len": self.limits.context}
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model_id: str) -> dict:
+        self._check_model(model_id)
+        return self._model_card()
+
+    def _check_model(self, name: str) -> None:
+        if name != self.settings.model_name:
+            raise APIError(404, f"the model '{name}' does not exist (this server has '{self.settings.model_name}')",
+                           param="model", code="model_not_found")
+
+    async def _parse(self, request: Request, model):
+        body = await request.body()
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise APIError(422, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+        req = parse(model, data)
+        self._check_model(req.model)
+        req.check(self.limits)
+        return req
+
+    # ------------------------------------------------------------------ completions and chat
+    async def completions(self, request: Request) -> Response:
+        req: CompletionRequest = await self._parse(request, CompletionRequest)
+        encoded = [self._encode(p) for p in req.prompts()]
+        max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        for ids in encoded:
+            resolve_max_tokens(max_tokens, max_tokens, len(ids), self.limits, "prompt")
+        texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in req.prompts()] if req.echo else []
+        job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", req, texts)
+        return await self._run(job, encoded, req.sampling_params(max_tokens), request)
+
+    async def chat(self, request: Request) -> Response:
+        req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise invalid("messages", "this model's tokenizer has no chat template")
+        try:
+            text = self.tokenizer.apply_chat_template(req.conversation(), add_generation_prompt=True, tokenize=False)
+        except Exception as err:  # noqa: BLE001 - a template's own error (e.g. an unknown role)
+            raise invalid("messages", f"the chat template refused the messages: {err}") from None
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        max_tokens = resolve_max_tokens(req.max_tokens, None, len(ids), self.limits, "messages")
+        job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req, [])
+        return await self._run(job, [ids], req.sampling_params(max_tokens), request)
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if self.limits.vocab_size is not None and any(not 0 <= t < self.limits.vocab_size for t in prompt):
+            raise invalid("prompt", f"prompt token ids must be below the vocabulary size {self.limits.vocab_size}")
+        return list(prompt)
+
+    async def _run(self, job: _Job, prompts: list[list[int]], params: SamplingParams, request: Request) -> Response:
+        if not self.loop.alive:
+            raise APIError(503, "the engine loop is not running")
+        job.stream = self.loop.submit(prompts, params, job.response_id, final_only=not job.request.stream)
+        try:
+            await job.stream.accepted()
+        except Overloaded as err:
+            raise APIError(503, str(err), code="server_overloaded") from None
+        except ValueError as err:
+            raise invalid("messages" if job.kind == "chat" else "prompt", str(err)) from None
+        except EngineFailure as err:
+            raise APIError(503, str(err)) from None
+        except BaseException:  # cancelled while waiting: drop what may have been queued
+            job.stream.abort()
+            raise
+        watcher = asyncio.create_task(_abort_on_disconnect(request, job.stream))
+        if job.request.stream:
+            return StreamingResponse(self._events(job, watcher), media_type="text/event-stream")
+        try:
+            finals = {i: out async for i, out in job.stream if out.finished}
+        except EngineFailure as err:
+            raise APIError(503, str(err)) from None
+        finally:
+            watcher.cancel()
+            job.stream.abort()
+        if len(finals) < len(prompts):
+            return Response(status_code=499)  # the client left; nobody reads this
+        outputs = [finals[i] for i in range(len(prompts))]
+        failed = next((o.error for o in outputs if o.error), None)
+        if failed:
+            raise invalid("max_tokens", failed)
+        return JSONResponse(self._response(job, outputs))
+
+    def _response(self, job: _Job, outputs: list[RequestOutput]) -> dict:
+        req, choices = job.request, []
+        for i, out in enumerate(outputs):
+            for c in out.outputs:
+                prefix = job.prompt_texts[i] if job.prompt_texts else ""
+                choices.append(responses.choice(
+                    job.kind, i * job.n + c.index, prefix + c.text, c.finish_reason,
+                    self._logprobs(job, c.token_ids, c.logprobs), c.token_ids if req.return_token_ids else None))
+        choices.sort(key=lambda ch: ch["index"])
+        return responses.envelope(job.kind, job.response_id, self.settings.model_name, choices,
+                                  responses.usage(outputs))
+
+    def _logprobs(self, job: _Job, token_ids: list[int], logprobs, offset: int = 0) -> dict | None:
+        k = job.request.num_logprobs()
+        if k is None or logprobs is None:
+            return None
+        if job.kind == "chat":
+            return responses.chat_logprobs(self.token_text, token_ids, logprobs, k)
+        return responses.completion_logprobs(self.token_text, token_ids, logprobs, k, offset)
+
+    # ------------------------------------------------------------------ streaming
+    async def _events(self, job: _Job, watcher: asyncio.Task) -> AsyncIterator[str]:
+        """SSE chunks, ``[DONE]`` last; the requests are aborted if the stream stops early."""
+        req, created = job.request, int(time.time())
+        texts: dict[int, TextStream] = {}
+        offsets: dict[int, int] = {}
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in job.stream:
+                if out.error:
+                    yield responses.sse(invalid("max_tokens", out.error).body())
+                    break
+                if out.finished:
+                    finals[i] = out
+                for c in out.outputs:
+                    chunk = self._chunk(job, i * job.n + c.index, c, texts, offsets, i)
+                    if chunk is not None:
+                        yield responses.sse(responses.envelope(job.kind, job.response_id, self.settings.model_name,
+                                                               [chunk], chunk=True, created=created))
+            else:
+                if req.stream_options and req.stream_options.include_usage:
+                    yield responses.sse(responses.envelope(job.kind, job.response_id, self.settings.model_name, [],
+                                                           responses.usage(list(finals.values())), chunk=True,
+                                                           created=created))
+        except EngineFailure as err:
+            yield responses.sse(APIError(503, str(err)).body())
+        finally:
+            watcher.cancel()
+            job.stream.abort()
+        yield responses.sse("[DONE]")
+
+    def _chunk(self, job: _Job, index: int, c, texts: dict[int, TextStream], offsets: dict[int, int],
+               prompt_index: int) -> dict | None:
+        """The stream chunk for one completion's latest state (None: nothing new to send)."""
+        first = index not in texts
+        if first:
+            texts[index] = TextStream(self.tokenizer, job.request.stop_strings())
+        text_stream = texts[index]
+        if text_stream.finished:
+            return None
+        start = text_stream.num_tokens
+        delta, new_ids = text_stream.update(c)
+        if first and job.prompt_texts:
+            delta = job.prompt_texts[prompt_index] + delta
+        logprobs = self._logprobs(job, new_ids, c.logprobs[start: start + len(new_ids)] if c.logprobs else None,
+                                  offsets.get(index, 0))
+        if logprobs and job.kind == "completion":
+            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+        wants_tokens = bool(new_ids) and (logprobs is not None or job.request.return_token_ids)
+        if not (delta or text_stream.finished or wants_tokens or (first and job.kind == "chat")):
+            return None
+        return responses.choice(job.kind, index, delta, c.finish_reason if text_stream.finished else None, logprobs,
+                                new_ids if job.request.return_token_ids else None, delta=True, first=first)

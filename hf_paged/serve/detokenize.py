@@ -1,0 +1,80 @@
+"""Streamed text: token ids in, whole characters out.
+
+A byte-level tokenizer (the demo's, GPT-2's) splits a multi-byte UTF-8 character over several
+tokens, and decoding only the first of them gives U+FFFD. Sending that and the rest later would
+put a broken character on the wire and make the chunks add up to something else than the
+non-streamed text. :class:`IncrementalDetokenizer` holds such tokens back until the character is
+whole; :class:`TextStream` also holds back what could be the start of a stop string, and ends on
+the engine's final text, so a stream's deltas always concatenate to the non-streamed response.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hf_paged.engine.outputs import CompletionOutput
+
+REPLACEMENT = "\ufffd"
+MAX_HELD_TOKENS = 8  # a UTF-8 character has at most 4 bytes: more than this is really invalid text
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing list of token ids, releasing text only once its characters are whole.
+
+    Each push decodes just a window, from the tokens released last time to the end, so the cost
+    per token is constant; starting the window at earlier tokens (not at the new ones) lets
+    tokenizers that treat a leading space specially (SentencePiece) see their context.
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._start = 0  # window start
+        self._read = 0  # token_ids[:_read] are in self.text
+
+    def _decode(self, start: int, end: int) -> str:
+        return self.tokenizer.decode(self.token_ids[start:end], skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_ids: list[int], final: bool = False) -> str:
+        """Add tokens; returns the text they complete ('' while a character is still partial).
+        ``final``: release everything, broken or not (the sequence has ended)."""
+        self.token_ids += token_ids
+        if self._read == len(self.token_ids):
+            return ""
+        before = self._decode(self._start, self._read)
+        after = self._decode(self._start, len(self.token_ids))
+        held = len(self.token_ids) - self._read
+        if not final and after.endswith(REPLACEMENT) and held < MAX_HELD_TOKENS:
+            return ""
+        delta = after[len(before):]
+        self._start, self._read = self._read, len(self.token_ids)
+        self.text += delta
+        return delta
+
+
+class TextStream:
+    """The text deltas of one completion (one choice) as its outputs arrive from the engine."""
+
+    def __init__(self, tokenizer: Any, stop: list[str] | None = None):
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._hold = max((len(s) for s in stop or ()), default=1) - 1  # a stop string may be starting
+        self.sent = ""
+        self.num_tokens = 0
+        self.finished = False
+
+    def update(self, completion: CompletionOutput) -> tuple[str, list[int]]:
+        """``(text delta, new token ids)`` for the completion's latest state. The engine's final
+        text (cut at a stop string) closes the stream: what was sent is always its prefix."""
+        new_ids = completion.token_ids[self.num_tokens:]
+        self.num_tokens = len(completion.token_ids)
+        self._detokenizer.push(new_ids, final=completion.finished)
+        if completion.finished:
+            self.finished = True
+            final = completion.text
+            delta = final[len(self.sent):] if final.startswith(self.sent) else self._detokenizer.text[len(self.sent):]
+        else:
+            text = self._detokenizer.text
+            delta = text[len(self.sent): len(text) - self._hold]
+        self.sent += delta
+        return delta, new_ids

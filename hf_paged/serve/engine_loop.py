@@ -1,0 +1,262 @@
+"""The one thread that owns the ``LLMEngine``; HTTP handlers only enqueue and read.
+
+Handlers (on the asyncio event loop) send commands through a queue: add a request, abort one,
+run a function on the engine. The engine thread drains that queue between steps, steps the
+engine while anything is unfinished, and hands each request's outputs back to its handler's
+:class:`RequestStream` (one ``call_soon_threadsafe`` per event loop and step). Nothing else
+touches the engine, so it needs no locks, and an abort frees the request's blocks before the
+next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from hf_paged.engine.llm_engine import LLMEngine
+from hf_paged.engine.outputs import RequestOutput
+from hf_paged.engine.params import SamplingParams
+from hf_paged.serve.metrics import ServingMetrics
+
+logger = logging.getLogger("hf_paged.serve")
+_ACCEPTED = "accepted"
+_ABORTED = "aborted"
+
+
+class Overloaded(Exception):
+    """More requests are waiting than ``max_waiting`` allows (answered 503)."""
+
+
+class EngineFailure(RuntimeError):
+    """The engine raised during a step or is stopping; the requests in flight end with it."""
+
+
+class RequestStream:
+    """The outputs of one HTTP request's engine requests (one per prompt), read on its event loop.
+
+    Iterating yields ``(prompt index, RequestOutput)``: every change, or with ``final_only`` just
+    the finished outputs. ``abort()`` stops whatever is unfinished (idempotent).
+    """
+
+    def __init__(self, owner: EngineLoop, request_ids: list[str], final_only: bool):
+        self.request_ids, self.final_only = request_ids, final_only
+        self._owner = owner
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._unfinished = len(request_ids)
+        self._aborted = False
+
+    async def accepted(self) -> None:
+        """Wait for the engine to queue the requests; raises ``ValueError`` (bad prompt or
+        parameters) or :class:`Overloaded`, in which case nothing was queued."""
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._unfinished = 0
+            raise item
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self._unfinished:
+            item = await self._queue.get()
+            if item is _ABORTED:
+                return
+            if isinstance(item, BaseException):
+                self._unfinished = 0
+                raise item
+            index, output = item
+            self._unfinished -= output.finished
+            yield index, output
+
+    @property
+    def done(self) -> bool:
+        return self._unfinished == 0
+
+    def abort(self) -> None:
+        """Stop the unfinished requests (their blocks are freed before the next step) and end the
+        iteration; call it on the stream's event loop."""
+        if not self.done and not self._aborted:
+            self._aborted = True
+            self._unfinished = 0
+            self._queue.put_nowait(_ABORTED)
+            self._owner.abort(self)
+
+
+@dataclass
+class _Live:
+    """An engine request in flight: where its outputs go and when it last produced tokens."""
+
+    stream: RequestStream
+    index: int
+    arrival: float
+    last_token: float | None = None
+    num_tokens: int = 0
+
+
+class EngineLoop:
+    """Runs ``engine`` in a background thread; see the module docstring."""
+
+    def __init__(self, engine: LLMEngine, *, max_waiting: int | None = None, metrics: ServingMetrics | None = None):
+        self.engine, self.max_waiting = engine, max_waiting
+        self.metrics = metrics or ServingMetrics()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------ the handlers' side
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the thread; requests still in flight are aborted and their streams get an error."""
+        if self._thread is not None:
+            self._commands.put(("stop",))
+            self._thread.join(timeout)
+
+    @property
+    def in_flight(self) -> int:
+        """Engine requests queued or running for a client (read it in ``call`` for an exact value)."""
+        return len(self._live)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+               final_only: bool = False) -> RequestStream:
+        """Queue one engine request per prompt (ids ``{request_id}-{i}``); await ``accepted()``."""
+        stream = RequestStream(self, [f"{request_id}-{i}" for i in range(len(prompts))], final_only)
+        self._commands.put(("add", stream, prompts, params))
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        self._commands.put(("abort", stream))
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
+        """Run ``fn(engine)`` in the engine thread, between steps (stats, test checks)."""
+        future: Future = Future()
+        self._commands.put(("call", fn, future))
+        return future
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain(block=not self.engine.has_unfinished_requests())
+            if self.engine.has_unfinished_requests() and not self._stopping:
+                try:
+                    outputs = self.engine.step()
+                except Exception as err:  # a bug: end what is in flight, keep serving
+                    logger.exception("engine step failed")
+                    self._end_all(EngineFailure(f"the engine failed: {type(err).__name__}: {err}"))
+                else:
+                    self._dispatch(outputs)
+            self._flush()
+        self._end_all(EngineFailure("the server is shutting down"))
+        self._refuse_queued()
+        self._flush()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=1.0) if block else self._commands.get_nowait()
+            while True:
+                self._execute(command)
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _execute(self, command: tuple) -> None:
+        match command:
+            case ("add", stream, prompts, params):
+                self._add(stream, prompts, params)
+            case ("abort", stream):
+                for request_id in stream.request_ids:
+                    if self._live.pop(request_id, None) is not None:
+                        self.engine.abort(request_id)
+                        self.metrics.finish("abort")
+            case ("call", fn, future):
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as err:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(err)
+            case ("stop",):
+                self._stopping = True
+
+    def _add(self, stream: RequestStream, prompts: list[list[int]], params: SamplingParams) -> None:
+        if self.max_waiting is not None and self.engine.stats()["waiting"] + len(prompts) > self.max_waiting:
+            self.metrics.reject("overloaded", len(prompts))
+            return self._send(stream, Overloaded(f"more than {self.max_waiting} requests are waiting; retry later"))
+        now = time.monotonic()
+        try:
+            for index, (request_id, prompt) in enumerate(zip(stream.request_ids, prompts)):
+                self.engine.add_request(prompt, params, request_id=request_id)
+                self._live[request_id] = _Live(stream, index, now)
+        except Exception as err:  # noqa: BLE001 - ValueError: a bad request; anything else: the handler's 500
+            for request_id in stream.request_ids:
+                if self._live.pop(request_id, None) is not None:
+                    self.engine.abort(request_id)
+            self.metrics.reject("invalid", len(prompts))
+            return self._send(stream, err)
+        self._send(stream, _ACCEPTED)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            tokens = sum(len(c.token_ids) for c in out.outputs)
+            if tokens > live.num_tokens:
+                if live.last_token is None:
+                    self.metrics.first_token(now - live.arrival)
+                else:
+                    self.metrics.next_token(now - live.last_token)
+                live.last_token, live.num_tokens = now, tokens
+            if out.finished:
+                del self._live[out.request_id]
+                first = out.outputs[0].finish_reason if out.outputs else None
+                self.metrics.finish("error" if out.error else first or "stop")
+            if out.finished or not live.stream.final_only:
+                self._send(live.stream, (live.index, out))
+
+    def _end_all(self, error: EngineFailure) -> None:
+        for request_id, live in list(self._live.items()):
+            self.engine.abort(request_id)
+            self.metrics.finish("error")
+            self._send(live.stream, error)
+        self._live.clear()
+
+    def _refuse_queued(self) -> None:
+        """After the loop: answer what is still queued, so no handler waits forever."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                self._send(command[1], EngineFailure("the server is shutting down"))
+            elif command[0] == "call":
+                command[2].set_exception(EngineFailure("the server is shutting down"))
+
+    def _send(self, stream: RequestStream, item: Any) -> None:
+        self._outbox.setdefault(stream._loop, []).append((stream, item))
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that event loop is closed: nobody is reading
+                pass
+
+
+def _deliver(items: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in items:
+        stream._queue.put_nowait(item)

@@ -1,0 +1,110 @@
+"""Prometheus text for ``/metrics``: the engine's own counters plus latencies the server measures.
+
+The engine reports its queues, KV blocks, prefix-cache hits, preemptions and tokens
+(``LLMEngine.stats()``); time to first token and inter-token latency are measured by the engine
+loop as outputs come out of each step, so they include scheduling but not HTTP. Written by hand
+(the format is a few lines) to keep ``prometheus_client`` out of the dependencies.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import Counter
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+PREFIX = "hf_paged"
+
+# engine stats key -> (metric name, type, help)
+_ENGINE_METRICS = {
+    "running": ("requests_running", "gauge", "Requests being computed."),
+    "waiting": ("requests_waiting", "gauge", "Requests queued, not yet scheduled."),
+    "swapped": ("requests_swapped", "gauge", "Requests preempted to the CPU swap pool."),
+    "blocks_total": ("kv_blocks_total", "gauge", "KV blocks in the device pools (summed over layer groups)."),
+    "blocks_used": ("kv_blocks_used", "gauge", "KV blocks held by sequences."),
+    "blocks_free": ("kv_blocks_free", "gauge", "KV blocks that can be handed out (free or evictable cached)."),
+    "blocks_cached": ("kv_blocks_cached", "gauge", "KV blocks registered in the prefix cache (held or evictable)."),
+    "swap_blocks_used": ("kv_swap_blocks_used", "gauge", "CPU swap blocks in use."),
+    "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "gauge", "Prompt tokens found in the prefix cache / looked up."),
+    "prefix_cache_queried_tokens": ("prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up."),
+    "prefix_cache_hit_tokens": ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens found cached."),
+    "computed_prompt_tokens": ("prompt_tokens_computed_total", "counter", "Prompt tokens computed (hits excluded)."),
+    "generated_tokens": ("generation_tokens_total", "counter", "Tokens generated."),
+    "steps": ("engine_steps_total", "counter", "Engine steps that ran a forward."),
+    "tokens_per_second": ("generation_tokens_per_second", "gauge", "Generated tokens per second of engine busy time."),
+}
+
+
+class Histogram:
+    """A cumulative Prometheus histogram (buckets are upper bounds in seconds)."""
+
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...] = LATENCY_BUCKETS):
+        self.name, self.help, self.buckets = name, help_text, buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self) -> list[str]:
+        full = f"{PREFIX}_{self.name}"
+        out = [f"# HELP {full} {self.help}", f"# TYPE {full} histogram"]
+        running = 0
+        for bound, n in zip((*self.buckets, float("inf")), self.counts):
+            running += n
+            out.append(f'{full}_bucket{{le="{"+Inf" if bound == float("inf") else repr(bound)}"}} {running}')
+        return out + [f"{full}_sum {self.sum!r}", f"{full}_count {self.count}"]
+
+
+class ServingMetrics:
+    """What the server measures itself; written by the engine loop, read by ``/metrics``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.ttft = Histogram("time_to_first_token_seconds", "From arrival at the engine loop to the first token.")
+        self.itl = Histogram("inter_token_latency_seconds", "Between consecutive steps that gave a request tokens.")
+        self.finished: Counter[str] = Counter()  # finish reason (stop, length, abort, error) -> requests
+        self.rejected: Counter[str] = Counter()  # why (invalid, overloaded) -> engine requests refused
+
+    def first_token(self, seconds: float) -> None:
+        with self._lock:
+            self.ttft.observe(seconds)
+
+    def next_token(self, seconds: float) -> None:
+        with self._lock:
+            self.itl.observe(seconds)
+
+    def finish(self, reason: str) -> None:
+        with self._lock:
+            self.finished[reason] += 1
+
+    def reject(self, why: str, count: int = 1) -> None:
+        with self._lock:
+            self.rejected[why] += count
+
+    def render(self, engine_stats: dict) -> str:
+        """The whole exposition: engine stats first, then the server's own series."""
+        lines = []
+        for key, (name, kind, help_text) in _ENGINE_METRICS.items():
+            if key in engine_stats:
+                lines += _sample(name, kind, help_text, [("", engine_stats[key])])
+        lines += _sample("preemptions_total", "counter", "Requests preempted, by mode.",
+                         [('{mode="recompute"}', engine_stats.get("preemptions_recompute", 0)),
+                          ('{mode="swap"}', engine_stats.get("preemptions_swap", 0))])
+        with self._lock:
+            lines += _sample("requests_finished_total", "counter",
+                             "Engine requests finished, by finish reason (of their first completion).",
+                             [(f'{{finish_reason="{r}"}}', n) for r, n in sorted(self.finished.items())])
+            lines += _sample("requests_rejected_total", "counter", "Engine requests refused before queueing.",
+                             [(f'{{reason="{r}"}}', n) for r, n in sorted(self.rejected.items())])
+            lines += self.ttft.lines() + self.itl.lines()
+        return "\n".join(lines) + "\n"
+
+
+def _sample(name: str, kind: str, help_text: str, values: list[tuple[str, float]]) -> list[str]:
+    full = f"{PREFIX}_{name}"
+    return [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"] + [f"{full}{labels} {value!r}"
+                                                                     for labels, value in values]

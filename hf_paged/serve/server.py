@@ -1,0 +1,76 @@
+"""Running the app: ``hf-paged serve`` (uvicorn in the foreground) and :class:`ServerThread`
+(uvicorn in a background thread on a socket bound first, for tests and benchmarks)."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import sys
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI
+
+logger = logging.getLogger("hf_paged.serve")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning to print when the server listens beyond this machine with no key."""
+    if is_loopback(host) or api_key:
+        return None
+    return (f"WARNING: listening on {host} (beyond loopback) without --api-key: anyone who can reach this port "
+            f"can use the model. Set --api-key (or HF_PAGED_API_KEY), or bind 127.0.0.1.")
+
+
+def run(app: FastAPI, host: str, port: int, api_key: str | None) -> int:
+    """Serve until interrupted (Ctrl-C / SIGTERM shut down gracefully)."""
+    warning = exposure_warning(host, api_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=10)
+    return 0
+
+
+class ServerThread:
+    """``with ServerThread(app) as server:`` serves ``app`` on ``server.url`` (a free loopback port)
+    from a daemon thread; leaving the block shuts uvicorn down and joins the thread."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, start_timeout: float = 60.0):
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((host, port))
+        self.host, self.port = host, self.socket.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self.start_timeout = start_timeout
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
+                                        name="hf-paged-uvicorn", daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + self.start_timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.server.should_exit = True
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._thread.join(30)
+        self.socket.close()
+        if self._thread.is_alive():
+            raise RuntimeError("the server thread did not stop within 30 s")

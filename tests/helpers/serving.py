@@ -1,0 +1,70 @@
+"""Shared by the server tests: a tiny model, a served engine, the engine-side truth, idle checks."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from hf_paged import LLMEngine
+from hf_paged.demo import byte_tokenizer, demo_model
+from hf_paged.serve import ServerSettings, ServerThread, build_app
+
+MODEL = "tiny"
+
+
+def tiny_model(**overrides):
+    """The demo architecture, tiny and random (seed 0): varied bytes, multi-byte characters among them."""
+    options = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, initializer_range=0.3)
+    return demo_model(seed=0, **{**options, **overrides})
+
+
+@contextlib.contextmanager
+def single_threaded_torch():
+    """One intra-op thread: on a shared 2-core machine two OpenMP threads wait on each other (tens of
+    ms per tiny matmul) while the server's own threads want the cores too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def serving(engine_kwargs: dict | None = None, model_overrides: dict | None = None, **settings):
+    """A server on a free loopback port over a fresh engine; yields ``(server, engine loop)``."""
+    engine = LLMEngine(tiny_model(**(model_overrides or {})), byte_tokenizer(), **(engine_kwargs or {}))
+    app = build_app(engine, ServerSettings(model_name=MODEL, **settings))
+    with ServerThread(app) as server:
+        yield server, app.state.engine_loop
+
+
+def wait_idle(loop, timeout: float = 15.0) -> dict:
+    """The engine's stats once nothing is in flight (aborts land between steps)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats, in_flight = loop.call(lambda e: (e.stats(), loop.in_flight)).result(timeout)
+        idle = in_flight == 0 and stats["running"] == stats["waiting"] == stats["swapped"] == 0
+        if idle or time.monotonic() > deadline:
+            return {**stats, "in_flight": in_flight}
+        time.sleep(0.02)
+
+
+def assert_all_free(loop) -> None:
+    stats = wait_idle(loop)
+    assert stats["in_flight"] == 0 and stats["running"] == stats["waiting"] == stats["swapped"] == 0, stats
+    assert stats["blocks_used"] == 0 and stats["swap_blocks_used"] == 0, f"KV blocks leaked: {stats}"
+
+
+def same_or_near_tie(got: list[int], ref: list[int], ref_logprobs: list[dict[int, float]], gap: float = 1e-4) -> bool:
+    """Greedy tokens equal, or first differing where the reference's top two were within ``gap``
+    (a batch of another shape may round the logits differently)."""
+    if got == ref:
+        return True
+    step = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+    if step is None:
+        return False  # one is a prefix of the other: a length difference is never a tie
+    entry = ref_logprobs[step]
+    return got[step] in entry and abs(entry[got[step]] - entry[ref[step]]) < gap

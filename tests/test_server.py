@@ -1,0 +1,516 @@
+"""The OpenAI-compatible server, driven by the real ``openai`` client on a loopback port: outputs
+equal to ``LLMEngine.generate``, streaming, options, errors, disconnects, the command line. After
+every test nothing is in flight and every KV block is free."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from hf_paged import LLMEngine, SamplingParams
+from hf_paged.__main__ import main
+from hf_paged.demo import byte_tokenizer
+from hf_paged.engine.outputs import CompletionOutput
+from hf_paged.serve.detokenize import IncrementalDetokenizer, TextStream
+from hf_paged.serve.server import exposure_warning
+from tests.helpers.serving import MODEL, assert_all_free, serving, single_threaded_torch, tiny_model, wait_idle
+
+NUM_BLOCKS = 256
+TOKENIZER = byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def served():
+    with single_threaded_torch(), serving({"num_blocks": NUM_BLOCKS}) as (server, loop):
+        yield server, loop
+
+
+@pytest.fixture
+def client(served):
+    server, loop = served
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+    assert_all_free(loop)
+
+
+@pytest.fixture(scope="module")
+def engine(served):
+    """The truth: an in-process LLMEngine on an identical model (same seed), same budget."""
+    return LLMEngine(tiny_model(), byte_tokenizer(), num_blocks=NUM_BLOCKS)
+
+
+def truth(engine: LLMEngine, prompt, **params) -> CompletionOutput:
+    out = engine.generate([prompt], SamplingParams(**params), use_tqdm=False)[0]
+    assert out.error is None
+    return out
+
+
+def chat_ids(messages: list[dict]) -> list[int]:
+    text = TOKENIZER.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return TOKENIZER(text, add_special_tokens=False).input_ids
+
+
+def has_multibyte(text: str) -> bool:
+    """A character the byte tokenizer split over tokens (not U+FFFD, which invalid bytes give)."""
+    return any(ord(ch) > 127 and ch != "\ufffd" for ch in text)
+
+
+def aborted(server) -> int:
+    metrics = httpx.get(server.url + "/metrics").text
+    found = re.search(r'^hf_paged_requests_finished_total\{finish_reason="abort"\} (\d+)', metrics, re.M)
+    return int(found.group(1)) if found else 0
+
+
+GREEDY = dict(temperature=0, extra_body={"return_token_ids": True})
+
+
+# ---------------------------------------------------------------------------- outputs equal the engine's
+def test_completions_equal_the_engine(client, engine):
+    prompts = ["Hello", "Once upon a time", "日本語"]
+    resp = client.completions.create(model=MODEL, prompt=prompts, max_tokens=12, **GREEDY)
+    assert [c.index for c in resp.choices] == [0, 1, 2] and resp.model == MODEL and resp.object == "text_completion"
+    refs = [truth(engine, p, max_new_tokens=12, temperature=0).outputs[0] for p in prompts]
+    for choice, ref in zip(resp.choices, refs):
+        assert (choice.text, choice.model_extra["token_ids"], choice.finish_reason) == \
+               (ref.text, ref.token_ids, ref.finish_reason)
+    assert resp.usage.prompt_tokens == sum(len(TOKENIZER(p).input_ids) for p in prompts)
+    assert resp.usage.completion_tokens == sum(len(r.token_ids) for r in refs)
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    ids = client.completions.create(model=MODEL, prompt=[72, 105, 33], max_tokens=6, **GREEDY).choices[0]
+    ref = truth(engine, [72, 105, 33], max_new_tokens=6, temperature=0).outputs[0]
+    assert ids.model_extra["token_ids"] == ref.token_ids
+
+
+def test_chat_equals_the_engine(client, engine):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, **GREEDY)
+    ref = truth(engine, chat_ids(messages), max_new_tokens=10, temperature=0).outputs[0]
+    message = resp.choices[0].message
+    assert (message.role, message.content, resp.choices[0].model_extra["token_ids"]) == ("assistant", ref.text,
+                                                                                        ref.token_ids)
+    assert resp.object == "chat.completion" and resp.usage.prompt_tokens == len(chat_ids(messages))
+    assert resp.usage.completion_tokens == len(ref.token_ids)
+    parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                                       {"type": "text", "text": "there"}]}]
+    assert client.chat.completions.create(model=MODEL, messages=parts, max_tokens=10, temperature=0) \
+        .choices[0].message.content == ref.text
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, seed=6)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_stream_chunks_concatenate_to_the_non_streamed_text(client, kind, sampling):
+    """Multi-byte characters split over byte tokens arrive whole: a chunk sent with a broken
+    character (U+FFFD for its first bytes) would make the concatenation differ."""
+    if kind == "completion":
+        create, args = client.completions.create, dict(prompt="Once upon a time")
+        text_of, delta_of = (lambda r: r.choices[0].text), (lambda c: c.text)
+    else:
+        create, args = client.chat.completions.create, dict(messages=[{"role": "user", "content": "Once upon"}])
+        text_of, delta_of = (lambda r: r.choices[0].message.content), (lambda c: c.delta.content or "")
+    finish_of = lambda r: r.choices[0].finish_reason  # noqa: E731
+    full = text_of(create(model=MODEL, max_tokens=48, **args, **sampling))
+    chunks = [c for c in create(model=MODEL, max_tokens=48, stream=True, **args, **sampling) if c.choices]
+    assert has_multibyte(full), "no split character in the output: the test would not see one broken"
+    assert "".join(delta_of(c.choices[0]) for c in chunks) == full
+    assert chunks[-1].choices[0].finish_reason == finish_of(create(model=MODEL, max_tokens=48, **args, **sampling))
+    assert len(chunks) > 2
+    if kind == "chat":
+        assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+
+
+CASES = {  # request options -> the same request as SamplingParams
+    "n=2 seeded": (dict(temperature=1.0, seed=7, n=2), dict(temperature=1.0, seed=7, n=2)),
+    "top_p top_k": (dict(temperature=1.0, top_p=0.9, seed=3, extra_body={"top_k": 8}),
+                    dict(temperature=1.0, top_p=0.9, top_k=8, seed=3)),
+    "min_p": (dict(temperature=1.0, seed=5, extra_body={"min_p": 0.5}), dict(temperature=1.0, min_p=0.5, seed=5)),
+    "presence frequency": (dict(temperature=0, presence_penalty=1.5, frequency_penalty=1.0),  # greedy repeats here
+                           dict(temperature=0, presence_penalty=1.5, frequency_penalty=1.0)),
+    "repetition": (dict(temperature=1.0, seed=2, extra_body={"repetition_penalty": 1.8}),
+                   dict(temperature=1.0, seed=2, repetition_penalty=1.8)),
+    "min_tokens": (dict(temperature=1.0, seed=26, extra_body={"min_tokens": 20}),  # seed 26 alone stops at 6
+                   dict(temperature=1.0, seed=26, min_new_tokens=20)),
+    "ignore_eos": (dict(temperature=1.0, seed=26, extra_body={"ignore_eos": True}),
+                   dict(temperature=1.0, seed=26, ignore_eos=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sampling_options_equal_the_engine(client, engine, case):
+    """Each option reaches the engine: the output equals the engine's with it, and differs from
+    the engine's without it (where it changes anything)."""
+    options, params = CASES[case]
+    options = {**options, "extra_body": {**options.get("extra_body", {}), "return_token_ids": True}}
+    prompt = "aaaa" if case == "presence frequency" else "The quick brown fox"
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, **options)
+    ref = truth(engine, prompt, max_new_tokens=24, **params)
+    assert [c.model_extra["token_ids"] for c in resp.choices] == [c.token_ids for c in ref.outputs]
+    assert [c.text for c in resp.choices] == [c.text for c in ref.outputs]
+    base = {k: v for k, v in params.items() if k in ("temperature", "seed", "n")}
+    if base != params:
+        assert [c.token_ids for c in truth(engine, prompt, max_new_tokens=24, **base).outputs] != \
+               [c.token_ids for c in ref.outputs], f"{case} changes nothing here: the test would not see it ignored"
+
+
+def test_seed_reproducibility_and_n(client):
+    def run(seed):
+        resp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=16, temperature=1.0, seed=seed, n=2)
+        return [c.text for c in resp.choices]
+
+    first = run(11)
+    assert first == run(11) and first != run(12) and first[0] != first[1]
+
+
+def test_stop_token_ids_and_stop_strings(client, engine):
+    free = truth(engine, "Hello", max_new_tokens=24, temperature=0).outputs[0]
+    stop_id = free.token_ids[4]
+    cut = client.completions.create(model=MODEL, prompt="Hello", max_tokens=24, temperature=0,
+                                    extra_body={"stop_token_ids": [stop_id], "return_token_ids": True}).choices[0]
+    assert cut.model_extra["token_ids"] == free.token_ids[: free.token_ids.index(stop_id) + 1]
+    assert cut.finish_reason == "stop"
+    j = next(j for j in range(3, len(free.text) - 2) if free.text.find(free.text[j: j + 2]) == j)
+    stop = free.text[j: j + 2]
+    resp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=24, temperature=0, stop=[stop])
+    assert (resp.choices[0].text, resp.choices[0].finish_reason) == (free.text[:j], "stop")
+    assert resp.choices[0].text == truth(engine, "Hello", max_new_tokens=24, temperature=0, stop=[stop]).outputs[0].text
+    streamed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=24, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == free.text[:j]
+
+
+def test_logprobs(client, engine):
+    ref = truth(engine, "Hello", max_new_tokens=8, temperature=0, logprobs=3).outputs[0]
+    lp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0, logprobs=3) \
+        .choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([e[t] for e, t in zip(ref.logprobs, ref.token_ids)], abs=1e-6)
+    assert lp.tokens == [TOKENIZER.decode([t]) for t in ref.token_ids]
+    assert all(len(top) <= 3 and max(top.values()) == pytest.approx(chosen, abs=1e-6)
+               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))  # greedy: the chosen token is the top one
+    assert lp.text_offset == sorted(lp.text_offset) and len(lp.text_offset) == 8
+    streamed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0, logprobs=3,
+                                         stream=True)
+    assert [x for c in streamed for x in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    messages = [{"role": "user", "content": "Hi"}]
+    ref = truth(engine, chat_ids(messages), max_new_tokens=6, temperature=0, logprobs=2).outputs[0]
+    content = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                             logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    assert [e.logprob for e in content] == pytest.approx([e[t] for e, t in zip(ref.logprobs, ref.token_ids)], abs=1e-6)
+    assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in content)
+
+
+def test_echo(client):
+    plain = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0).choices[0].text
+    echoed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == "Hello" + plain
+    streamed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0, echo=True,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == "Hello" + plain
+
+
+def test_beam_search_extension(client, engine):
+    resp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0, n=2,
+                                     extra_body={"use_beam_search": True, "best_of": 3, "return_token_ids": True})
+    ref = truth(engine, "Hello", max_new_tokens=8, temperature=0, num_beams=3, n=2)
+    assert [c.model_extra["token_ids"] for c in resp.choices] == [c.token_ids for c in ref.outputs]
+    assert len(resp.choices) == 2 and resp.choices[0].text != resp.choices[1].text
+
+
+def test_usage_in_the_stream(client):
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=9,
+                                           temperature=0, n=2)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=9, temperature=0, n=2, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+    assert all(c.usage is None for c in chunks[:-1]) and plain.usage.completion_tokens == 18
+    texts = {i: "".join(c.choices[0].delta.content or "" for c in chunks[:-1] if c.choices[0].index == i)
+             for i in (0, 1)}
+    assert texts == {0: plain.choices[0].message.content, 1: plain.choices[1].message.content}
+
+
+def test_models_health_and_metrics(client, served):
+    server, _ = served
+    assert [m.id for m in client.models.list().data] == [MODEL] and client.models.retrieve(MODEL).id == MODEL
+    assert httpx.get(server.url + "/health").status_code == 200
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("requests_running", "requests_waiting", "requests_swapped", "kv_blocks_used", "kv_blocks_free",
+                 "kv_blocks_cached", "prefix_cache_hit_rate", "preemptions_total", "generation_tokens_per_second"):
+        assert re.search(rf"^hf_paged_{name}(\{{[^}}]*\}})? [0-9.e+-]+$", text, re.M), name
+    for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
+        count = int(re.search(rf"^hf_paged_{hist}_count (\d+)$", text, re.M).group(1))
+        assert count >= 1 and f'hf_paged_{hist}_bucket{{le="+Inf"}} {count}' in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_serving_benchmark_loops_agree(client, served, engine, stream):
+    import asyncio
+
+    from hf_paged.bench import serving as bench, workloads
+
+    server, _ = served
+    requests = workloads.dataset("sharegpt", 12, scale=0.05, seed=3).requests
+    local = bench.engine_closed_loop(engine, requests, concurrency=4)
+    remote = asyncio.run(bench.http_closed_loop(server.url, requests, 4, stream=stream, model=MODEL))
+    assert remote.tokens == local.tokens and [len(t) for t in local.tokens] == [r.max_new_tokens for r in requests]
+    assert remote.summary()["tokens_per_s"] > 0 and ("ttft_s_p50" in remote.summary()) == stream
+
+
+# ---------------------------------------------------------------------------- disconnects abort
+def test_a_client_leaving_mid_stream_aborts_its_request(client, served):
+    server, loop = served
+    before = aborted(server)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+    assert wait_idle(loop, timeout=10)["running"] == 0
+    assert aborted(server) == before + 1
+
+
+def test_a_client_leaving_a_non_streamed_request_aborts_it(client, served):
+    server, loop = served
+    before = aborted(server)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+    assert wait_idle(loop, timeout=10)["running"] == 0
+    assert aborted(server) == before + 1
+
+
+def test_an_engine_failure_ends_the_requests_in_flight_and_serving_goes_on(client, served):
+    server, loop = served
+
+    def break_once(engine):
+        real = engine.step
+
+        def failing():
+            engine.step = real
+            raise RuntimeError("injected")
+
+        engine.step = failing
+
+    loop.call(break_once).result(10)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+    assert err.value.status_code == 503 and "injected" in err.value.message
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0) \
+        .usage.completion_tokens == 4
+
+
+# ---------------------------------------------------------------------------- bad input
+KEY = "sekrit-test-key-42"
+STRICT = dict(api_key=KEY, max_body_bytes=64 * 1024, max_n=4, max_tokens=64, max_waiting=2)
+STRICT_ENGINE = {"num_blocks": 12, "block_size": 16, "max_num_seqs": 1}  # 192 tokens of KV
+STRICT_MODEL = {"max_position_embeddings": 256}
+
+
+@pytest.fixture(scope="module")
+def strict():
+    with single_threaded_torch(), serving(STRICT_ENGINE, STRICT_MODEL, **STRICT) as (server, loop):
+        yield server, loop
+
+
+@pytest.fixture(scope="module")
+def strict_truth(strict):
+    return truth(LLMEngine(tiny_model(**STRICT_MODEL), byte_tokenizer(), **STRICT_ENGINE), "Hello", max_new_tokens=8,
+                 temperature=0).outputs[0].text
+
+
+def answers_normally(server, expected: str) -> bool:
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as good:
+        return good.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0).choices[0].text == \
+            expected
+
+
+def completion(**fields) -> dict:
+    return {"model": MODEL, "prompt": "Hello", "max_tokens": 8, **fields}
+
+
+CHAT = "/v1/chat/completions"
+BAD = {  # name -> (path, body or raw bytes, headers, status, param)
+    "no key": ("/v1/completions", completion(), {"Authorization": ""}, 401, None),
+    "wrong key": ("/v1/completions", completion(), {"Authorization": "Bearer sekrit-test-key-43"}, 401, None),
+    "unknown model": ("/v1/completions", completion(model="gpt-4"), {}, 404, "model"),
+    "models of another name": ("/v1/models/gpt-4", None, {}, 404, "model"),
+    "malformed JSON": ("/v1/completions", b'{"model": "tiny", "prompt": ', {}, 422, None),
+    "body over the limit": ("/v1/completions", completion(prompt="x" * 70_000), {}, 413, None),
+    "top_p 0": ("/v1/completions", completion(top_p=0), {}, 400, "top_p"),
+    "negative temperature": ("/v1/completions", completion(temperature=-1), {}, 400, "temperature"),
+    "max_tokens not a number": ("/v1/completions", completion(max_tokens="many"), {}, 400, "max_tokens"),
+    "unknown parameter": ("/v1/completions", completion(frobnicate=1), {}, 400, "frobnicate"),
+    "logit_bias": ("/v1/completions", completion(logit_bias={"5": 1.0}), {}, 400, "logit_bias"),
+    "not an object": ("/v1/completions", b"[1, 2]", {}, 400, None),
+    "n over the limit": ("/v1/completions", completion(n=5), {}, 400, "n"),
+    "max_tokens over the limit": ("/v1/completions", completion(max_tokens=65), {}, 400, "max_tokens"),
+    "prompt too long for the model": ("/v1/completions", completion(prompt="a" * 300), {}, 400, "prompt"),
+    "prompt too long for the KV budget": ("/v1/completions", completion(prompt="a" * 200), {}, 400, "prompt"),
+    "prompt and max_tokens over the KV budget": ("/v1/completions", completion(prompt="a" * 150, max_tokens=60), {},
+                                                 400, "max_tokens"),
+    "empty prompt": ("/v1/completions", completion(prompt=""), {}, 400, "prompt"),
+    "token id outside the vocabulary": ("/v1/completions", completion(prompt=[1000]), {}, 400, "prompt"),
+    "beam search streamed": ("/v1/completions", completion(use_beam_search=True, best_of=2, stream=True), {}, 400,
+                             "stream"),
+    "beam search sampled": ("/v1/completions", completion(use_beam_search=True, temperature=0.7), {}, 400,
+                            "temperature"),
+    "best_of without beams": ("/v1/completions", completion(best_of=3), {}, 400, "best_of"),
+    "stream_options without stream": ("/v1/completions", completion(stream_options={"include_usage": True}), {},
+                                      400, "stream_options"),
+    "min_tokens over max_tokens": ("/v1/completions", completion(min_tokens=9), {}, 400, "min_tokens"),
+    "echo with logprobs": ("/v1/completions", completion(echo=True, logprobs=1), {}, 400, "echo"),
+    "chat without messages": (CHAT, {"model": MODEL}, {}, 400, "messages"),
+    "chat image part": (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, {}, 400, "messages.0.content"),
+    "top_logprobs without logprobs": (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                             "top_logprobs": 2}, {}, 400, "top_logprobs"),
+    "chat tools": (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                          "tools": [{"type": "function"}]}, {}, 400, "tools"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(strict, strict_truth, name, caplog):
+    caplog.set_level(logging.DEBUG)
+    server, loop = strict
+    path, body, headers, status, param = BAD[name]
+    headers = {"Authorization": f"Bearer {KEY}", **headers}
+    if body is None:
+        resp = httpx.get(server.url + path, headers=headers)
+    elif isinstance(body, bytes):
+        resp = httpx.post(server.url + path, content=body, headers={**headers, "Content-Type": "application/json"})
+    else:
+        resp = httpx.post(server.url + path, json=body, headers=headers)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    assert answers_normally(server, strict_truth)
+    assert_all_free(loop)
+    assert KEY not in caplog.text and KEY not in httpx.get(server.url + "/metrics").text
+
+
+def test_a_chunked_body_over_the_limit_gets_413(strict):
+    server, loop = strict
+
+    def chunks():  # no Content-Length: the limit is enforced while the body is read
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(10):
+            yield b"x" * 8192
+        yield b'"}'
+
+    resp = httpx.post(server.url + "/v1/completions", content=chunks(), headers={"Authorization": f"Bearer {KEY}"})
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+    assert_all_free(loop)
+
+
+def test_the_openai_client_sees_typed_errors(strict):
+    server, loop = strict
+    url = server.url + "/v1"
+    with openai.OpenAI(base_url=url, api_key="wrong", max_retries=0) as bad, pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    with openai.OpenAI(base_url=url, api_key=KEY, max_retries=0) as good:
+        with pytest.raises(openai.NotFoundError):
+            good.completions.create(model="gpt-4", prompt="Hi")
+        with pytest.raises(openai.BadRequestError, match="top_p"):
+            good.completions.create(model=MODEL, prompt="Hi", top_p=0)
+    assert_all_free(loop)
+
+
+def test_a_full_waiting_queue_gets_503_and_the_rest_is_served(strict, strict_truth):
+    """One sequence runs at a time (max_num_seqs=1) and two may wait: of eight at once, some get 503."""
+    server, loop = strict
+    results: list = [None] * 8
+
+    def one(i: int) -> None:
+        body = completion(max_tokens=40, stream=True, ignore_eos=True, temperature=0)
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as resp:
+            results[i] = (resp.status_code, [line for line in resp.iter_lines() if line])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    statuses = [r[0] for r in results]
+    assert 503 in statuses and 200 in statuses, statuses
+    for status, lines in results:
+        if status == 200:
+            assert lines[-1] == "data: [DONE]"
+        else:
+            assert '"server_overloaded"' in lines[0]
+    assert answers_normally(server, strict_truth)
+    assert_all_free(loop)
+
+
+# ---------------------------------------------------------------------------- streamed text, command line
+def test_the_detokenizer_releases_whole_characters_only():
+    text = "héllo 日本 🎉!"
+    ids = TOKENIZER(text).input_ids
+    assert "".join(TOKENIZER.decode([i]) for i in ids) != text  # characters really are split over tokens
+    detokenizer = IncrementalDetokenizer(TOKENIZER)
+    deltas = [detokenizer.push([i]) for i in ids]
+    assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
+    assert deltas[ids.index(TOKENIZER("é").input_ids[0])] == ""  # held until the character's second byte
+
+
+def test_a_text_stream_never_sends_what_a_stop_string_cuts():
+    ids = TOKENIZER("abcXYdef").input_ids
+    stream = TextStream(TOKENIZER, stop=["XY"])
+    sent = "".join(stream.update(CompletionOutput(0, ids[:k], TOKENIZER.decode(ids[:k])))[0] for k in range(1, 5))
+    assert sent == "abc"  # "X" might start the stop string: held back
+    final = CompletionOutput(0, ids[:5], "abc", finish_reason="stop")
+    assert sent + stream.update(final)[0] == "abc"
+
+
+def test_exposure_warning():
+    assert exposure_warning("0.0.0.0", None) and exposure_warning("example.org", None)
+    assert exposure_warning("127.0.0.1", None) is None and exposure_warning("::1", None) is None
+    assert exposure_warning("localhost", None) is None and exposure_warning("0.0.0.0", "key") is None
+
+
+def test_serve_refuses_tensor_parallelism(capsys):
+    assert main(["serve", "--tensor-parallel-size", "2"]) == 2
+    assert "not built yet" in capsys.readouterr().err
+
+
+def test_hf_paged_serve_answers_and_shuts_down_cleanly():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "hf_paged", "serve", "--port", str(port), "--api-key", KEY, "--num-blocks", "64",
+           "--served-model-name", "demo"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60) as client:
+            resp = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}],
+                                                  max_tokens=4, temperature=0)
+        assert resp.usage.completion_tokens == 4
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "API key required" in output and "Application shutdown complete" in output and KEY not in output
