@@ -57,19 +57,51 @@ def load(args) -> tuple:
         from hf_paged.demo import byte_tokenizer, demo_model
 
         return demo_model(dtype=dtype).to(device), byte_tokenizer()
-    if not os.path.isdir(args.model):
-        raise CliError(f"--model {args.model!r} is not a directory with a saved model (config.json, weights)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    tokenizer = _tokenizer(args.model)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as err:
         raise CliError(f"--model {args.model!r} could not be loaded: {err}") from None
+    return model.to(device).eval(), tokenizer
+
+
+def _tokenizer(path: str):
+    """The checkpoint's tokenizer, padding on the left (a pad token borrowed from EOS if it has none)."""
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(path):
+        raise CliError(f"--model {path!r} is not a directory with a saved model (config.json, weights)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise CliError(f"--model {path!r} could not be loaded: {err}") from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.to(device).eval(), tokenizer
+    return tokenizer
+
+
+def load_split(args) -> tuple:
+    """Under torch.distributed (``torchrun``, or ``--tensor-parallel-size``): the model split over the
+    ranks with transformers' ``tp_plan="auto"`` (the built-in demo model is saved to a temporary
+    directory first: ``tp_plan`` loads from a checkpoint)."""
+    import tempfile
+
+    from hf_paged.engine import tensor_parallel
+
+    if args.model is None:
+        from hf_paged.demo import byte_tokenizer, demo_model
+
+        path, tokenizer = tempfile.mkdtemp(prefix="hf-paged-demo-"), byte_tokenizer()
+        demo_model(dtype=_dtype(args.dtype)).save_pretrained(path)
+    else:
+        path, tokenizer = args.model, _tokenizer(args.model)
+    try:
+        return tensor_parallel.load_model(path, dtype=_dtype(args.dtype)), tokenizer
+    except ValueError as err:
+        raise CliError(str(err)) from None
 
 
 def _human(n: float) -> str:
@@ -203,27 +235,35 @@ def bench(args) -> int:
 
 def serve(args) -> int:
     """The OpenAI-compatible HTTP server (hf_paged/serve) on one LLMEngine."""
-    if args.tensor_parallel_size != 1:
-        raise CliError(f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not built yet; "
-                       "only 1 is accepted")
+    if args.tensor_parallel_size < 1:
+        raise CliError("--tensor-parallel-size must be positive")
     for name in ("port", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_body_bytes", "max_n",
                  "max_tokens_limit"):
         if getattr(args, name) < (0 if name == "port" else 1):
             raise CliError(f"--{name.replace('_', '-')} must be positive")
     from hf_paged import LLMEngine
+    from hf_paged.engine import tensor_parallel
     from hf_paged.serve import ServerSettings, build_app, server
 
+    if args.tensor_parallel_size > 1 and "RANK" not in os.environ:  # start the ranks, each running this command
+        return tensor_parallel.launch(args.argv, args.tensor_parallel_size)
     api_key = args.api_key or os.environ.get("HF_PAGED_API_KEY") or None
-    model, tokenizer = load(args)
+    model, tokenizer = load_split(args) if "RANK" in os.environ else load(args)
     engine = LLMEngine(model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    if engine.tp and not engine.tp.is_driver:
+        engine.run_worker()  # until rank 0's server stops
+        return 0
     settings = ServerSettings(model_name=args.served_model_name or args.model or "hf-paged-demo", api_key=api_key,
                               max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting, max_n=args.max_n,
                               max_tokens=args.max_tokens_limit)
     model_kind = f"{args.model}" if args.model else "the built-in demo model (random weights: its text is gibberish)"
     print(f"hf-paged serve: {model_kind} as '{settings.model_name}' on http://{args.host}:{args.port}/v1 "
           f"(API key {'required' if api_key else 'not required'})", flush=True)
-    return server.run(build_app(engine, settings), args.host, args.port, api_key)
+    try:
+        return server.run(build_app(engine, settings), args.host, args.port, api_key)
+    finally:
+        engine.close()  # releases the other ranks, if any
 
 
 def parser() -> argparse.ArgumentParser:
@@ -251,7 +291,8 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/...)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1: tensor parallelism is not built yet")
+    s.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N processes on this machine (tp_plan='auto', gloo/NCCL)")
     s.add_argument("--max-num-seqs", type=int, default=256, help="sequences per engine step")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
     s.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond which new ones get 503")
@@ -264,7 +305,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
+    args.argv = argv  # what ranks started by --tensor-parallel-size run again
     try:
         if args.block_size < 1 or (args.num_blocks is not None and args.num_blocks < 1):
             raise CliError("--block-size and --num-blocks must be positive")

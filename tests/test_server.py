@@ -480,9 +480,9 @@ def test_exposure_warning():
     assert exposure_warning("localhost", None) is None and exposure_warning("0.0.0.0", "key") is None
 
 
-def test_serve_refuses_tensor_parallelism(capsys):
-    assert main(["serve", "--tensor-parallel-size", "2"]) == 2
-    assert "not built yet" in capsys.readouterr().err
+def test_serve_refuses_a_tensor_parallel_size_below_one(capsys):
+    assert main(["serve", "--tensor-parallel-size", "0"]) == 2
+    assert "--tensor-parallel-size must be positive" in capsys.readouterr().err
 
 
 def test_hf_paged_serve_answers_and_shuts_down_cleanly():

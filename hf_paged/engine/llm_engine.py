@@ -196,6 +196,7 @@ class LLMEngine:
         """Rank 0: release the other ranks from :meth:`run_worker` (no-op without tensor parallelism)."""
         if self.tp and self.tp.is_driver:
             self.tp.send("stop")
+            self.tp.barrier()
 
     @torch.inference_mode()
     def _follow(self, until: str):
@@ -205,6 +206,11 @@ class LLMEngine:
             kind, payload = self.tp.receive()
             if kind == "step":
                 self.runner.execute(payload)
+            elif kind == "stop":
+                self.tp.barrier()
+                if until == "stop":
+                    return None
+                raise RuntimeError("rank 0 closed the engine while this rank waited for a generate() call")
             elif kind == until:
                 return payload
 

@@ -77,6 +77,10 @@ class TensorParallelGroup:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
+    def barrier(self) -> None:
+        """Wait for every rank (before a rank exits: its last message must have arrived)."""
+        dist.barrier(group=self.group)
+
     def agree_min(self, values: list[int]) -> list[int]:
         """The smallest of every rank's values, element by element (a KV budget all ranks can hold)."""
         tensor = torch.tensor(values, dtype=torch.int64)
@@ -91,11 +95,70 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, **kwargs) -> PreTr
     (gloo on CPU, NCCL on CUDA)."""
     from transformers import AutoConfig, AutoModelForCausalLM, DistributedConfig
 
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+    init_from_env()
     check_kv_heads(AutoConfig.from_pretrained(path), dist.get_world_size())
     plan = DistributedConfig(tp_size=dist.get_world_size(), tp_plan="auto")
     return AutoModelForCausalLM.from_pretrained(path, distributed_config=plan, dtype=dtype, **kwargs).eval()
+
+
+def init_from_env(timeout_s: float = 7 * 24 * 3600) -> None:
+    """Join the process group that ``torchrun`` (or :func:`launch`) describes in the environment
+    (gloo on CPU, NCCL on CUDA). The timeout is long: a serving rank waits for rank 0's next step
+    as long as the server is idle."""
+    import datetime
+
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def launch(argv: list[str], nprocs: int, module: str = "hf_paged") -> int:
+    """Run ``python -m module *argv`` as ``nprocs`` ranks on this machine (torchrun's environment:
+    RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free loopback port). Returns the
+    first non-zero exit status, or 0. SIGINT/SIGTERM go to rank 0, which shuts down and releases the
+    others; when a rank fails the others are stopped, so none is left behind."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(nprocs):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
+               "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env))
+
+    def stop_all(signum=signal.SIGTERM):
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    def to_driver(signum, _frame):
+        if procs[0].poll() is None:
+            procs[0].send_signal(signum)
+
+    previous = {sig: signal.signal(sig, to_driver) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while any(proc.poll() is None for proc in procs):
+            if any(proc.returncode not in (None, 0) for proc in procs):
+                stop_all()
+                break
+            time.sleep(0.2)
+        deadline = time.monotonic() + 30
+        for proc in procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return next((proc.returncode for proc in procs if proc.returncode), 0)

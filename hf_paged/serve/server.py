@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -34,12 +35,25 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 
 
 def run(app: FastAPI, host: str, port: int, api_key: str | None) -> int:
-    """Serve until interrupted (Ctrl-C / SIGTERM shut down gracefully)."""
+    """Serve until interrupted (Ctrl-C / SIGTERM shut down gracefully). uvicorn raises the signal
+    again once it has shut down: SIGTERM then exits through ``SystemExit``, so the caller's
+    ``finally`` blocks run (a tensor-parallel rank 0 releases the other ranks there)."""
     warning = exposure_warning(host, api_key)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=10)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=10)
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 class ServerThread:
