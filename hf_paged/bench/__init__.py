@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from hf_paged.bench import generate_speed, memory, prefix_generate, systems, workloads
+from hf_paged.bench import generate_speed, memory, prefix_generate, serving, systems, tensor_parallel, workloads
 
 
 def _ratio(a: dict, b: dict, key: str = "tokens_per_s") -> float:
@@ -166,6 +166,12 @@ def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int =
     results["prefix_generate"] = prefix_generate.run(questions=16 if quick else 128, prefix_len=200 if quick else 1000,
                                                      turns=3 if quick else 8, log=log)
 
+    # Serving: the HTTP server against the in-process engine (32 clients); tensor parallelism: 2 ranks vs 1 process.
+    log("HTTP server vs in-process engine, 32 concurrent clients:")
+    results["serving"] = serving.run(num_requests=32 if quick else 256, rounds=1 if quick else 3, log=log)
+    log("tensor parallelism, 2 ranks vs 1 process:")
+    results["tensor_parallel"] = tensor_parallel.run(requests=8 if quick else 48, log=log)
+
     # Utilization depends on lengths only: computed at the paper's own length scale (ShareGPT-like,
     # means 161 / 338 tokens, reservation to a 2048-token maximum as the paper's OPT-13B), 1000 requests.
     paper_scale = workloads.dataset("sharegpt", 1000, scale=1.0, vocab=vocab, max_len=2048, seed=1)
@@ -233,6 +239,13 @@ def report(results: dict) -> str:
                   "vs stock | tokens computed | prefix not recomputed |", "| --- | --- | --- | --- | --- |"]
         lines += [f"| {name} | {r['wall_s']:.2f} | {r['speedup_vs_stock']:.2f}x | {r['tokens_computed']} | "
                   f"{r['prefix_tokens_not_recomputed']:.1%} |" for name, r in few["systems"].items()]
+    if "serving" in results:
+        lines += ["", serving.report(results["serving"])]
+    if "tensor_parallel" in results:
+        tp = results["tensor_parallel"]
+        lines += ["", f"tensor parallelism: {tp['ranks']} ranks {tp['tensor_parallel']['tokens_per_s']:.1f} tok/s, "
+                      f"1 process {tp['single_process']['tokens_per_s']:.1f} tok/s ({tp['tp_over_single']:.2f}x), "
+                      f"identical outputs: {tp['identical_outputs']}"]
     lines += ["", "| KV reservation | utilization |", "| --- | --- |"]
     lines += [f"| {k} | {v:.1%} |" for k, v in results["kv_utilization"].items()]
     lines += ["", "| sharing | blocks saved |", "| --- | --- |"]

@@ -177,10 +177,19 @@ def _single_request_latency(engine, url: str, repeats: int) -> dict:
 
 def run(*, num_requests: int = 256, concurrency: int = 32, scale: float = 0.25, rounds: int = 3, threads: int = 1,
         log=print) -> dict:
+    """Closed-loop clients against the server and the in-process engine, ``rounds`` interleaved rounds."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _run(num_requests, concurrency, scale, rounds, threads, log)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(num_requests: int, concurrency: int, scale: float, rounds: int, threads: int, log) -> dict:
     from hf_paged import LLMEngine
     from hf_paged.demo import byte_tokenizer, demo_model
 
-    torch.set_num_threads(threads)
     engine = LLMEngine(demo_model(), byte_tokenizer(), **ENGINE_ARGS)
     runs: dict[str, list[Run]] = {"engine": [], "server": [], "server_streaming": []}
     mismatches = 0

@@ -64,6 +64,7 @@ class LLMEngine:
         check_block_options(block_size, num_blocks)
         check_kv_heads(model.config, tp_size_of(model))
         self.tp = TensorParallelGroup.of(model)
+        self._closed = False  # tensor parallelism: rank 0 has released the others
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
@@ -193,21 +194,31 @@ class LLMEngine:
         self._follow(until="stop")
 
     def close(self) -> None:
-        """Rank 0: release the other ranks from :meth:`run_worker` (no-op without tensor parallelism)."""
-        if self.tp and self.tp.is_driver:
+        """Under tensor parallelism, end the engine in every rank: rank 0 releases the others from
+        :meth:`run_worker`; another rank calling it (code that runs the same calls in every rank)
+        follows rank 0's steps until then. A no-op without tensor parallelism, or when done."""
+        if not self.tp or self._closed:
+            return
+        if self.tp.is_driver:
             self.tp.send("stop")
             self.tp.barrier()
+            self._closed = True
+        else:
+            self.run_worker()
 
     @torch.inference_mode()
     def _follow(self, until: str):
         if self.tp is None or self.tp.is_driver:
             raise RuntimeError("only ranks > 0 of a tensor-parallel engine follow rank 0's steps")
+        if self._closed:
+            raise RuntimeError("rank 0 has closed this tensor-parallel engine")
         while True:
             kind, payload = self.tp.receive()
             if kind == "step":
                 self.runner.execute(payload)
             elif kind == "stop":
                 self.tp.barrier()
+                self._closed = True
                 if until == "stop":
                     return None
                 raise RuntimeError("rank 0 closed the engine while this rank waited for a generate() call")
