@@ -95,13 +95,24 @@ def load_split(args) -> tuple:
         from hf_paged.demo import byte_tokenizer, demo_model
 
         path, tokenizer = tempfile.mkdtemp(prefix="hf-paged-demo-"), byte_tokenizer()
-        demo_model(dtype=_dtype(args.dtype)).save_pretrained(path)
+        demo = demo_model(dtype=_dtype(args.dtype))
+        demo.save_pretrained(path)
     else:
         path, tokenizer = args.model, _tokenizer(args.model)
     try:
-        return tensor_parallel.load_model(path, dtype=_dtype(args.dtype)), tokenizer
+        model = tensor_parallel.load_model(path, dtype=_dtype(args.dtype))
     except ValueError as err:
         raise CliError(str(err)) from None
+    if args.model is None:
+        model.hf_paged_demo = demo.hf_paged_demo
+    return model, tokenizer
+
+
+def _model_name(model, args) -> str:
+    """What the output says about the model in use (the built-in one: trained or random)."""
+    from hf_paged.demo import describe_model
+
+    return args.model if args.model else describe_model(model)
 
 
 def _human(n: float) -> str:
@@ -123,7 +134,7 @@ def demo(args) -> int:
         "beam search (4 beams)": dict(do_sample=False, num_beams=4),
         "sampling (n=4, seed 0)": dict(do_sample=True, num_return_sequences=4),
     }
-    print(f"model: {type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params), "
+    print(f"model: {_model_name(model, args)} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params), "
           f"{len(DEMO_PROMPTS)} prompts, {args.max_new_tokens} new tokens, block size {args.block_size}\n")
     header = f"{'mode':<24}{'tokens equal':>13}{'paged KV':>12}{'contiguous':>12}{'saved':>8}{'util.':>8}" \
              f"{'stock s':>9}{'paged s':>9}"
@@ -213,6 +224,7 @@ def generate(args) -> int:
     if not prompts:
         raise CliError("no prompts: give them as arguments or with --file")
     model, tokenizer = load(args)
+    print(f"model: {_model_name(model, args)}", file=sys.stderr)
     hf_paged.enable(model, block_size=args.block_size, num_blocks=args.num_blocks)
     for prompt in prompts:
         enc = tokenizer(prompt, return_tensors="pt").to(model.device)
@@ -257,7 +269,7 @@ def serve(args) -> int:
     settings = ServerSettings(model_name=args.served_model_name or args.model or "hf-paged-demo", api_key=api_key,
                               max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting, max_n=args.max_n,
                               max_tokens=args.max_tokens_limit)
-    model_kind = f"{args.model}" if args.model else "the built-in demo model (random weights: its text is gibberish)"
+    model_kind = _model_name(model, args)
     print(f"hf-paged serve: {model_kind} as '{settings.model_name}' on http://{args.host}:{args.port}/v1 "
           f"(API key {'required' if api_key else 'not required'})", flush=True)
     try:

@@ -1,16 +1,22 @@
 """The built-in demo model and byte-level tokenizer, built from code (nothing is downloaded).
 
-The weights are random, so the text is gibberish; what the demo shows is memory and
-token-exactness, which do not depend on training.
+``demo_model()`` loads the weights shipped in the package (``data/demo_model.safetensors``: the
+model trained for a few CPU minutes on Python's standard-library docstrings by
+``python -m hf_paged.train_demo``), so its text is readable, if simple. ``demo_model(trained=False)``,
+or any change of shape, gives seeded random weights instead (what tests use: gibberish text, and
+memory and token-exactness do not depend on training).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
+DEMO_WEIGHTS = Path(__file__).parent / "data" / "demo_model.safetensors"
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -41,10 +47,35 @@ def demo_config(**overrides) -> LlamaConfig:
     return LlamaConfig(**options)
 
 
-def demo_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> LlamaForCausalLM:
-    """The built-in tiny model with seeded random weights, in eval mode."""
+def demo_model(seed: int = 0, dtype: torch.dtype = torch.float32, trained: bool | None = None,
+               **overrides) -> LlamaForCausalLM:
+    """The built-in tiny model, in eval mode: the shipped trained weights (``trained=None``: when
+    the shape is the default one and the file is there), else seeded random weights."""
+    if trained is None:
+        trained = not overrides and DEMO_WEIGHTS.exists()
+    if trained and overrides:
+        raise ValueError(f"the trained demo weights have the default shape; {sorted(overrides)} change it")
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(demo_config(**overrides)).to(dtype).eval()
+    model = LlamaForCausalLM(demo_config(**overrides))
+    if trained:
+        from safetensors.torch import load_file
+
+        missing, unexpected = model.load_state_dict(load_file(str(DEMO_WEIGHTS)), strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise RuntimeError(f"{DEMO_WEIGHTS} does not fit the demo config (missing {missing}, unexpected {unexpected})")
+        model.tie_weights()
+    model = model.to(dtype).eval()
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = 2
+    model.hf_paged_demo = "trained" if trained else "random"  # what describe_model() reports
     return model
+
+
+def describe_model(model) -> str:
+    """Which built-in model this is, for the command line's output."""
+    kind = getattr(model, "hf_paged_demo", None)
+    if kind == "trained":
+        return "the built-in demo model (2.3M parameters, trained briefly on Python's docstrings: simple text)"
+    if kind == "random":
+        return "the built-in demo model with random weights (its text is gibberish)"
+    return type(model).__name__

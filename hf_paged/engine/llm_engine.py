@@ -229,6 +229,8 @@ class LLMEngine:
         if self.tp and not self.tp.is_driver:
             raise RuntimeError(f"{what}: under tensor parallelism requests go to rank 0; rank {self.tp.rank} "
                                "runs run_worker()")
+        if self.tp and self._closed:
+            raise RuntimeError(f"{what}: this tensor-parallel engine was closed (the other ranks have left)")
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[dict]:
         """Serve one request (alongside any others queued) and yield its new tokens as they come:
