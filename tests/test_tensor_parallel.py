@@ -100,6 +100,13 @@ def test_each_rank_holds_its_own_heads(report):
         assert rank["pools"] and all(shape[2] == 1 for shape in rank["pools"].values()), rank["pools"]  # 2 KV heads / 2
 
 
+def test_a_derived_kv_budget_is_agreed_across_ranks(report):
+    """Rank 0 was given 64 KiB, rank 1 128 KiB: both size their pools for 64 KiB of their own heads
+    (1 KV head x 16 dims x 2 layers x K and V x 4 bytes x block size 4 = 1 KiB per block)."""
+    sizes = [rank["agreed_pool_sizes"] for rank in report["ranks"]]
+    assert sizes[0] == sizes[1] == [64], sizes
+
+
 def test_the_flag_in_generate_under_tensor_parallelism(report, single):
     assert report["generate_flag"] == single["generate"]
     assert report["ranks"][1]["generate_flag"] == single["generate"]

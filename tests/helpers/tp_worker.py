@@ -68,6 +68,10 @@ def main(checkpoint: str, bad_checkpoint: str, out_path: str) -> None:
                       "preemptions": small.stats()[f"preemptions_{mode}"]}
     report["tiny_budget"] = tiny
 
+    # A KV budget from bytes that differ by rank (as free memory would): every rank takes the smallest.
+    budgeted = LLMEngine(model, block_size=4, kv_cache_bytes=(1 + rank) * 64 * 1024)
+    report["agreed_pool_sizes"] = list(budgeted.kv.pool_sizes)
+
     # The flag in generate(), every rank calling generate() the same way.
     enable(model, block_size=4)
     ids = torch.tensor([PROMPTS[1]])
