@@ -39,9 +39,13 @@ def config_fingerprint(config) -> str:
 
 @torch.no_grad()
 def weights_fingerprint(model: torch.nn.Module, samples: int = 64) -> str:
-    """Name, shape, dtype and ``samples`` strided values of every parameter and buffer, hashed."""
+    """Name, shape, dtype and ``samples`` strided values of every parameter and buffer, hashed (of
+    this rank's shard, for a tensor-parallel model)."""
     digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in sorted(named, key=lambda item: item[0]):  # not state_dict(): it fails on DTensors in inference mode
+        if hasattr(tensor, "to_local"):  # a DTensor: this rank's part
+            tensor = tensor.to_local()
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
         flat = tensor.detach().reshape(-1)
         if flat.numel():
@@ -141,19 +145,37 @@ def write_blocks(tensors, layer_groups, placed, storage, pool_sizes, device) -> 
     return loaded
 
 
-def save_index(path, model, index, storage, rank: int = 0, world_size: int = 1) -> int:
-    """Save a prefix index's cached blocks (``PrefixIndex``) with their K/V from ``storage``."""
-    chain, groups = index.export()
-    return save(path, fingerprint(model, model.dtype, index.block_size, rank, world_size), chain, groups,
-                index.groups, storage)
+def shard_path(path, rank: int = 0, world_size: int = 1) -> Path:
+    """The file of one tensor-parallel rank: ``prefix.safetensors`` -> ``prefix.rank1-of-2.safetensors``
+    (``path`` itself without tensor parallelism)."""
+    path = Path(path)
+    return path if world_size == 1 else path.with_name(f"{path.stem}.rank{rank}-of-{world_size}{path.suffix}")
 
 
-def load_index(path, model, index, storage, rank: int = 0, world_size: int = 1) -> int:
+def save_index(path, model, index, storage, rank: int = 0, world_size: int = 1, exported=None) -> int:
+    """Save a prefix index's cached blocks (``PrefixIndex``; or ``exported``, its ``export()`` made
+    on rank 0) with their K/V from ``storage``, to this rank's :func:`shard_path`."""
+    chain, groups = exported if exported is not None else index.export()
+    return save(shard_path(path, rank, world_size), fingerprint(model, model.dtype, index.block_size, rank, world_size),
+                chain, groups, index.groups, storage)
+
+
+def read_for(path, model, index, rank: int = 0, world_size: int = 1) -> dict[str, torch.Tensor]:
+    """Read and check this rank's snapshot file for ``model`` and ``index`` (nothing is applied)."""
+    expected = fingerprint(model, model.dtype, index.block_size, rank, world_size)
+    return read(shard_path(path, rank, world_size), expected, len(index.groups))[0]
+
+
+def place(index, tensors: dict[str, torch.Tensor]) -> list[list[tuple[int, int]]]:
+    """Register a checked snapshot's blocks in ``index``: where each one's K/V must go (per group)."""
+    entries = [tensors[f"group{g}.entries"].tolist() for g in range(len(index.groups))]
+    return index.import_(chain_of(tensors), entries)
+
+
+def load_index(path, model, index, storage) -> int:
     """Read and check a snapshot, then add its blocks to a prefix index and their K/V to ``storage``
     (nothing changes when the checks fail). Returns the blocks loaded."""
-    expected = fingerprint(model, model.dtype, index.block_size, rank, world_size)
-    tensors, _ = read(path, expected, len(index.groups))
-    entries = [tensors[f"group{g}.entries"].tolist() for g in range(len(index.groups))]
-    placed = index.import_(chain_of(tensors), entries)
+    tensors = read_for(path, model, index)
+    placed = place(index, tensors)
     pool_sizes = [manager.num_blocks for manager in index.blocks.managers]
     return write_blocks(tensors, index.groups, placed, storage, pool_sizes, model.device)

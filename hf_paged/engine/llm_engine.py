@@ -27,6 +27,7 @@ from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Request
 from hf_paged.engine.tensor_parallel import TensorParallelGroup, check_kv_heads, tp_size_of
 from hf_paged import prefix_snapshot
+from hf_paged.prefix_snapshot import SnapshotError
 from hf_paged.layer_groups import LayerGroup, layer_groups, sliding_cap, split_budget
 from hf_paged.model_info import check_engine_supported, eos_token_ids, kv_bytes_per_token, layer_structure, max_positions
 from hf_paged.storage import PagedKVStorage
@@ -65,6 +66,7 @@ class LLMEngine:
         check_kv_heads(model.config, tp_size_of(model))
         self.tp = TensorParallelGroup.of(model)
         self._closed = False  # tensor parallelism: rank 0 has released the others
+        self._shard = None  # tensor parallelism: this rank's checked snapshot, waiting for rank 0's placement
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
@@ -216,6 +218,13 @@ class LLMEngine:
             kind, payload = self.tp.receive()
             if kind == "step":
                 self.runner.execute(payload)
+            elif kind == "save":
+                self._save_shard(*payload)
+            elif kind == "check":
+                self._check_shard(payload)
+            elif kind == "load":
+                if self._shard is not None:
+                    self._load_shard(self._shard, *payload)
             elif kind == "stop":
                 self.tp.barrier()
                 self._closed = True
@@ -254,25 +263,73 @@ class LLMEngine:
     # ------------------------------------------------------------------ prefix-cache snapshots
     @torch.inference_mode()
     def save_prefix_cache(self, path) -> int:
-        """Write the prefix cache (its blocks' K/V, token chain and a fingerprint of the model, dtype
-        and block size) to one safetensors file. Returns the number of blocks saved."""
-        self._check_single_rank("save_prefix_cache")
-        return prefix_snapshot.save_index(path, self.model, self.kv.prefix, self.runner.storage)
+        """Write the prefix cache (its blocks' K/V, token chain and a fingerprint of the model, dtype,
+        block size and sharding) to one safetensors file. Returns the number of blocks saved.
+
+        Under tensor parallelism each rank writes its own heads to its own file
+        (``prefix.rank1-of-2.safetensors``, ``prefix_snapshot.shard_path``). Call it on rank 0;
+        another rank may make the same call (it then follows rank 0 until the files are written)."""
+        if not self.tp:
+            return prefix_snapshot.save_index(path, self.model, self.kv.prefix, self.runner.storage)
+        if not self.tp.is_driver:
+            return self._follow(until="done")
+        self._check_driver("save_prefix_cache")
+        exported = self.kv.prefix.export()
+        self.tp.send("save", (str(path), exported))
+        saved = self._save_shard(str(path), exported)
+        self.tp.send("done", saved)
+        return saved
 
     @torch.inference_mode()
     def load_prefix_cache(self, path) -> int:
         """Add a snapshot's cached blocks (saved by an engine or by ``generate()``'s prefix cache)
         to the prefix cache (those not cached yet, as far as a fixed budget's free blocks go; they
-        are evictable like any cached block). A snapshot of another model, dtype or block size, or
-        a damaged file, raises ``SnapshotError`` and loads nothing. Returns the number of blocks loaded."""
-        self._check_single_rank("load_prefix_cache")
+        are evictable like any cached block). A snapshot of another model, dtype, block size or
+        sharding, or a damaged file, raises ``SnapshotError`` and loads nothing (under tensor
+        parallelism: when any rank's file fails its checks). Returns the number of blocks loaded."""
+        if self.tp and not self.tp.is_driver:
+            result = self._follow(until="done")
+            if isinstance(result, str):
+                raise SnapshotError(result)
+            return result
         if not self.kv.enable_prefix_caching:
             raise ValueError("load_prefix_cache needs an engine with enable_prefix_caching=True")
-        return prefix_snapshot.load_index(path, self.model, self.kv.prefix, self.runner.storage)
+        if not self.tp:
+            return prefix_snapshot.load_index(path, self.model, self.kv.prefix, self.runner.storage)
+        self._check_driver("load_prefix_cache")
+        self.tp.send("check", str(path))
+        tensors, problems = self._check_shard(str(path))
+        if problems:
+            self.tp.send("done", problems)
+            raise SnapshotError(problems)
+        placed = prefix_snapshot.place(self.kv.prefix, tensors)
+        self.tp.send("load", (placed, list(self.kv.pool_sizes)))
+        loaded = self._load_shard(tensors, placed, list(self.kv.pool_sizes))
+        self.tp.send("done", loaded)
+        return loaded
 
-    def _check_single_rank(self, what: str) -> None:
-        if self.tp:
-            raise NotImplementedError(f"{what} under tensor parallelism (one shard per rank) is not built yet")
+    def _save_shard(self, path: str, exported) -> int:
+        saved = prefix_snapshot.save_index(path, self.model, self.kv.prefix, self.runner.storage, self.tp.rank,
+                                           self.tp.size, exported)
+        self.tp.barrier()  # every rank's file is written
+        return saved
+
+    def _check_shard(self, path: str):
+        """Read and check this rank's file; every rank learns every rank's problem (all load or none)."""
+        try:
+            tensors = prefix_snapshot.read_for(path, self.model, self.kv.prefix, self.tp.rank, self.tp.size)
+            problem = None
+        except SnapshotError as err:
+            tensors, problem = None, f"rank {self.tp.rank}: {err}"
+        self._shard = tensors
+        return tensors, "; ".join(p for p in self.tp.gather(problem) if p)
+
+    def _load_shard(self, tensors, placed, pool_sizes: list[int]) -> int:
+        loaded = prefix_snapshot.write_blocks(tensors, self.kv.groups, placed, self.runner.storage, pool_sizes,
+                                              self.model.device)
+        self._shard = None
+        self.tp.barrier()
+        return loaded
 
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, float | int]:

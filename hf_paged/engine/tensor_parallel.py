@@ -10,9 +10,11 @@ block books cannot differ from rank 0's, and no rank samples on its own. Each ra
 its own K/V heads only. Control messages go over a gloo group (CPU objects, whatever the
 model's backend: gloo on CPU, NCCL on CUDA).
 
-Messages (rank 0 to the others): ``("step", SchedulerOutput)``, ``("done", outputs)`` at the end
-of a ``generate`` call (followers' ``generate`` returns rank 0's outputs), ``("stop", None)``
-from :meth:`LLMEngine.close` (ends ``run_worker``).
+Messages (rank 0 to the others): ``("step", SchedulerOutput)``; ``("done", result)`` at the end
+of a ``generate`` call or a snapshot save/load (a follower that made the same call returns it);
+``("save", (path, export))``, ``("check", path)`` and ``("load", (placement, pool sizes))`` for
+prefix-cache snapshots, one file per rank; ``("stop", None)`` from :meth:`LLMEngine.close` (ends
+``run_worker``).
 """
 
 from __future__ import annotations
@@ -76,6 +78,12 @@ class TensorParallelGroup:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order, on every rank."""
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
 
     def barrier(self) -> None:
         """Wait for every rank (before a rank exits: its last message must have arrived)."""

@@ -68,6 +68,35 @@ def main(checkpoint: str, bad_checkpoint: str, out_path: str) -> None:
                       "preemptions": small.stats()[f"preemptions_{mode}"]}
     report["tiny_budget"] = tiny
 
+    # Prefix-cache snapshots: one file per rank, saved and loaded by every rank making the same calls.
+    import os
+
+    from hf_paged import SnapshotError
+    from hf_paged.prefix_snapshot import shard_path
+
+    shared = list(range(50, 66))  # 4 blocks of 4
+    snap = os.path.join(os.path.dirname(out_path), "prefix.safetensors")
+    saver = LLMEngine(model, block_size=4, num_blocks=64)
+    saver.generate([shared + [7, 8, 9]], greedy, use_tqdm=False)
+    report["snapshot_saved"] = saver.save_prefix_cache(snap)
+    loader = LLMEngine(model, block_size=4, num_blocks=64)
+    report["snapshot_loaded"] = loader.load_prefix_cache(snap)
+    report["snapshot_tokens"] = _token_ids(loader.generate([shared + [11, 12]], greedy, use_tqdm=False))
+    report["snapshot_hits"] = loader.stats()["prefix_cache_hit_tokens"]
+    dist.barrier()
+    if rank == 0:  # damage rank 1's file: nobody loads anything
+        victim = shard_path(snap, 1, 2)
+        data = bytearray(victim.read_bytes())
+        data[-50:] = bytes(50)
+        victim.write_bytes(bytes(data))
+    dist.barrier()
+    refused = LLMEngine(model, block_size=4, num_blocks=64)
+    try:
+        refused.load_prefix_cache(snap)
+    except SnapshotError as err:
+        report["snapshot_refused"] = str(err)
+    report["blocks_cached_after_refusal"] = refused.stats()["blocks_cached"]
+
     # A KV budget from bytes that differ by rank (as free memory would): every rank takes the smallest.
     budgeted = LLMEngine(model, block_size=4, kv_cache_bytes=(1 + rank) * 64 * 1024)
     report["agreed_pool_sizes"] = list(budgeted.kv.pool_sizes)
