@@ -20,6 +20,10 @@ the K/V a ``DynamicCache`` would and the model's own attention runs, unchanged; 
 which reads the blocks. Every other forward is stock, and ``model.config._attn_implementation``
 reads as before outside kernel-route forwards.
 
+Prefix caching (``enable(model, prefix_caching=True)``, :mod:`hf_paged.prefix_cache`): the first
+forward of a flagged call starts after the columns every row finds cached in the model's
+persistent pool.
+
 Shared prompts (paper §4.4): with ``num_beams=k`` or ``num_return_sequences=n`` stock ``generate``
 repeats every prompt k times before the first forward. The first forward of a paged call instead
 runs the distinct prompts once and forks each prompt's blocks to its copies; the LM head alone runs
@@ -42,9 +46,9 @@ from transformers.generation import configuration_utils as generation_configurat
 from hf_paged import attention, kernels, state_layers
 from hf_paged.block_manager import check_block_options
 from hf_paged.cache import PagedKVCache
-from hf_paged.prefix_cache import PrefixCache, skip_cached_prefix
 from hf_paged.channel import StashingCache, clear_active_cache
 from hf_paged.model_info import cache_kwarg, check_supported, layer_structure
+from hf_paged.prefix_cache import PrefixCache, skip_cached_prefix
 
 CACHE_IMPLEMENTATION = "hf_paged"
 _OPTIONS_ATTR = "_hf_paged_options"
@@ -79,6 +83,11 @@ def enable(model: PreTrainedModel, block_size: int = 16, num_blocks: int | None 
     check_block_options(block_size, num_blocks)
     if not isinstance(prefix_caching, bool):
         raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+    if prefix_caching:
+        layer_types, _ = layer_structure(model.config.get_text_config(decoder=True))
+        if any(t in state_layers.STATE_ONLY_TYPES + state_layers.HYBRID_TYPES for t in layer_types):
+            raise ValueError(f"prefix_caching=True: {type(model).__name__} has non-attention (recurrent) layers, "
+                             "whose state at a prefix's end is not kept in blocks; use prefix_caching=False")
     options = getattr(model, _OPTIONS_ATTR, None)
     if options is None:
         options = _Options(block_size, num_blocks)
@@ -87,10 +96,6 @@ def enable(model: PreTrainedModel, block_size: int = 16, num_blocks: int | None 
             model.register_forward_hook(_after_forward, with_kwargs=True, always_call=True),
         ]
         setattr(model, _OPTIONS_ATTR, options)
-    layer_types, _ = layer_structure(model.config.get_text_config(decoder=True))
-    if prefix_caching and any(t in state_layers.STATE_ONLY_TYPES + state_layers.HYBRID_TYPES for t in layer_types):
-        raise ValueError(f"prefix_caching=True: {type(model).__name__} has non-attention (recurrent) layers, whose "
-                         "state at a prefix's end is not kept in blocks; use prefix_caching=False")
     same = (options.block_size, options.num_blocks) == (block_size, num_blocks)
     options.block_size, options.num_blocks = block_size, num_blocks
     if not prefix_caching:

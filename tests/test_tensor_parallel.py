@@ -18,7 +18,7 @@ import transformers
 from hf_paged import LLMEngine, SamplingParams
 from hf_paged.engine.tensor_parallel import check_kv_heads
 from tests.helpers import tp_worker
-from tests.helpers.tiny_models import _COMMON, _LLAMA_LIKE, build
+from tests.helpers.tiny_models import VOCAB, build
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 420
@@ -29,8 +29,8 @@ def _run_ranks(tmp_path: Path, nproc: int = 2) -> dict:
     good, bad = tmp_path / "llama", tmp_path / "three_kv_heads"
     build("llama").save_pretrained(good)
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**_COMMON, **{**_LLAMA_LIKE, "num_attention_heads": 6, "num_key_value_heads": 3,
-                                                    "hidden_size": 48})
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=3)
     transformers.LlamaForCausalLM(config).save_pretrained(bad)
     out = tmp_path / "report.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
