@@ -49,6 +49,13 @@ def new_columns_valid(padding_mask: torch.Tensor | None, q_len: int, columns: in
     return padding_mask[:, columns - q_len : columns]
 
 
+def left_padded_rows(input_ids: torch.Tensor, padding_mask: torch.Tensor | None) -> tuple[list[list[int]], list[int]]:
+    """Each row's real token ids and its count of leading pad columns, from a left-padded batch."""
+    columns = input_ids.shape[1]
+    lengths = [columns] * input_ids.shape[0] if padding_mask is None else padding_mask.sum(1).tolist()
+    return [row[columns - n :] for row, n in zip(input_ids.tolist(), lengths)], [columns - n for n in lengths]
+
+
 @dataclass
 class KVPool:
     """Blocks and their K/V, shared by a cache and its forks (each fork has rows of its own), or by
@@ -343,21 +350,17 @@ class PagedKVCache(StashingCache):
         if self.prefix is None or self._rows:
             return 0
         rows, columns = input_ids.shape
-        mask = torch.ones(rows, columns, dtype=torch.bool) if padding_mask is None else padding_mask.to("cpu", torch.bool)
-        lengths = mask.sum(1).tolist()
-        ids = input_ids.tolist()
-        tokens = [row[columns - n :] for row, n in zip(ids, lengths)]
+        tokens, pads = left_padded_rows(input_ids, padding_mask)
         bs = self.block_size
-        pads = [columns - n for n in lengths]
         hits = [self.prefix.longest_hit(t, (len(t) - 1) // bs) for t in tokens]
         skip = min([pad + len(keys) * bs for pad, keys in zip(pads, hits)] + [columns if max_skip is None else max_skip])
         tables = self._tables_for(hits, pads, skip)
         while tables is None:  # a sliding group misses a block a shorter start reads: start at a lower block boundary
             skip = max(pad + (skip - pad - 1) // bs * bs for pad in pads if skip > pad)
             tables = self._tables_for(hits, pads, skip)
-        self._prefix_queried += sum(lengths)
-        self._prefix_hit += sum(max(skip - pad, 0) for pad in pads)
-        self.prefix.record(sum(lengths), sum(max(skip - pad, 0) for pad in pads))
+        queried, adopted = sum(len(t) for t in tokens), sum(max(skip - pad, 0) for pad in pads)
+        self._prefix_queried, self._prefix_hit = self._prefix_queried + queried, self._prefix_hit + adopted
+        self.prefix.record(queried, adopted)
         self._rows = []
         self._slot_bufs = [torch.full((rows, skip), -1, dtype=torch.long) for _ in self.groups]
         for r, (keys, pad, row_tables) in enumerate(zip(hits, pads, tables)):

@@ -28,7 +28,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_paged import prefix_snapshot
-from hf_paged.cache import KVPool, PagedKVCache
+from hf_paged.cache import KVPool, PagedKVCache, left_padded_rows
 
 PER_COLUMN = ("input_ids", "position_ids", "token_type_ids")  # [..., columns]: sliced with the columns
 PASSED_ON = {"attention_mask", "cache_position", "logits_to_keep", "cache", "past_key_values", "use_cache",
@@ -145,17 +145,13 @@ def _compute_shared_prefixes(model: PreTrainedModel, cache: PagedKVCache, kwargs
     """Compute once the uncached full blocks several rows share, in a forward of their own (one row
     per distinct shared prefix, on a cache in the same pool), when the main forward then skips more
     tokens than this one computes. Its blocks stay cached for the main forward to adopt."""
-    input_ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
-    rows, columns = input_ids.shape
-    lengths = [columns] * rows if mask is None else mask.sum(1).tolist()
+    rows = kwargs["input_ids"].shape[0]
+    tokens, pads = left_padded_rows(kwargs["input_ids"], kwargs.get("attention_mask"))
     bs, index = cache.block_size, cache.prefix
-    ids = input_ids.tolist()
-    tokens = [row[columns - n :] for row, n in zip(ids, lengths)]
     keys = [index.keys_of(t, (len(t) - 1) // bs) for t in tokens]
     holders = Counter(k for row_keys in keys for k in row_keys)
     shared = [sum(1 for _ in takewhile(lambda k: holders[k] > 1, row_keys)) for row_keys in keys]
     hits = [len(index.longest_hit(t, len(k))) for t, k in zip(tokens, keys)]
-    pads = [columns - n for n in lengths]
     before = min(pad + h * bs for pad, h in zip(pads, hits))
     after = min(pad + max(h, s) * bs for pad, h, s in zip(pads, hits, shared))
     reps = list({keys[r][shared[r] - 1]: r for r in range(rows) if shared[r] > hits[r]}.values())
