@@ -75,7 +75,7 @@ def describe_model(model) -> str:
     """Which built-in model this is, for the command line's output."""
     kind = getattr(model, "hf_paged_demo", None)
     if kind == "trained":
-        return "the built-in demo model (2.3M parameters, trained briefly on Python's docstrings: simple text)"
+        return "the built-in demo model (trained briefly on Python's docstrings: simple text)"
     if kind == "random":
         return "the built-in demo model with random weights (its text is gibberish)"
     return type(model).__name__
