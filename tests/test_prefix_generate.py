@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import hf_paged
 from hf_paged import LLMEngine, SamplingParams, SnapshotError
+from hf_paged.bench.prefix_generate import left_padded_batch as batch  # pads with id 0 = PAD
 from hf_paged.model_info import cache_kwarg
 from hf_paged.prefix_index import PrefixIndex
 from tests.helpers.tiny_models import ARCHITECTURES, PAD, VOCAB, build
@@ -50,16 +51,6 @@ def pair(arch: str, **options):
 
 def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def batch(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
-        mask[i, width - len(r):] = 1
-    return ids, mask
 
 
 def both(stock, model, rows, mode="greedy", new=6, **extra):

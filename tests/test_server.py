@@ -8,11 +8,9 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import openai
@@ -24,7 +22,8 @@ from hf_paged.demo import byte_tokenizer
 from hf_paged.engine.outputs import CompletionOutput
 from hf_paged.serve.detokenize import IncrementalDetokenizer, TextStream
 from hf_paged.serve.server import exposure_warning
-from tests.helpers.serving import MODEL, assert_all_free, serving, single_threaded_torch, tiny_model, wait_idle
+from tests.helpers.serving import (MODEL, assert_all_free, free_port, serving, single_threaded_torch, tiny_model,
+                                   wait_idle, wait_until_healthy)
 
 NUM_BLOCKS = 256
 TOKENIZER = byte_tokenizer()
@@ -486,22 +485,13 @@ def test_serve_refuses_a_tensor_parallel_size_below_one(capsys):
 
 
 def test_hf_paged_serve_answers_and_shuts_down_cleanly():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "hf_paged", "serve", "--port", str(port), "--api-key", KEY, "--num-blocks", "64",
            "--served-model-name", "demo"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_until_healthy(proc, port, timeout=120)
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60) as client:
             resp = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}],
                                                   max_tokens=4, temperature=0)

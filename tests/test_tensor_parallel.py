@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -140,39 +139,24 @@ def test_heads_that_do_not_divide_are_refused(report):
         check_kv_heads(model.config, 4)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24),
                     reason="transformers before 5.24 cannot split an LM head of 259 rows (the demo's vocabulary) "
                            "over 2 ranks; the server says so and exits")
 def test_the_server_with_two_ranks_answers_like_one_process():
     """``hf-paged serve --tensor-parallel-size 2`` starts both ranks itself; the openai client gets
     what the single-process engine gives; SIGTERM stops every rank."""
-    import httpx
     import openai
 
     from hf_paged.demo import byte_tokenizer, demo_model
+    from tests.helpers.serving import free_port, wait_until_healthy
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "hf_paged", "serve", "--tensor-parallel-size", "2", "--port", str(port),
            "--num-blocks", "256", "--served-model-name", "demo"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.3)
+        wait_until_healthy(proc, port, timeout=180, poll=0.3)
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120) as client:
             got = [client.completions.create(model="demo", prompt=prompt, max_tokens=12, temperature=0).choices[0].text
                    for prompt in ("Paged attention", "Once upon a time, ")]

@@ -57,7 +57,8 @@ def _systems(stock):
     return dict(zip(SYSTEMS, (stock, flag, cached)))
 
 
-def _left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded_batch(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of token-id rows, left-padded with id 0."""
     width = max(map(len, rows))
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -69,7 +70,7 @@ def _left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.inference_mode()
 def _generate(model, name: str, rows: list[list[int]], new_tokens: int) -> torch.Tensor:
-    ids, mask = _left_padded(rows)
+    ids, mask = left_padded_batch(rows)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                   do_sample=False, pad_token_id=0, eos_token_id=None)
     if name != "stock":

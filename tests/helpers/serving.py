@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import socket
+import subprocess
 import time
+
+import httpx
 
 import torch
 
@@ -12,6 +16,25 @@ from hf_paged.demo import byte_tokenizer, demo_model
 from hf_paged.serve import ServerSettings, ServerThread, build_app
 
 MODEL = "tiny"
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(proc: subprocess.Popen, port: int, timeout: float, poll: float = 0.2) -> None:
+    """Wait for a server process on ``port`` to answer ``/health``; fail if it exits or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(poll)
 
 
 def tiny_model(**overrides):
