@@ -76,6 +76,15 @@ class KVPool:
         return cls(blocks, PagedKVStorage(block_size), PrefixIndex(blocks) if prefix_caching else None)
 
 
+def heads_view(slots: torch.Tensor, start: int, rows: int, length: int) -> torch.Tensor:
+    """Slots ``start .. start + rows * length`` of ``[slots, kv_heads, head_dim]`` K or V, row after
+    row, as the ``[rows, kv_heads, length, head_dim]`` that attention reads: one view, no copy."""
+    slot_stride, head_stride, dim_stride = slots.stride()
+    return slots.as_strided((rows, slots.shape[1], length, slots.shape[2]),
+                            (length * slot_stride, head_stride, slot_stride, dim_stride),
+                            slots.storage_offset() + start * slot_stride)
+
+
 @dataclass
 class _ForwardPlan:
     """What one forward stores and reads, worked out once for all its layers."""
@@ -98,23 +107,6 @@ class _ForwardPlan:
             value = getattr(self, name)
             self.reads[key] = (value[group] if isinstance(value, list) else value).to(device)
         return self.reads[key]
-
-    def read_index(self, slot_map: torch.Tensor, offset: int, length: int, device, group: int) -> torch.Tensor:
-        """Slots of columns ``offset .. offset + length`` of every row, flat (pads -> slot 0: masked)."""
-        key = (offset, length, device, group)
-        if key not in self.reads:
-            self.reads[key] = slot_map[:, offset : offset + length].clamp(min=0).reshape(-1).to(device)
-        return self.reads[key]
-
-    def gather(self, flat_pool: torch.Tensor, index: torch.Tensor, which: str) -> torch.Tensor:
-        """``flat_pool[index]``; without autograd, into a buffer this forward's layers share (each
-        layer's attention is done with its K/V before the next layer gathers)."""
-        if torch.is_grad_enabled():
-            return flat_pool.index_select(0, index)
-        key = (which, index.shape[0], flat_pool.shape[1], flat_pool.dtype, flat_pool.device)
-        if key not in self.reads:
-            self.reads[key] = flat_pool.new_empty(index.shape[0], flat_pool.shape[1])
-        return torch.index_select(flat_pool, 0, index, out=self.reads[key])
 
 
 class PagedKVCache(StashingCache):
@@ -172,6 +164,7 @@ class PagedKVCache(StashingCache):
         self._slot_bufs = self._empty_slot_bufs()  # per group [rows, capacity]; see _slot_map
         self._has_holes = False  # a pad column after a real one: kernels need contiguous tokens
         self._plan: _ForwardPlan | None = None  # the forward in progress
+        self._read_bufs: dict = {}  # see _read_buffers
         self._runs: list[int | None] = [None] * len(self.groups)  # per group: one row whose slots follow each other
         self._forward: tuple | None = None  # (padding mask, kernels?, token ids) of the forward running now
         self.prompt_copies = 1  # set by generate(): rows of the first forward are this many copies
@@ -218,7 +211,7 @@ class PagedKVCache(StashingCache):
         clone._columns, clone._layer_columns = self._columns, list(self._layer_columns)
         clone._slot_bufs = [buf.clone() for buf in self._slot_bufs]
         clone._has_holes, clone._plan, clone._runs = self._has_holes, None, [None] * len(self.groups)
-        clone._forward = None
+        clone._forward, clone._read_bufs = None, {}
         clone.prompt_copies = 1
         return clone
 
@@ -305,6 +298,7 @@ class PagedKVCache(StashingCache):
         self._slot_bufs = self._empty_slot_bufs()
         self._has_holes = False
         self._plan, self._runs = None, [None] * len(self.groups)
+        self._read_bufs = {}
         self.prompt_copies = 1
         self.drop_pending()
         self.set_metadata(None)
@@ -425,13 +419,17 @@ class PagedKVCache(StashingCache):
         The first layer of a forward allocates the slots of all its layers (``new_valid`` is read there only).
         """
         rows, kv_heads, q_len, head_dim = key.shape
-        if self.allocates(layer_idx):
+        columns = self._layer_columns[layer_idx]
+        if columns == self._columns:
             self._allocate(rows, q_len, new_valid)
-        elif self._layer_columns[layer_idx] + q_len != self._columns:
+        elif columns + q_len != self._columns:
             raise RuntimeError(f"PagedKVCache: layer {layer_idx} is out of step with the other layers")
         plan = self._plan
-        new_k = key.transpose(1, 2).reshape(rows * q_len, kv_heads, head_dim)
-        new_v = value.transpose(1, 2).reshape(rows * q_len, kv_heads, head_dim)
+        if q_len == 1:  # a decode step: [rows, kv_heads, head_dim] views, no reshape
+            new_k, new_v = key.select(2, 0), value.select(2, 0)
+        else:
+            new_k = key.transpose(1, 2).reshape(rows * q_len, kv_heads, head_dim)
+            new_v = value.transpose(1, 2).reshape(rows * q_len, kv_heads, head_dim)
         plan.new_kv = (layer_idx, key, value, new_k, new_v)  # what this layer's read may use as they are
         group = self._group_of[layer_idx]
         self.storage.ensure_layer(layer_idx, new_k, self.managers[group].num_blocks)
@@ -446,6 +444,8 @@ class PagedKVCache(StashingCache):
         Sliding groups first give back the blocks this forward can no longer read. The bookkeeping
         is proportional to the new tokens; the slot maps grow by their columns."""
         if not self._rows:
+            if not self.storage.key_pools and self.prefix is None:  # one row for good: see PagedKVStorage.new_pool
+                self.storage.heads_major = rows == 1 and self.prompt_copies == 1 and not self._forward[1]
             self._rows = [self._new_seq() for _ in range(rows)]
             self._slot_bufs = [torch.full((rows, self._columns), -1, dtype=torch.long) for _ in self.groups]
         elif rows != len(self._rows):
@@ -635,18 +635,42 @@ class PagedKVCache(StashingCache):
         group = self._group_of[layer_idx]
         run = self._runs[group]
         if run is not None:
-            start = run + offset
-            keys, values = k_rows[start : start + length], v_rows[start : start + length]
-            return keys.unsqueeze(0).transpose(1, 2), values.unsqueeze(0).transpose(1, 2)
-        index = plan.read_index(self._slot_map(group), offset, length, k_rows.device, group)
-        shape = (rows, length, *k_rows.shape[1:])
-        keys = plan.gather(k_rows.flatten(1), index, "keys").view(shape)
-        values = plan.gather(v_rows.flatten(1), index, "values").view(shape)
+            return heads_view(k_rows, run + offset, 1, length), heads_view(v_rows, run + offset, 1, length)
+        keys, values = self._gather(group, offset, length, k_rows, v_rows)
         if plan.new_valid is not None and plan.new_kv[0] == layer_idx:
+            shape = (rows, length, *k_rows.shape[1:])
             new_k, new_v = plan.new_kv[3:]
-            keys[:, -q_len:] = new_k.view(rows, q_len, *new_k.shape[1:])
-            values[:, -q_len:] = new_v.view(rows, q_len, *new_v.shape[1:])
-        return keys.transpose(1, 2), values.transpose(1, 2)
+            keys.view(shape)[:, -q_len:] = new_k.view(rows, q_len, *new_k.shape[1:])
+            values.view(shape)[:, -q_len:] = new_v.view(rows, q_len, *new_v.shape[1:])
+        return heads_view(keys, 0, rows, length), heads_view(values, 0, rows, length)
+
+    def _gather(self, group: int, offset: int, length: int, k_rows: torch.Tensor,
+                v_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of columns ``offset .. offset + length`` of every row, ``[rows * length, kv_heads,
+        head_dim]`` (pads read slot 0: masked). The slots are worked out once per layer group and
+        forward; without autograd the reads go into buffers of this cache that every layer and step
+        reuses (each layer's attention is done with its K/V before the next layer reads)."""
+        key = (group, offset, length, k_rows.device)
+        index = self._plan.reads.get(key)
+        if index is None:
+            index = self._slot_map(group)[:, offset : offset + length].clamp(min=0).reshape(-1).to(k_rows.device)
+            self._plan.reads[key] = index
+        if torch.is_grad_enabled():
+            return k_rows.index_select(0, index), v_rows.index_select(0, index)
+        k_buf, v_buf = self._read_buffers(index.shape[0], k_rows)
+        return torch.index_select(k_rows, 0, index, out=k_buf), torch.index_select(v_rows, 0, index, out=v_buf)
+
+    def _read_buffers(self, slots: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two ``[slots, kv_heads, head_dim]`` buffers shaped like ``like``'s rows, cut from ones kept
+        across steps (grown by doubling: a decode step allocates nothing to read; they hold about one
+        layer's dense K/V and go with ``reset``)."""
+        key = (like.device, like.dtype, tuple(like.shape[1:]))
+        buffers = self._read_bufs.get(key)
+        if buffers is None or buffers[0].shape[0] < slots:
+            capacity = slots if buffers is None else max(slots, 2 * buffers[0].shape[0])
+            buffers = self._read_bufs[key] = (like.new_empty((capacity, *like.shape[1:])),
+                                              like.new_empty((capacity, *like.shape[1:])))
+        return buffers[0][:slots], buffers[1][:slots]
 
     def set_metadata(self, metadata: AttentionMetadata | None) -> None:
         super().set_metadata(metadata)

@@ -26,6 +26,7 @@ class PagedKVStorage:
         self.block_size = block_size
         self.device = None if device is None else torch.device(device)
         self.pin_memory = pin_memory
+        self.heads_major = False  # lay new pools out head by head: see new_pool
         self.key_pools: dict[int, torch.Tensor] = {}
         self.value_pools: dict[int, torch.Tensor] = {}
         self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> pools viewed as slot rows
@@ -58,20 +59,32 @@ class PagedKVStorage:
         """Create (or grow) the pools of a layer. ``like`` is ``[..., num_kv_heads, head_dim]``."""
         pool = self.key_pools.get(layer_idx)
         if pool is None:
-            shape = (num_blocks, self.block_size, like.shape[-2], like.shape[-1])
             device = self.device or like.device
-            pin = self.pin_memory and device.type == "cpu" and torch.cuda.is_available()
             self._rows.pop(layer_idx, None)
             for pools in (self.key_pools, self.value_pools):
-                pools[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=device, pin_memory=pin)
+                pools[layer_idx] = self.new_pool(num_blocks, like.shape[-2], like.shape[-1], like.dtype, device)
         elif pool.shape[0] < num_blocks:
             self._grow_layer(layer_idx, num_blocks)
+
+    def new_pool(self, num_blocks: int, heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        """A zeroed ``[num_blocks, block_size, heads, head_dim]`` pool. With ``heads_major`` its memory
+        is ``[heads, slots, head_dim]`` (same shape, other strides): one sequence's consecutive slots
+        then read as ``DynamicCache``'s layout, each head's keys contiguous, which CPU attention
+        reads faster; gathering many sequences is faster from the block layout, so generate()
+        chooses this for single-row caches only."""
+        pin = self.pin_memory and device.type == "cpu" and torch.cuda.is_available()
+        if self.heads_major:
+            memory = torch.zeros((heads, num_blocks, self.block_size, head_dim), dtype=dtype, device=device,
+                                 pin_memory=pin)
+            return memory.permute(1, 2, 0, 3)
+        return torch.zeros((num_blocks, self.block_size, heads, head_dim), dtype=dtype, device=device, pin_memory=pin)
 
     def _grow_layer(self, layer_idx: int, num_blocks: int) -> None:
         self._rows.pop(layer_idx, None)
         for pools in (self.key_pools, self.value_pools):
             old = pools[layer_idx]
-            new = old.new_zeros((num_blocks, *old.shape[1:]))
+            new = self.new_pool(num_blocks, old.shape[2], old.shape[3], old.dtype, old.device)
             new[: old.shape[0]].copy_(old)
             pools[layer_idx] = new
 
@@ -91,14 +104,16 @@ class PagedKVStorage:
         Every slot must be a real one (callers leave pads out; a negative slot raises on the torch
         path). Off the Triton path the write is one ``index_copy_`` per pool: it runs once per layer
         per forward, so the reference kernel's checks are skipped."""
-        k_pool, v_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
-        slot_mapping = slot_mapping.to(k_pool.device)
-        if kernels.use_triton(k_pool):
-            kernels.reshape_and_cache(key.to(k_pool.dtype), value.to(v_pool.dtype), k_pool, v_pool, slot_mapping)
-            return
         k_rows, v_rows = self.slot_rows(layer_idx)
-        k_rows.index_copy_(0, slot_mapping, key.to(k_pool.dtype))
-        v_rows.index_copy_(0, slot_mapping, value.to(v_pool.dtype))
+        if slot_mapping.device != k_rows.device:
+            slot_mapping = slot_mapping.to(k_rows.device)
+        if key.dtype != k_rows.dtype:
+            key, value = key.to(k_rows.dtype), value.to(v_rows.dtype)
+        if kernels.use_triton(k_rows):
+            kernels.reshape_and_cache(key, value, self.key_pools[layer_idx], self.value_pools[layer_idx], slot_mapping)
+            return
+        k_rows.index_copy_(0, slot_mapping, key)
+        v_rows.index_copy_(0, slot_mapping, value)
 
     def copy_blocks(self, pairs: list[tuple[int, int]], layers: Iterable[int] | None = None) -> None:
         """Copy whole blocks ``src → dst`` in every layer (or those of ``layers``, a layer group's
@@ -120,8 +135,8 @@ class PagedKVStorage:
         k_pool, v_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
         slots = slots.to(k_pool.device)
         flat = slots.clamp(min=0).reshape(-1)
-        keys = k_pool.view(-1, *k_pool.shape[2:]).index_select(0, flat)
-        values = v_pool.view(-1, *v_pool.shape[2:]).index_select(0, flat)
+        k_rows, v_rows = self.slot_rows(layer_idx)
+        keys, values = k_rows.index_select(0, flat), v_rows.index_select(0, flat)
         invalid = (slots.reshape(-1) < 0).nonzero().squeeze(1)
         if invalid.numel():  # zero only the padding rows (a full masked_fill costs as much as the gather)
             keys.index_fill_(0, invalid, 0)
