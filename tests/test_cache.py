@@ -152,8 +152,14 @@ def _decode_reads(paged, monkeypatch, lengths, **options):
     """Generate on the reference route, recording the K each decode-step layer read returned."""
     reads = []
     original = PagedKVCache.dense_kv
-    monkeypatch.setattr(PagedKVCache, "dense_kv", lambda self, layer, q_len: (
-        lambda kv: (reads.append((self, kv[0])) if q_len == 1 else None, kv)[1])(original(self, layer, q_len)))
+
+    def recording(self, layer, q_len):
+        keys, values = original(self, layer, q_len)
+        if q_len == 1:
+            reads.append(keys)
+        return keys, values
+
+    monkeypatch.setattr(PagedKVCache, "dense_kv", recording)
     ids, mask = left_padded(lengths)
     hf_paged.disable(paged)
     stock = paged.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, **options)
@@ -167,18 +173,19 @@ def _decode_reads(paged, monkeypatch, lengths, **options):
 def test_a_single_row_is_read_in_place_head_by_head(paged, monkeypatch):
     cache, reads = _decode_reads(paged, monkeypatch, [40], do_sample=False)
     assert cache.storage.heads_major and len(reads) == 11 * paged.config.num_hidden_layers
-    for _, keys in reads:  # a view of the pool, each head's keys one after another (DynamicCache's layout)
-        pool = cache.storage.key_pools[0]
-        assert keys.untyped_storage().data_ptr() in {p.untyped_storage().data_ptr()
-                                                     for p in cache.storage.key_pools.values()}
-        assert keys.stride(-2) == keys.shape[-1] and keys.stride(-1) == 1 and pool.stride(2) > pool.stride(0)
+    pool = cache.storage.key_pools[0]
+    assert pool.stride(2) > pool.stride(0)  # memory [heads, slots, head_dim]
+    pools = {p.untyped_storage().data_ptr() for p in cache.storage.key_pools.values()}
+    for keys in reads:  # a view of the pool, each head's keys one after another (DynamicCache's layout)
+        assert keys.untyped_storage().data_ptr() in pools
+        assert keys.stride(-2) == keys.shape[-1] and keys.stride(-1) == 1
     _release(cache)
 
 
 def test_a_batch_reads_into_one_buffer_for_every_layer_and_step(paged, monkeypatch):
     cache, reads = _decode_reads(paged, monkeypatch, [40, 17, 29], do_sample=False)
     assert not cache.storage.heads_major  # gathering many rows is faster from the block layout
-    buffers = [keys.untyped_storage().data_ptr() for _, keys in reads]
+    buffers = [keys.untyped_storage().data_ptr() for keys in reads]
     layers = paged.config.num_hidden_layers
     assert len(set(buffers[:layers])) == 1  # every layer of a step reads into the same buffer
     assert len(set(buffers)) == 2  # and so does every step: it grew (doubling) once in 11 steps
