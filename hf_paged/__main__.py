@@ -253,6 +253,8 @@ def serve(args) -> int:
                  "max_tokens_limit"):
         if getattr(args, name) < (0 if name == "port" else 1):
             raise CliError(f"--{name.replace('_', '-')} must be positive")
+    if not args.shutdown_timeout >= 0 or not args.stream_timeout > 0:
+        raise CliError("--shutdown-timeout must be >= 0 and --stream-timeout > 0")
     from hf_paged import LLMEngine
     from hf_paged.engine import tensor_parallel
     from hf_paged.serve import ServerSettings, build_app, server
@@ -268,7 +270,8 @@ def serve(args) -> int:
         return 0
     settings = ServerSettings(model_name=args.served_model_name or args.model or "hf-paged-demo", api_key=api_key,
                               max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting, max_n=args.max_n,
-                              max_tokens=args.max_tokens_limit)
+                              max_tokens=args.max_tokens_limit, shutdown_timeout_s=args.shutdown_timeout,
+                              stream_timeout_s=args.stream_timeout)
     model_kind = _model_name(model, args)
     print(f"hf-paged serve: {model_kind} as '{settings.model_name}' on http://{args.host}:{args.port}/v1 "
           f"(API key {'required' if api_key else 'not required'})", flush=True)
@@ -311,8 +314,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $HF_PAGED_API_KEY)")
     s.add_argument("--served-model-name", help="the model name clients pass (default: --model, or hf-paged-demo)")
     s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413")
-    s.add_argument("--max-n", type=int, default=16, help="the largest n a request may ask for")
+    s.add_argument("--max-n", type=int, default=16, help="the largest n (and best_of) a request may ask for")
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="the largest max_tokens a request may ask for")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT (then they end with an error)")
+    s.add_argument("--stream-timeout", type=float, default=60.0,
+                   help="a stream whose client reads nothing for this many seconds is aborted")
     return top
 
 

@@ -1,9 +1,15 @@
 """The FastAPI app: OpenAI routes over one :class:`EngineLoop`, errors in OpenAI's shape.
 
-Handlers parse and check a request, tokenize it (with the HTTP side's own copy of the tokenizer:
-the engine thread uses the engine's), queue it on the engine loop and read its outputs; a
-client that disconnects aborts its requests at once. Statuses: 400 bad parameter (named), 401
-bad key, 404 unknown model, 413 body too large, 422 malformed JSON, 503 queue full.
+Handlers parse and check a request, tokenize it (on worker threads with their own copies of the
+tokenizer: the event loop never tokenizes, the engine thread uses the engine's), queue it on the
+engine loop and read its outputs; a client that disconnects aborts its requests at once, and a
+stream whose client reads nothing for ``stream_timeout_s`` is aborted (:mod:`.streaming`).
+Statuses: 400 bad parameter (named), 401 bad key, 404 unknown model or route, 405 wrong method
+(with ``Allow``), 413 body too large, 422 malformed JSON, 503 with its cause in ``code``:
+``server_overloaded`` (the waiting queue is full), ``server_shutting_down`` (:mod:`.shutdown`),
+``engine_unhealthy`` (steps keep failing; ``/health`` says 503 too) or ``engine_error`` (the
+engine failed this request's step). The POST routes publish their request models in
+``/openapi.json``.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hf_paged.engine.llm_engine import LLMEngine
@@ -29,9 +37,12 @@ from hf_paged.engine.outputs import RequestOutput
 from hf_paged.engine.params import SamplingParams
 from hf_paged.serve import responses
 from hf_paged.serve.detokenize import TextStream
-from hf_paged.serve.engine_loop import EngineFailure, EngineLoop, Overloaded, RequestStream
-from hf_paged.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Limits, invalid, parse,
-                                     resolve_max_tokens)
+from hf_paged.serve.engine_loop import EngineFailure, EngineLoop, Overloaded, RequestStream, shutting_down
+from hf_paged.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Limits, decode_body, invalid,
+                                     parse, resolve_max_tokens)
+from hf_paged.serve.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, Ticket
+from hf_paged.serve.streaming import BoundedStreamingResponse
+from hf_paged.serve.tokenizer_pool import TokenizerPool
 
 logger = logging.getLogger("hf_paged.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -47,6 +58,8 @@ class ServerSettings:
     max_waiting: int | None = 512
     max_n: int = 16
     max_tokens: int = 4096
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S  # in-flight requests' time to finish at shutdown
+    stream_timeout_s: float = 60.0  # a stream whose client reads nothing this long is aborted
 
 
 @dataclass
@@ -57,6 +70,7 @@ class _Job:
     response_id: str
     request: CompletionRequest | ChatCompletionRequest
     prompt_texts: list[str]
+    ticket: Ticket
     stream: RequestStream | None = None
 
     @property
@@ -73,7 +87,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings = ServerSettings()) ->
     kv = engine.kv
     limits = Limits(max_n=settings.max_n, max_tokens=settings.max_tokens, vocab_size=engine.config.vocab_size,
                     context=engine.max_positions, kv_tokens=None if kv.growable else kv.num_blocks * kv.block_size)
-    serving = _OpenAIServing(loop, copy.deepcopy(engine.tokenizer), settings, limits)
+    drain = Drain(lambda: loop.end_all(shutting_down()), settings.shutdown_timeout_s)
+    serving = _OpenAIServing(loop, copy.deepcopy(engine.tokenizer), settings, limits, drain)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -82,9 +97,11 @@ def build_app(engine: LLMEngine, settings: ServerSettings = ServerSettings()) ->
             yield
         finally:
             await asyncio.to_thread(loop.stop)
+            serving.tokenizers.close()
 
     app = FastAPI(title="hf_paged", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine_loop = loop
+    app.state.drain = drain  # the server's signal handling drives it (server.py)
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     _add_error_handlers(app)
     auth = [Depends(_api_key_check(settings.api_key))]
@@ -92,9 +109,32 @@ def build_app(engine: LLMEngine, settings: ServerSettings = ServerSettings()) ->
     app.add_api_route("/metrics", serving.metrics, methods=["GET"])
     app.add_api_route("/v1/models", serving.models, methods=["GET"], dependencies=auth)
     app.add_api_route("/v1/models/{model_id:path}", serving.model, methods=["GET"], dependencies=auth)
-    app.add_api_route("/v1/completions", serving.completions, methods=["POST"], dependencies=auth)
-    app.add_api_route("/v1/chat/completions", serving.chat, methods=["POST"], dependencies=auth)
+    bodies = {"/v1/completions": (serving.completions, CompletionRequest),
+              "/v1/chat/completions": (serving.chat, ChatCompletionRequest)}
+    for path, (handler, _) in bodies.items():
+        app.add_api_route(path, handler, methods=["POST"], dependencies=auth)
+    _publish_request_bodies(app, {path: model for path, (_, model) in bodies.items()})
     return app
+
+
+def _publish_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """``/openapi.json`` with each POST route's request model (the handlers read the body
+    themselves, so FastAPI cannot see it): clients and fuzzers learn every field and its type."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+                schema["paths"][path]["post"]["requestBody"] = {"required": True,
+                                                                "content": {"application/json": {"schema": ref}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 # ---------------------------------------------------------------------------- errors, key, body size
@@ -103,7 +143,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(err.body(), status_code=err.status)
 
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
+        return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code,
+                            headers=err.headers)  # 405 carries Allow
 
     async def validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
         return await api_error(_, invalid(None, str(err.errors()[0].get("msg"))))
@@ -161,6 +202,23 @@ class _BodyLimit:
         return APIError(413, f"request body over {self.limit} bytes", code="request_too_large")
 
 
+def _chat_ids(tokenizer, conversation: list[dict[str, str]]) -> list[int]:
+    """A conversation's prompt token ids through the chat template (on a tokenizer worker thread)."""
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    except Exception as err:  # noqa: BLE001 - a template's own error (e.g. raise_exception in Jinja)
+        raise invalid("messages", f"the chat template refused the messages: {err}") from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _request_failure(output: RequestOutput) -> APIError:
+    """The answer for a request the engine ended with an error: a 400 when it was refused as never
+    fitting, a 503 when the engine failed it."""
+    if getattr(output, "error_kind", None) == "fault":
+        return APIError(503, f"the engine failed this request: {output.error}", code="engine_error")
+    return invalid("max_tokens", output.error)
+
+
 async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
     """Wait for the client to go away (after the body, ``receive`` yields only that), then abort."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -170,13 +228,29 @@ async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
 
 # ---------------------------------------------------------------------------- the routes
 class _OpenAIServing:
-    def __init__(self, loop: EngineLoop, tokenizer, settings: ServerSettings, limits: Limits):
-        self.loop, self.tokenizer, self.settings, self.limits = loop, tokenizer, settings, limits
+    def __init__(self, loop: EngineLoop, tokenizer, settings: ServerSettings, limits: Limits, drain: Drain):
+        self.loop, self.tokenizer, self.settings, self.limits, self.drain = loop, tokenizer, settings, limits, drain
+        self.tokenizers = TokenizerPool(tokenizer)
         self.token_text = responses.TokenText(tokenizer)
+        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        self.document_start = [] if start is None else [start]  # what a completion without a prompt continues
+
+    def _unavailable(self) -> APIError | None:
+        """Why generation requests get a 503 now (None: they are served)."""
+        if not self.loop.alive:
+            return APIError(503, "the engine loop is not running", code="engine_stopped")
+        if self.drain.draining:
+            return APIError(503, "the server is shutting down", code="server_shutting_down")
+        if not getattr(self.loop.engine, "healthy", True):
+            return APIError(503, "the engine is unhealthy: its last steps failed (see the server log)",
+                            code="engine_unhealthy")
+        return None
 
     async def health(self) -> Response:
-        ok = self.loop.alive
-        return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
+        problem = self._unavailable()
+        if problem is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": problem.code, "message": problem.message}, status_code=503)
 
     async def metrics(self) -> Response:
         try:
@@ -202,50 +276,72 @@ class _OpenAIServing:
                            param="model", code="model_not_found")
 
     async def _parse(self, request: Request, model):
-        body = await request.body()
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise APIError(422, f"the request body is not valid JSON: {err}", code="invalid_json") from None
-        req = parse(model, data)
+        req = parse(model, decode_body(await request.body()))
         self._check_model(req.model)
         req.check(self.limits)
         return req
 
+    def _admit(self) -> Ticket:
+        """A generation request's place in the shutdown accounting; a 503 when it cannot be served."""
+        problem = self._unavailable()
+        if problem is not None and problem.code != "engine_unhealthy":  # unhealthy: keep trying, /health tells
+            raise problem
+        return self.drain.admit()
+
     # ------------------------------------------------------------------ completions and chat
     async def completions(self, request: Request) -> Response:
+        return await self._serve(request, self._completion_job)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, self._chat_job)
+
+    async def _serve(self, request: Request, build) -> Response:
+        """Admit, build the job (parse, check, tokenize), run it. A stream's ticket goes with its
+        response (released when the stream ends); every other answer releases it here."""
+        ticket = self._admit()
+        streaming = False
+        try:
+            job, prompts, params = await build(request, ticket)
+            response = await self._run(job, prompts, params, request)
+            streaming = isinstance(response, BoundedStreamingResponse)
+            return response
+        finally:
+            if not streaming:
+                ticket.release()
+
+    async def _completion_job(self, request: Request, ticket: Ticket):
         req: CompletionRequest = await self._parse(request, CompletionRequest)
-        encoded = [self._encode(p) for p in req.prompts()]
+        prompts = req.prompts(self.document_start)
+        encoded, texts = await self.tokenizers.run(self._encode_prompts, prompts, bool(req.echo))
         max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
         for ids in encoded:
             resolve_max_tokens(max_tokens, max_tokens, len(ids), self.limits, "prompt")
-        texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in req.prompts()] if req.echo else []
-        job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", req, texts)
-        return await self._run(job, encoded, req.sampling_params(max_tokens), request)
+        job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", req, texts, ticket)
+        return job, encoded, req.sampling_params(max_tokens)
 
-    async def chat(self, request: Request) -> Response:
+    async def _chat_job(self, request: Request, ticket: Ticket):
         req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         if not getattr(self.tokenizer, "chat_template", None):
             raise invalid("messages", "this model's tokenizer has no chat template")
-        try:
-            text = self.tokenizer.apply_chat_template(req.conversation(), add_generation_prompt=True, tokenize=False)
-        except Exception as err:  # noqa: BLE001 - a template's own error (e.g. an unknown role)
-            raise invalid("messages", f"the chat template refused the messages: {err}") from None
-        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = await self.tokenizers.run(_chat_ids, req.conversation())
         max_tokens = resolve_max_tokens(req.max_tokens, None, len(ids), self.limits, "messages")
-        job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req, [])
-        return await self._run(job, [ids], req.sampling_params(max_tokens), request)
+        job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req, [], ticket)
+        return job, [ids], req.sampling_params(max_tokens)
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
+    def _encode_prompts(self, tokenizer, prompts: list[str | list[int]], echo: bool):
+        """(token ids, echoed texts) of the prompts: on a tokenizer worker thread."""
+        encoded = [self._encode(tokenizer, p) for p in prompts]
+        texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if echo else []
+        return encoded, texts
+
+    def _encode(self, tokenizer, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
         if self.limits.vocab_size is not None and any(not 0 <= t < self.limits.vocab_size for t in prompt):
             raise invalid("prompt", f"prompt token ids must be below the vocabulary size {self.limits.vocab_size}")
         return list(prompt)
 
     async def _run(self, job: _Job, prompts: list[list[int]], params: SamplingParams, request: Request) -> Response:
-        if not self.loop.alive:
-            raise APIError(503, "the engine loop is not running")
         job.stream = self.loop.submit(prompts, params, job.response_id, final_only=not job.request.stream)
         try:
             await job.stream.accepted()
@@ -254,26 +350,27 @@ class _OpenAIServing:
         except ValueError as err:
             raise invalid("messages" if job.kind == "chat" else "prompt", str(err)) from None
         except EngineFailure as err:
-            raise APIError(503, str(err)) from None
+            raise APIError(503, str(err), code=err.code) from None
         except BaseException:  # cancelled while waiting: drop what may have been queued
             job.stream.abort()
             raise
         watcher = asyncio.create_task(_abort_on_disconnect(request, job.stream))
         if job.request.stream:
-            return StreamingResponse(self._events(job, watcher), media_type="text/event-stream")
+            return BoundedStreamingResponse(self._events(job, watcher), send_timeout=self.settings.stream_timeout_s,
+                                            on_timeout=self.loop.metrics.stream_timeout, on_close=job.ticket.release)
         try:
             finals = {i: out async for i, out in job.stream if out.finished}
         except EngineFailure as err:
-            raise APIError(503, str(err)) from None
+            raise APIError(503, str(err), code=err.code) from None
         finally:
             watcher.cancel()
             job.stream.abort()
         if len(finals) < len(prompts):
             return Response(status_code=499)  # the client left; nobody reads this
         outputs = [finals[i] for i in range(len(prompts))]
-        failed = next((o.error for o in outputs if o.error), None)
-        if failed:
-            raise invalid("max_tokens", failed)
+        failed = next((o for o in outputs if o.error), None)
+        if failed is not None:
+            raise _request_failure(failed)
         return JSONResponse(self._response(job, outputs))
 
     def _response(self, job: _Job, outputs: list[RequestOutput]) -> dict:
@@ -306,7 +403,7 @@ class _OpenAIServing:
         try:
             async for i, out in job.stream:
                 if out.error:
-                    yield responses.sse(invalid("max_tokens", out.error).body())
+                    yield responses.sse(_request_failure(out).body())
                     break
                 if out.finished:
                     finals[i] = out
@@ -321,7 +418,7 @@ class _OpenAIServing:
                                                            responses.usage(list(finals.values())), chunk=True,
                                                            created=created))
         except EngineFailure as err:
-            yield responses.sse(APIError(503, str(err)).body())
+            yield responses.sse(APIError(503, str(err), code=err.code).body())
         finally:
             watcher.cancel()
             job.stream.abort()

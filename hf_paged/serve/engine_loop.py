@@ -1,11 +1,15 @@
 """The one thread that owns the ``LLMEngine``; HTTP handlers only enqueue and read.
 
 Handlers (on the asyncio event loop) send commands through a queue: add a request, abort one,
-run a function on the engine. The engine thread drains that queue between steps, steps the
-engine while anything is unfinished, and hands each request's outputs back to its handler's
-:class:`RequestStream` (one ``call_soon_threadsafe`` per event loop and step). Nothing else
-touches the engine, so it needs no locks, and an abort frees the request's blocks before the
-next step.
+run a function on the engine, end everything in flight (shutdown). The engine thread drains that
+queue between steps, steps the engine while anything is unfinished, and hands each request's
+outputs back to its handler's :class:`RequestStream` (one ``call_soon_threadsafe`` per event loop
+and step). Nothing else touches the engine, so it needs no locks, and an abort frees the
+request's blocks before the next step.
+
+A stream keeps only the latest output of each of its requests until its handler reads it (an
+output holds everything produced so far), so a handler that cannot send (a client that does not
+read) holds one output per request, not one per step.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from hf_paged.serve.metrics import ServingMetrics
 
 logger = logging.getLogger("hf_paged.serve")
 _ACCEPTED = "accepted"
-_ABORTED = "aborted"
 
 
 class Overloaded(Exception):
@@ -35,7 +38,15 @@ class Overloaded(Exception):
 
 
 class EngineFailure(RuntimeError):
-    """The engine raised during a step or is stopping; the requests in flight end with it."""
+    """The engine failed a request, or the server is stopping; answered 503 with ``code``."""
+
+    def __init__(self, message: str, code: str = "engine_error"):
+        super().__init__(message)
+        self.code = code
+
+
+def shutting_down() -> EngineFailure:
+    return EngineFailure("the server is shutting down", code="server_shutting_down")
 
 
 class RequestStream:
@@ -49,29 +60,47 @@ class RequestStream:
         self.request_ids, self.final_only = request_ids, final_only
         self._owner = owner
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._admission: asyncio.Future = self._loop.create_future()  # _ACCEPTED or why not
+        self._latest: dict[int, RequestOutput] = {}  # per prompt index: the newest unread output
+        self._error: BaseException | None = None
+        self._wake = asyncio.Event()
         self._unfinished = len(request_ids)
         self._aborted = False
 
     async def accepted(self) -> None:
         """Wait for the engine to queue the requests; raises ``ValueError`` (bad prompt or
         parameters) or :class:`Overloaded`, in which case nothing was queued."""
-        item = await self._queue.get()
+        item = await self._admission
         if isinstance(item, BaseException):
             self._unfinished = 0
             raise item
 
-    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        while self._unfinished:
-            item = await self._queue.get()
-            if item is _ABORTED:
-                return
-            if isinstance(item, BaseException):
-                self._unfinished = 0
-                raise item
+    def put(self, item: Any) -> None:
+        """From the engine thread (on this stream's event loop): admission, an output or an error.
+        An output replaces the unread one of its request: outputs are cumulative."""
+        if not self._admission.done():
+            self._admission.set_result(item)
+            return
+        if isinstance(item, BaseException):
+            self._error = item
+        else:
             index, output = item
-            self._unfinished -= output.finished
-            yield index, output
+            self._latest[index] = output
+        self._wake.set()
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self._unfinished and not self._aborted:
+            if self._latest:
+                index = next(iter(self._latest))
+                output = self._latest.pop(index)
+                self._unfinished -= output.finished
+                yield index, output
+            elif self._error is not None:
+                self._unfinished = 0
+                raise self._error
+            else:
+                self._wake.clear()
+                await self._wake.wait()
 
     @property
     def done(self) -> bool:
@@ -83,7 +112,7 @@ class RequestStream:
         if not self.done and not self._aborted:
             self._aborted = True
             self._unfinished = 0
-            self._queue.put_nowait(_ABORTED)
+            self._wake.set()
             self._owner.abort(self)
 
 
@@ -146,6 +175,10 @@ class EngineLoop:
         self._commands.put(("call", fn, future))
         return future
 
+    def end_all(self, error: EngineFailure) -> None:
+        """End every request in flight with ``error`` (their streams get it), freeing their blocks."""
+        self._commands.put(("end_all", error))
+
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
         while not self._stopping:
@@ -159,7 +192,7 @@ class EngineLoop:
                 else:
                     self._dispatch(outputs)
             self._flush()
-        self._end_all(EngineFailure("the server is shutting down"))
+        self._end_all(shutting_down())
         self._refuse_queued()
         self._flush()
 
@@ -181,6 +214,8 @@ class EngineLoop:
                     if self._live.pop(request_id, None) is not None:
                         self.engine.abort(request_id)
                         self.metrics.finish("abort")
+            case ("end_all", error):
+                self._end_all(error)
             case ("call", fn, future):
                 try:
                     future.set_result(fn(self.engine))
@@ -241,9 +276,9 @@ class EngineLoop:
             except queue.Empty:
                 return
             if command[0] == "add":
-                self._send(command[1], EngineFailure("the server is shutting down"))
+                self._send(command[1], shutting_down())
             elif command[0] == "call":
-                command[2].set_exception(EngineFailure("the server is shutting down"))
+                command[2].set_exception(shutting_down())
 
     def _send(self, stream: RequestStream, item: Any) -> None:
         self._outbox.setdefault(stream._loop, []).append((stream, item))
@@ -259,4 +294,4 @@ class EngineLoop:
 
 def _deliver(items: list[tuple[RequestStream, Any]]) -> None:
     for stream, item in items:
-        stream._queue.put_nowait(item)
+        stream.put(item)

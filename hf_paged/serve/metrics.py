@@ -32,6 +32,8 @@ _ENGINE_METRICS = {
     "generated_tokens": ("generation_tokens_total", "counter", "Tokens generated."),
     "steps": ("engine_steps_total", "counter", "Engine steps that ran a forward."),
     "tokens_per_second": ("generation_tokens_per_second", "gauge", "Generated tokens per second of engine busy time."),
+    "healthy": ("engine_healthy", "gauge", "1 while engine steps succeed, 0 after too many failed in a row."),
+    "failed_steps": ("engine_failed_steps_total", "counter", "Engine steps that failed (their requests got errors)."),
 }
 
 
@@ -68,6 +70,7 @@ class ServingMetrics:
         self.itl = Histogram("inter_token_latency_seconds", "Between consecutive steps that gave a request tokens.")
         self.finished: Counter[str] = Counter()  # finish reason (stop, length, abort, error) -> requests
         self.rejected: Counter[str] = Counter()  # why (invalid, overloaded) -> engine requests refused
+        self.stream_timeouts = 0  # streams aborted because their client read nothing for too long
 
     def first_token(self, seconds: float) -> None:
         with self._lock:
@@ -85,6 +88,10 @@ class ServingMetrics:
         with self._lock:
             self.rejected[why] += count
 
+    def stream_timeout(self) -> None:
+        with self._lock:
+            self.stream_timeouts += 1
+
     def render(self, engine_stats: dict) -> str:
         """The whole exposition: engine stats first, then the server's own series."""
         lines = []
@@ -100,11 +107,14 @@ class ServingMetrics:
                              [(f'{{finish_reason="{r}"}}', n) for r, n in sorted(self.finished.items())])
             lines += _sample("requests_rejected_total", "counter", "Engine requests refused before queueing.",
                              [(f'{{reason="{r}"}}', n) for r, n in sorted(self.rejected.items())])
+            lines += _sample("stream_timeouts_total", "counter",
+                             "Streams aborted because their client read nothing for --stream-timeout seconds.",
+                             [("", self.stream_timeouts)])
             lines += self.ttft.lines() + self.itl.lines()
         return "\n".join(lines) + "\n"
 
 
 def _sample(name: str, kind: str, help_text: str, values: list[tuple[str, float]]) -> list[str]:
     full = f"{PREFIX}_{name}"
-    return [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"] + [f"{full}{labels} {value!r}"
-                                                                     for labels, value in values]
+    return [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"] + [
+        f"{full}{labels} {int(value) if isinstance(value, bool) else value!r}" for labels, value in values]

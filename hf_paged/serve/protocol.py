@@ -5,20 +5,42 @@ OpenAI's fields the requests take vLLM's extensions: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, beam search
 (``use_beam_search`` with ``best_of`` beams, ``length_penalty``, ``early_stopping``) and
 ``return_token_ids`` (token ids in every choice or chunk).
+
+A body is checked before the models see it (:func:`decode_body`): JSON nested deeper than
+``MAX_JSON_DEPTH`` and strings that are not valid Unicode (a lone surrogate, from ``"\ud800"`` or
+the raw bytes ``ED A0 80``) are a 400 naming where they are. ``null`` means "not set" for every
+optional field (as the ``openai`` package types them), OpenAI's own fields this server does not
+implement included; a value for one of those is a 400 naming it. Numeric ranges are
+``SamplingParams``' own (one validation for the engine and the server); the models check types.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hf_paged.engine.params import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64  # prompts in one completions request
+MAX_JSON_DEPTH = 32  # nesting of arrays and objects in a request body
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+
+# OpenAI's request fields this server does not implement: null is accepted (not set), a value is a 400.
+OPENAI_UNSUPPORTED = {
+    "completion": frozenset(),
+    "chat": frozenset({"audio", "metadata", "modalities", "moderation", "prediction", "prompt_cache_key",
+                       "prompt_cache_options", "prompt_cache_retention", "reasoning_effort", "safety_identifier",
+                       "service_tier", "store", "verbosity", "web_search_options", "functions", "function_call",
+                       "parallel_tool_calls"}),
+    "message": frozenset({"refusal", "audio", "function_call"}),
+}
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 # SamplingParams field -> the request field that sets it (for error messages)
 _API_NAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "num_beams": "best_of"}
@@ -53,6 +75,41 @@ class Limits:
     kv_tokens: int | None = None  # a fixed KV budget, in tokens of one sequence (None: the pool grows)
 
 
+def decode_body(body: bytes) -> Any:
+    """The JSON value of a request body, checked for depth and valid Unicode (400s name where)."""
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        raise invalid(None, f"the request body nests arrays or objects deeper than {MAX_JSON_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise APIError(422, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    check_json(data)
+    return data
+
+
+def check_json(data: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Refuse nesting deeper than ``max_depth`` and strings (or keys) that are not valid Unicode:
+    a lone surrogate cannot be encoded, so it would fail deep inside tokenization instead."""
+    stack = [(data, (), 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                where = ".".join(map(str, path)) or None
+                raise invalid(where, f"{where or 'the body'}: the string is not valid Unicode (a lone surrogate)")
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth >= max_depth:
+            raise invalid(".".join(map(str, path)) or None,
+                          f"the request body nests arrays or objects deeper than {max_depth} levels")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str) and _SURROGATE.search(key):
+                raise invalid(".".join(map(str, path)) or None, "a key is not valid Unicode (a lone surrogate)")
+            stack.append((item, (*path, key), depth + 1))
+
+
 def parse(model: type[BaseModel], data: Any) -> BaseModel:
     """Validate a decoded JSON body; a bad field gives a 400 naming it."""
     if not isinstance(data, dict):
@@ -61,8 +118,13 @@ def parse(model: type[BaseModel], data: Any) -> BaseModel:
         return model.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
-        param = _param(first["loc"], first["type"] == "extra_forbidden")
-        message = "unknown parameter" if first["type"] == "extra_forbidden" else first["msg"]
+        unknown = first["type"] == "extra_forbidden"
+        param = _param(first["loc"], unknown)
+        message = first["msg"]
+        if unknown:
+            name = str(first["loc"][-1])
+            message = ("not supported by this server" if name in set().union(*OPENAI_UNSUPPORTED.values())
+                       else "unknown parameter")
         raise invalid(param, f"{param}: {message}") from None
 
 
@@ -84,42 +146,54 @@ def _field_names() -> set[str]:
 
 
 class _Strict(BaseModel):
+    """Unknown fields are refused; ``null`` for an optional field means "not set" (its default)."""
+
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    unsupported_fields: ClassVar[frozenset[str]] = frozenset()  # OpenAI's, not implemented: null accepted
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_unset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        optional = {name for name, f in cls.model_fields.items() if not f.is_required()}
+        unset = optional | cls.unsupported_fields
+        return {k: v for k, v in data.items() if not (v is None and k in unset)}
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class _GenerationRequest(_Strict):
     """Fields completions and chat share. ``None`` means "not set" (so beam search can refuse what
-    it would not apply)."""
+    it would not apply). Ranges are checked by ``SamplingParams`` (and the server's limits)."""
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1)
-    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = Field(1, ge=1)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end-user id: accepted, used for nothing
     # vLLM's extensions
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    use_beam_search: bool = False
+    ignore_eos: bool | None = False
+    min_tokens: int | None = Field(0, ge=0)
+    use_beam_search: bool | None = False
     best_of: int | None = Field(None, ge=1)
-    length_penalty: float = 1.0
-    early_stopping: bool = False
-    return_token_ids: bool = False
+    length_penalty: float | None = 1.0
+    early_stopping: bool | None = False
+    return_token_ids: bool | None = False
 
     def stop_strings(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -129,8 +203,9 @@ class _GenerationRequest(_Strict):
 
     def check(self, limits: Limits) -> None:
         """The request on its own (before its prompt is known): options and server limits."""
-        if self.n > limits.max_n:
-            raise invalid("n", f"n must be at most {limits.max_n} on this server, got {self.n}")
+        for name in ("n", "best_of"):  # --max-n bounds the samples and the beams alike
+            if (getattr(self, name) or 0) > limits.max_n:
+                raise invalid(name, f"{name} must be at most {limits.max_n} on this server, got {getattr(self, name)}")
         if self.max_tokens is not None and self.max_tokens > limits.max_tokens:
             raise invalid("max_tokens", f"max_tokens must be at most {limits.max_tokens} on this server, "
                                         f"got {self.max_tokens}")
@@ -189,8 +264,8 @@ class _GenerationRequest(_Strict):
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None  # None: the start of a document
+    echo: bool | None = False
     logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None
 
@@ -206,9 +281,10 @@ class CompletionRequest(_GenerationRequest):
         if self.suffix:
             raise invalid("suffix", "suffix (insertion) is not supported by this server")
 
-    def prompts(self) -> list[str | list[int]]:
-        """One prompt (text or token ids) per engine request."""
-        p = self.prompt
+    def prompts(self, document_start: list[int]) -> list[str | list[int]]:
+        """One prompt (text or token ids) per engine request; no prompt is ``document_start`` (as
+        OpenAI: the model generates as if from the beginning of a new document)."""
+        p = document_start if self.prompt is None else self.prompt
         prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
         if not prompts or any(len(x) == 0 for x in prompts):
             raise invalid("prompt", "prompt must not be empty")
@@ -223,9 +299,20 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: str
+    unsupported_fields: ClassVar[frozenset[str]] = OPENAI_UNSUPPORTED["message"]
+
+    role: ChatRole
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # a tool message's answer to an assistant's tool call
+
+    def template_entry(self) -> dict[str, str]:
+        """What the chat template sees: OpenAI's ``developer`` role is its ``system`` role (templates
+        know only the latter)."""
+        entry = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_call_id is not None:
+            entry["tool_call_id"] = self.tool_call_id
+        return entry
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -236,9 +323,11 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``."""
 
+    unsupported_fields: ClassVar[frozenset[str]] = OPENAI_UNSUPPORTED["chat"]
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0)
     tools: list | None = None
     tool_choice: Any = None
@@ -260,7 +349,7 @@ class ChatCompletionRequest(_GenerationRequest):
                 raise invalid(name, f"{name} is not supported by this server")
 
     def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.template_entry() for m in self.messages]
 
 
 def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, limits: Limits,

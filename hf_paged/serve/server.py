@@ -1,11 +1,14 @@
 """Running the app: ``hf-paged serve`` (uvicorn in the foreground) and :class:`ServerThread`
-(uvicorn in a background thread on a socket bound first, for tests and benchmarks)."""
+(uvicorn in a background thread on a socket bound first, for tests and benchmarks).
+
+Both run :class:`DrainingServer`: uvicorn, with the first SIGTERM/SIGINT starting the app's
+graceful shutdown (:mod:`hf_paged.serve.shutdown`) instead of cutting requests off after a fixed
+grace period."""
 
 from __future__ import annotations
 
 import ipaddress
 import logging
-import signal
 import socket
 import sys
 import threading
@@ -13,6 +16,8 @@ import time
 
 import uvicorn
 from fastapi import FastAPI
+
+from hf_paged.serve.shutdown import Drain
 
 logger = logging.getLogger("hf_paged.serve")
 
@@ -34,26 +39,36 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
             f"can use the model. Set --api-key (or HF_PAGED_API_KEY), or bind 127.0.0.1.")
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose exit signals drain the app first (``app.state.drain``): the first signal
+    starts the drain, a second ends what is in flight at once, uvicorn's own shutdown (closing
+    the connections) follows once the drain is over. The signal is not raised again afterwards,
+    so ``hf-paged serve`` returns normally and exits 0 (the caller's ``finally`` blocks run: a
+    tensor-parallel rank 0 releases the other ranks there)."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI):
+        super().__init__(config)
+        self.drain: Drain | None = getattr(app.state, "drain", None)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.drain is None:
+            return super().handle_exit(sig, frame)
+        self.drain.begin()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain is not None and self.drain.draining and not self.should_exit:
+            self.should_exit = self.drain.finished()
+        return await super().on_tick(counter)
+
+
 def run(app: FastAPI, host: str, port: int, api_key: str | None) -> int:
-    """Serve until interrupted (Ctrl-C / SIGTERM shut down gracefully). uvicorn raises the signal
-    again once it has shut down: SIGTERM then exits through ``SystemExit``, so the caller's
-    ``finally`` blocks run (a tensor-parallel rank 0 releases the other ranks there)."""
+    """Serve until SIGTERM or SIGINT, then shut down gracefully (see :class:`DrainingServer`)."""
     warning = exposure_warning(host, api_key)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
-        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=10)
-    except SystemExit as stop:
-        if stop.code not in (0, None):
-            raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    DrainingServer(config, app).run()
     return 0
-
-
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(0)
 
 
 class ServerThread:
@@ -68,7 +83,7 @@ class ServerThread:
         self.url = f"http://{host}:{self.port}"
         self.start_timeout = start_timeout
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="on")
-        self.server = uvicorn.Server(config)
+        self.server = DrainingServer(config, app)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
                                         name="hf-paged-uvicorn", daemon=True)
 
@@ -81,6 +96,10 @@ class ServerThread:
                 raise RuntimeError("the server did not start")
             time.sleep(0.01)
         return self
+
+    def begin_shutdown(self) -> None:
+        """What SIGTERM does to ``hf-paged serve``: drain, then stop (``__exit__`` still joins)."""
+        self.server.handle_exit(None, None)
 
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
