@@ -75,9 +75,12 @@ class ServerThread:
     """``with ServerThread(app) as server:`` serves ``app`` on ``server.url`` (a free loopback port)
     from a daemon thread; leaving the block shuts uvicorn down and joins the thread."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, start_timeout: float = 60.0):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, start_timeout: float = 60.0,
+                 send_buffer_bytes: int | None = None):
         self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if send_buffer_bytes is not None:  # connections inherit it: a slow reader blocks sends sooner
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
         self.socket.bind((host, port))
         self.host, self.port = host, self.socket.getsockname()[1]
         self.url = f"http://{host}:{self.port}"

@@ -56,11 +56,12 @@ def single_threaded_torch():
 
 
 @contextlib.contextmanager
-def serving(engine_kwargs: dict | None = None, model_overrides: dict | None = None, **settings):
+def serving(engine_kwargs: dict | None = None, model_overrides: dict | None = None,
+            send_buffer_bytes: int | None = None, **settings):
     """A server on a free loopback port over a fresh engine; yields ``(server, engine loop)``."""
     engine = LLMEngine(tiny_model(**(model_overrides or {})), byte_tokenizer(), **(engine_kwargs or {}))
     app = build_app(engine, ServerSettings(model_name=MODEL, **settings))
-    with ServerThread(app) as server:
+    with ServerThread(app, send_buffer_bytes=send_buffer_bytes) as server:
         yield server, app.state.engine_loop
 
 

@@ -1,0 +1,436 @@
+"""The server under hostile input, over real HTTP on a loopback port: extreme sampling values,
+invalid Unicode, deep JSON, nulls, unknown roles, huge prompts, clients that never read, a
+property-based fuzz of every route from the published ``/openapi.json`` (schemathesis), and a
+real ``hf-paged serve`` process shut down by SIGTERM with requests in flight. Whatever a request
+does, the others are served exactly, nothing is left in flight and every KV block is free."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import typing
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from hf_paged import LLMEngine, SamplingParams
+from hf_paged.demo import byte_tokenizer
+from hf_paged.serve.protocol import ChatCompletionRequest, CompletionRequest
+from tests.helpers.serving import (MODEL, assert_all_free, free_port, serving, single_threaded_torch, tiny_model,
+                                   wait_idle, wait_until_healthy)
+
+ENGINE = {"num_blocks": 256}
+LIMITS = dict(max_n=4, max_tokens=4096)
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def robust():
+    with single_threaded_torch(), serving(ENGINE, **LIMITS) as (server, loop):
+        yield server, loop
+
+
+@pytest.fixture
+def server(robust):
+    yield robust[0]
+    assert_all_free(robust[1])
+
+
+@pytest.fixture(scope="module")
+def truth():
+    """An in-process engine on an identical model: what a served request must give."""
+    return LLMEngine(tiny_model(), byte_tokenizer(), **ENGINE)
+
+
+def post(server, path: str, body: dict | bytes, timeout: float = 60) -> httpx.Response:
+    """POST JSON as a client would send it: non-ASCII escaped (so a lone surrogate goes as ``\\ud800``)."""
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json"},
+                      timeout=timeout)
+
+
+def completion(**fields) -> dict:
+    return {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "temperature": 0, "return_token_ids": True, **fields}
+
+
+def chat(content: str = "Hi", **fields) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0,
+            "return_token_ids": True, **fields}
+
+
+def greedy_tokens(server, path: str = COMPLETIONS, **fields) -> list[int]:
+    resp = post(server, path, completion(**fields) if path == COMPLETIONS else chat(**fields))
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["token_ids"]
+
+
+class Stream(threading.Thread):
+    """A greedy stream read in the background: its tokens, finish reason, events and their arrival times."""
+
+    def __init__(self, server, max_tokens: int = 48, prompt: str = "Once upon a time"):
+        super().__init__(daemon=True)
+        self.url, self.body = server.url + COMPLETIONS, completion(prompt=prompt, max_tokens=max_tokens,
+                                                                   ignore_eos=True, stream=True)
+        self.tokens, self.events, self.times, self.finish = [], [], [], None
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        with httpx.stream("POST", self.url, json=self.body, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if not line:
+                    continue
+                self.times.append(time.monotonic())
+                self.events.append(line)
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:]).get("choices", []):
+                        self.tokens += c.get("token_ids") or []
+                        self.finish = c["finish_reason"] or self.finish
+                if self.tokens:
+                    self.started.set()
+        self.started.set()
+
+
+# ---------------------------------------------------------------------------- the reproductions of issue 19
+RAW_SURROGATE = b'{"model": "tiny", "prompt": "Hi \xed\xa0\x80", "max_tokens": 4}'  # UTF-8-encoded U+D800
+EXTREME = {  # name -> (path, body, statuses allowed, the param a 400 names)
+    "temperature 1e-300": (COMPLETIONS, completion(temperature=1e-300, seed=3), {200}, None),
+    "temperature 1e300": (COMPLETIONS, completion(temperature=1e300, seed=3), {200}, None),
+    "repetition_penalty 1e-300": (COMPLETIONS, completion(temperature=1.0, repetition_penalty=1e-300), {400},
+                                  "repetition_penalty"),
+    "repetition_penalty 1e300": (COMPLETIONS, completion(temperature=1.0, repetition_penalty=1e300), {400},
+                                 "repetition_penalty"),
+    "length_penalty 2000": (COMPLETIONS, completion(use_beam_search=True, best_of=2, length_penalty=2000), {400},
+                            "length_penalty"),
+    "length_penalty -2000": (COMPLETIONS, completion(use_beam_search=True, best_of=2, length_penalty=-2000), {400},
+                             "length_penalty"),
+    "best_of 2000": (COMPLETIONS, completion(use_beam_search=True, best_of=2000), {400}, "best_of"),
+    "n 2000": (COMPLETIONS, completion(n=2000), {400}, "n"),
+    "seed 2**64 - 1": (COMPLETIONS, completion(temperature=1.0, seed=2**64 - 1), {200}, None),
+    "seed 2**64": (COMPLETIONS, completion(temperature=1.0, seed=2**64), {400}, "seed"),
+    "top_k 10**12": (COMPLETIONS, completion(temperature=1.0, seed=1, top_k=10**12), {200}, None),
+    "logprobs 10**9": (COMPLETIONS, completion(logprobs=10**9), {400}, "logprobs"),
+    "a lone surrogate in the prompt": (COMPLETIONS, completion(prompt="Hi \ud800"), {400}, "prompt"),
+    "a lone surrogate as raw bytes": (COMPLETIONS, RAW_SURROGATE, {400}, "prompt"),
+    "a lone surrogate in a message": (CHAT, chat("Hi \udfff"), {400}, "messages.0.content"),
+    "a lone surrogate in the model name": (COMPLETIONS, completion(model="tiny\ud800"), {400}, "model"),
+    "a lone surrogate in a key": (COMPLETIONS, {**completion(), "\ud800": 1}, {400}, None),
+    "JSON nested 10,000 deep": (COMPLETIONS, b'{"model": "tiny", "prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+                                {400}, None),
+    "JSON nested 100 deep": (COMPLETIONS, b'{"model": "tiny", "prompt": ' + b"[" * 100 + b"]" * 100 + b"}", {400},
+                             "prompt"),
+}
+
+
+@pytest.fixture(scope="module")
+def clean_stream(robust):
+    stream = Stream(robust[0])
+    stream.run()
+    assert stream.finish == "length" and len(stream.tokens) == 48
+    return stream.tokens
+
+
+@pytest.mark.parametrize("name", list(EXTREME))
+def test_an_extreme_request_is_refused_or_served_while_a_concurrent_stream_is_untouched(server, clean_stream, name):
+    path, body, statuses, param = EXTREME[name]
+    stream = Stream(server)
+    stream.start()
+    assert stream.started.wait(60)
+    resp = post(server, path, body)
+    stream.join(120)
+    assert resp.status_code in statuses, resp.text
+    if resp.status_code == 400:
+        error = resp.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        if param is not None:
+            assert error["param"] == param and param.split(".")[0] in error["message"], error
+    assert (stream.finish, stream.tokens) == ("length", clean_stream)
+    assert stream.events[-1] == "data: [DONE]" and not any('"error"' in e for e in stream.events)
+    assert greedy_tokens(server) == greedy_tokens(server)  # served afterwards, and the same again
+
+
+def test_a_tiny_temperature_is_raised_to_the_documented_floor(server, truth):
+    """0 < T < 0.01 samples as T = 0.01 (vLLM's rule), exactly as the engine does with 0.01."""
+    got = post(server, COMPLETIONS, completion(temperature=1e-300, seed=5, max_tokens=16)).json()
+    ref = truth.generate(["Hello"], SamplingParams(max_new_tokens=16, temperature=0.01, seed=5), use_tqdm=False)[0]
+    assert got["choices"][0]["token_ids"] == ref.outputs[0].token_ids
+
+
+# ---------------------------------------------------------------------------- smaller findings
+def _openai_nullable(params_module) -> set[str]:
+    """The request fields the ``openai`` package types as optional (``None`` allowed)."""
+    names = set()
+    for typed in (params_module.CompletionCreateParamsNonStreaming, params_module.CompletionCreateParamsStreaming):
+        for name, hint in typing.get_type_hints(typed).items():
+            if type(None) in typing.get_args(hint):
+                names.add(name)
+    return names
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_null_means_not_set_for_every_field_the_openai_package_types_as_optional(server, path):
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_params
+
+    nullable = _openai_nullable(completion_create_params if path == COMPLETIONS else chat_params)
+    assert {"n", "stream", "logprobs", "max_tokens", "stop", "seed"} <= nullable  # the introspection works
+    base = completion(seed=11) if path == COMPLETIONS else chat(seed=11)  # seeded: unset temperature samples
+    for name in sorted(nullable - {"prompt", "messages"}):
+        resp = post(server, path, {**base, name: None})
+        assert resp.status_code == 200, (name, resp.text)
+        unset = post(server, path, {k: v for k, v in base.items() if k != name})
+        assert resp.json()["choices"][0]["token_ids"] == unset.json()["choices"][0]["token_ids"], name
+    if path == COMPLETIONS:  # no prompt: the model continues from the start of a document (<s>)
+        no_prompt = post(server, path, {**base, "prompt": None}).json()["choices"][0]["token_ids"]
+        assert no_prompt == post(server, path, {**base, "prompt": [1]}).json()["choices"][0]["token_ids"]
+
+
+def test_openai_fields_this_server_does_not_implement_are_named(server):
+    resp = post(server, CHAT, chat(store=True))
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "store"
+    assert "not supported" in resp.json()["error"]["message"]
+    assert post(server, CHAT, chat(store=None, metadata=None, service_tier=None)).status_code == 200
+
+
+def test_chat_roles_are_validated(server):
+    roles = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello"}, {"role": "tool", "content": "42", "tool_call_id": "c1"},
+             {"role": "user", "content": "And?"}]
+    assert post(server, CHAT, {**chat(), "messages": roles}).status_code == 200
+    system = post(server, CHAT, {**chat(), "messages": roles}).json()["choices"][0]["token_ids"]
+    developer = [{"role": "developer", "content": "Be brief."}, *roles[1:]]
+    assert post(server, CHAT, {**chat(), "messages": developer}).json()["choices"][0]["token_ids"] == system
+    for role in ("function", "wizard", "", "System"):
+        resp = post(server, CHAT, {**chat(), "messages": [{"role": role, "content": "Hi"}]})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages.0.role", (role, resp.text)
+
+
+def test_a_wrong_method_gets_405_with_allow(server):
+    for method, path, allow in (("GET", COMPLETIONS, "POST"), ("PUT", CHAT, "POST"), ("POST", "/v1/models", "GET"),
+                                ("DELETE", "/health", "GET")):
+        resp = httpx.request(method, server.url + path)
+        assert resp.status_code == 405 and resp.headers["allow"] == allow, (method, path)
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_openapi_publishes_the_request_bodies(server):
+    schema = httpx.get(server.url + "/openapi.json").json()
+    for path, model in ((COMPLETIONS, CompletionRequest), (CHAT, ChatCompletionRequest)):
+        body = schema["paths"][path]["post"]["requestBody"]
+        ref = body["content"]["application/json"]["schema"]["$ref"]
+        published = schema["components"]["schemas"][ref.rsplit("/", 1)[1]]
+        assert body["required"] and set(published["properties"]) == set(model.model_fields)
+        assert published["additionalProperties"] is False and "model" in published["required"]
+    roles = schema["components"]["schemas"]["ChatMessage"]["properties"]["role"]["enum"]
+    assert sorted(roles) == sorted(["system", "developer", "user", "assistant", "tool"])
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(server):
+    """A prompt of almost 4 MiB takes seconds to tokenize (then it is too long for the model): the
+    other streams go on meanwhile, they do not freeze until the 400."""
+    stream = Stream(server, max_tokens=3000)
+    stream.start()
+    assert stream.started.wait(60)
+    prompt = "hello world " * ((4 * 2**20 - 1024) // 12)
+    sent = time.monotonic()
+    resp = post(server, COMPLETIONS, completion(prompt=prompt), timeout=120)
+    answered = time.monotonic()
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text[:300]
+    assert answered - sent > 2.0, "tokenizing was quick: the test cannot see the event loop blocked"
+    during = [t for t in stream.times if sent <= t <= answered]
+    gaps = [b - a for a, b in zip([sent, *during], [*during, answered])]
+    assert len(during) > 10 and max(gaps) < 1.0, f"{len(during)} events, largest gap {max(gaps):.2f} s"
+    stream.join(120)
+    assert stream.finish == "length"
+
+
+# ---------------------------------------------------------------------------- property-based HTTP fuzz
+FUZZ_EXAMPLES = 150  # per POST route and mode (positive: valid by the schema; negative: violating it)
+
+
+def test_fuzz_every_route_from_the_published_schema():
+    """schemathesis draws requests from ``/openapi.json`` (bounded: ``FUZZ_EXAMPLES`` per POST route and
+    generation mode, 25 per GET route): no 500 ever, a 503 only with a documented cause, and a
+    normal request is served afterwards with nothing leaked. Prints the case counts."""
+    import schemathesis
+    from schemathesis import GenerationMode
+
+    allowed_503 = {"server_overloaded", "server_shutting_down", "engine_unhealthy"}
+    counts: collections.Counter = collections.Counter()
+    with single_threaded_torch(), serving({"num_blocks": 64, "max_num_seqs": 8}, max_n=2, max_tokens=8) as (srv, loop):
+        schema = schemathesis.openapi.from_url(srv.url + "/openapi.json")
+        operations = [result.ok() for result in schema.get_all_operations()]
+        assert {(op.method.upper(), op.path) for op in operations} >= {("POST", COMPLETIONS), ("POST", CHAT)}
+        for op in operations:
+            post_route = op.method.upper() == "POST"
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if post_route else (GenerationMode.POSITIVE,):
+                _fuzz(srv, op, mode, FUZZ_EXAMPLES if post_route else 25, counts, allowed_503)
+        assert greedy_tokens(srv) == greedy_tokens(srv)
+        assert_all_free(loop)
+    report = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+    print(f"\nschemathesis cases: {sum(counts.values())} ({report})")
+    assert sum(v for (route, mode, status), v in counts.items() if status == 200 and route != "GET") > 50, counts
+
+
+def _fuzz(srv, op, mode, examples: int, counts, allowed_503: set[str]) -> None:
+    from schemathesis import GenerationMode
+
+    route = f"{op.method.upper()} {op.path}" if op.method.upper() == "POST" else "GET"
+
+    @given(case=op.as_strategy(generation_mode=mode))
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    def run(case) -> None:
+        if mode is GenerationMode.POSITIVE and isinstance(case.body, dict):
+            case.body["model"] = MODEL  # past the model check: into sampling, tokenization and the engine
+        resp = case.call(base_url=srv.url, timeout=60)
+        counts[(route, mode.value, resp.status_code)] += 1
+        assert resp.status_code < 500 or resp.status_code == 503, (resp.status_code, resp.text[:500], case.body)
+        if resp.status_code == 503:
+            assert resp.json()["error"]["code"] in allowed_503, resp.text
+        if resp.status_code == 200 and "text/event-stream" in resp.headers.get("content-type", ""):
+            assert resp.text.rstrip().endswith("data: [DONE]"), resp.text[-300:]
+            for line in resp.text.splitlines():
+                if line.startswith('data: {"error"'):
+                    assert json.loads(line[6:])["error"]["code"] in allowed_503, line
+
+    run()
+
+
+# ---------------------------------------------------------------------------- clients that never read
+def _rss_mb() -> float:
+    return int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
+
+
+def _metric(srv, name: str) -> float:
+    found = re.search(rf"^hf_paged_{name} (\S+)$", httpx.get(srv.url + "/metrics").text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_clients_that_never_read_are_aborted_and_memory_stays_bounded():
+    """20 streams whose clients never read (4 KiB receive buffers, a 16 KiB server send buffer, so
+    the sends really block within a few hundred tokens): after ``stream_timeout_s`` each is aborted
+    and its blocks freed while the clients are still connected; another client is served
+    meanwhile; the process's RSS grows by a bounded amount."""
+    with single_threaded_torch(), serving({"num_blocks": 2048}, send_buffer_bytes=16384, max_tokens=4096,
+                                          stream_timeout_s=2.0) as (srv, loop):
+        before = greedy_tokens(srv, max_tokens=16)
+        body = json.dumps(completion(max_tokens=4000, stream=True, ignore_eos=True, logprobs=5)).encode()
+        request = (f"POST {COMPLETIONS} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+        rss_before, peak, sockets = _rss_mb(), 0.0, []
+        try:
+            for _ in range(20):
+                sock = socket.socket()
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.connect(("127.0.0.1", srv.port))
+                sock.sendall(request)
+                sockets.append(sock)
+            assert greedy_tokens(srv, max_tokens=16) == before  # served while the 20 hold their streams
+            deadline = time.monotonic() + 60
+            while _metric(srv, "stream_timeouts_total") < 20 and time.monotonic() < deadline:
+                peak = max(peak, _rss_mb())
+                time.sleep(0.2)
+            assert _metric(srv, "stream_timeouts_total") == 20
+            stats = wait_idle(loop)
+            assert stats["running"] == stats["waiting"] == 0 and stats["blocks_used"] == 0, stats
+            assert stats["generated_tokens"] < 20 * 4000 / 2, "the streams ran to the end: nothing blocked them"
+            assert peak - rss_before < 100, f"RSS grew {peak - rss_before:.0f} MB"
+            print(f"\nslow readers: RSS {rss_before:.0f} -> peak {peak:.0f} MB, "
+                  f"{stats['generated_tokens']} tokens generated before the timeouts")
+        finally:
+            for sock in sockets:
+                sock.close()
+        assert greedy_tokens(srv, max_tokens=16) == before
+        assert_all_free(loop)
+
+
+# ---------------------------------------------------------------------------- graceful shutdown
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def test_sigterm_drains_then_ends_what_is_left_and_exits_0():
+    """A real ``hf-paged serve`` with requests in flight gets SIGTERM: a short request finishes, new
+    ones get 503 ``server_shutting_down`` (``/health`` too), and after ``--shutdown-timeout`` the long
+    streams end with an error event and ``data: [DONE]``, the waiting non-streaming clients get a
+    JSON 503; the process exits 0 and leaves no process behind."""
+    port, marker = free_port(), f"shutdown-test-{os.getpid()}"
+    cmd = [sys.executable, "-m", "hf_paged", "serve", "--port", str(port), "--num-blocks", "512",
+           "--served-model-name", marker, "--shutdown-timeout", "3"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    long_body = {"model": marker, "prompt": "Hello", "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
+    results: dict[str, object] = {}
+
+    def stream(i: int) -> None:
+        with httpx.stream("POST", url, json={**long_body, "stream": True}, timeout=60) as resp:
+            results[f"stream{i}"] = [line for line in resp.iter_lines() if line]
+
+    def blocking(i: int) -> None:
+        resp = httpx.post(url, json=long_body, timeout=60)
+        results[f"blocking{i}"] = (resp.status_code, resp.json())
+
+    try:
+        wait_until_healthy(proc, port, timeout=120)
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        threads += [threading.Thread(target=blocking, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while _running(port) < 5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        short = threading.Thread(target=lambda: results.update(short=httpx.post(
+            url, json={**long_body, "max_tokens": 20}, timeout=60).json()))
+        short.start()
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        late = httpx.post(url, json={**long_body, "max_tokens": 4}, timeout=10)
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+        for t in [*threads, short]:
+            t.join(60)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output[-3000:]
+    assert late.status_code == 503 and late.json()["error"]["code"] == "server_shutting_down"
+    assert health.status_code == 503 and health.json()["status"] == "server_shutting_down"
+    assert results["short"]["choices"][0]["finish_reason"] == "length", results["short"]
+    for i in range(3):
+        lines = results[f"stream{i}"]
+        assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["code"] == "server_shutting_down"
+        assert len(lines) > 3  # tokens came before the end
+    for i in range(2):
+        status, body = results[f"blocking{i}"]
+        assert status == 503 and body["error"]["code"] == "server_shutting_down", body
+    assert _processes_with(marker) == [], "a process of the server is still running"
+
+
+def _running(port: int) -> int:
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except httpx.TransportError:
+        return 0
+    found = re.search(r"^hf_paged_requests_running (\S+)$", text, re.M)
+    return int(float(found.group(1))) if found else 0
