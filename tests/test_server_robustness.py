@@ -254,6 +254,39 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(server):
     assert stream.finish == "length"
 
 
+def test_repeated_engine_faults_make_health_503_until_a_clean_step(server, robust):
+    """Forwards that keep raising: each request gets a 503 ``engine_error`` (the engine stays
+    consistent), after 3 failed steps in a row ``/health`` answers 503 ``engine_unhealthy``; once
+    the fault is gone the next request is served and ``/health`` is 200 again."""
+    _, loop = robust
+
+    def break_forwards(engine):
+        real = engine.runner.execute
+
+        def failing(step):
+            if step.sequences:
+                raise RuntimeError("injected forward fault")
+            return real(step)
+
+        engine.runner.execute = failing
+        return real
+
+    real = loop.call(break_forwards).result(10)
+    try:
+        for _ in range(3):
+            assert httpx.get(server.url + "/health").status_code == 200
+            resp = post(server, COMPLETIONS, completion())
+            assert resp.status_code == 503 and resp.json()["error"]["code"] == "engine_error", resp.text
+            assert "injected forward fault" in resp.json()["error"]["message"]
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "engine_unhealthy"
+        assert _metric(server, "engine_healthy") == 0
+    finally:
+        loop.call(lambda engine: setattr(engine.runner, "execute", real)).result(10)
+    assert greedy_tokens(server) == greedy_tokens(server)
+    assert httpx.get(server.url + "/health").status_code == 200 and _metric(server, "engine_healthy") == 1
+
+
 # ---------------------------------------------------------------------------- property-based HTTP fuzz
 FUZZ_EXAMPLES = 150  # per POST route and mode (positive: valid by the schema; negative: violating it)
 
