@@ -47,7 +47,9 @@ def _run_ranks(tmp_path: Path, nproc: int = 2) -> dict:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, log[-4000:]
-    return json.loads(out.read_text())
+    report = json.loads(out.read_text())
+    report["fault"] = [json.loads((tmp_path / f"fault-rank{rank}.json").read_text()) for rank in range(nproc)]
+    return report
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +128,22 @@ def test_a_derived_kv_budget_is_agreed_across_ranks(report):
 def test_the_flag_in_generate_under_tensor_parallelism(report, single):
     assert report["generate_flag"] == single["generate"]
     assert report["ranks"][1]["generate_flag"] == single["generate"]
+
+
+def test_a_fault_in_rank_1_stops_every_rank_without_a_hang(report):
+    """Rank 1's forward raises (tp_worker.fault_in_rank_1): it stops the group and leaves
+    run_worker with an error naming the cause; rank 0, blocked in the forward's all-reduce, fails
+    every request within seconds, is unhealthy and refuses more work; both processes exit (the
+    ranks' run ended with status 0 within the deadline)."""
+    rank0, rank1 = report["fault"]
+    assert "injected fault in rank 1's forward" in rank1["error"] and "group is stopped" in rank1["error"]
+    assert rank0["finished"] and all(kind == "fault" and "tensor-parallel" in error
+                                     for error, kind in rank0["finished"].values()), rank0["finished"]
+    assert sorted(rank0["finished"]) == ["0", "1", "2"]  # every request came back, failed
+    assert rank0["healthy"] is False and rank0["stats_healthy"] is False
+    for what in ("add_request", "step"):
+        assert "stopped" in rank0[f"refused_{what}"], rank0
+    assert rank0["seconds"] < 30 and rank1["seconds"] < 30, (rank0["seconds"], rank1["seconds"])
 
 
 def test_heads_that_do_not_divide_are_refused(report):

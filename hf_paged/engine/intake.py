@@ -18,9 +18,23 @@ from hf_paged.engine.sequence import Request
 
 class RequestIntake:
     def __init__(self, tokenizer, *, vocab_size: int, max_positions: int | None, eos_token_ids: list[int],
-                 kv: KVCacheManager, device: torch.device):
+                 kv: KVCacheManager, device: torch.device, max_num_seqs: int):
         self.tokenizer, self.vocab_size, self.max_positions = tokenizer, vocab_size, max_positions
         self.eos_token_ids, self.kv, self.device = eos_token_ids, kv, device
+        self.max_num_seqs = max_num_seqs
+
+    def check_params(self, params: SamplingParams) -> None:
+        """The checks that depend on this engine (``SamplingParams`` checks the rest itself): one
+        step never runs more than ``max_num_seqs`` sequences, so a request wider than that could
+        never be scheduled; log-probabilities exist for the vocabulary's tokens only."""
+        for name in ("n", "num_beams"):
+            value = getattr(params, name)
+            if value > self.max_num_seqs:
+                raise ValueError(f"SamplingParams.{name} must be at most the engine's max_num_seqs="
+                                 f"{self.max_num_seqs}, got {value!r}")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"SamplingParams.logprobs must be at most the vocabulary size {self.vocab_size}, "
+                             f"got {params.logprobs!r}")
 
     def tokens(self, prompt) -> tuple[str | None, list[int]]:
         """``(text, token ids)`` of a string, a list of ids or a 1-D tensor of ids."""
@@ -39,6 +53,7 @@ class RequestIntake:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        self.check_params(params)
         text, ids = self.tokens(prompt)
         if request_id in taken:
             raise ValueError(f"request id {request_id!r} is already in use")

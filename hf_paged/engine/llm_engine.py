@@ -4,11 +4,18 @@ A step flows one way: the scheduler decides (``SchedulerOutput``), the model run
 (storage moves, one packed forward, logits), the output processor turns logits into tokens and
 finished requests (``StepResult``), and the scheduler applies that to KV memory. ``generate``
 runs steps until every request is done; ``add_request``/``step``/``abort``/``stream`` serve online.
+
+A step is a transaction (``step()``): when executing or processing it raises, the step is
+closed all the same (:meth:`Scheduler.abandon`), the requests it cannot continue fail with
+``error_kind="fault"`` and their blocks are freed, and the next step runs normally. Faults that
+belong to one request (non-finite logits, an exception while it is sampled) fail that request
+alone. ``healthy`` turns False after ``max_consecutive_failures`` failed steps in a row.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,9 +28,10 @@ from hf_paged.engine.intake import RequestIntake
 from hf_paged.engine.kv_cache_manager import KVCacheManager
 from hf_paged.engine.model_runner import ModelRunner
 from hf_paged.engine.output_processor import OutputProcessor
-from hf_paged.engine.outputs import RequestOutput
+from hf_paged.engine.outputs import FAULT, REJECTED, RequestOutput
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.scheduler import Scheduler
+from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.sequence import Request
 from hf_paged.engine.tensor_parallel import TensorParallelGroup, check_kv_heads, tp_size_of
 from hf_paged import prefix_snapshot
@@ -31,6 +39,8 @@ from hf_paged.prefix_snapshot import SnapshotError
 from hf_paged.layer_groups import LayerGroup, layer_groups, sliding_cap, split_budget
 from hf_paged.model_info import check_engine_supported, eos_token_ids, kv_bytes_per_token, layer_structure, max_positions
 from hf_paged.storage import PagedKVStorage
+
+logger = logging.getLogger("hf_paged")
 
 
 class LLMEngine:
@@ -46,6 +56,11 @@ class LLMEngine:
         max_num_seqs / max_num_batched_tokens: per-step limits (sequences, tokens).
         enable_prefix_caching: reuse cached full blocks of earlier prompts.
         preemption_mode: ``"recompute"`` or ``"swap"`` (to ``swap_space_blocks`` CPU blocks).
+        max_consecutive_failures: failed steps in a row after which :attr:`healthy` is False (a
+            step fails when its forward, block moves or processing raise, or when every logits
+            row it computed is non-finite; a step in which only some requests failed, each for
+            its own fault, does not count). The engine keeps serving; a clean step that ran a
+            forward makes it healthy again.
 
     The engine's forwards run with the ``"hf_paged"`` attention implementation; everything else
     about ``model`` stays as it is (its ``generate``, its attention implementation between steps).
@@ -59,7 +74,7 @@ class LLMEngine:
         self, model: PreTrainedModel, tokenizer: Any = None, *, block_size: int = 16, num_blocks: int | None = None,
         max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
         preemption_mode: str = "recompute", swap_space_blocks: int | None = None,
-        gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None, max_consecutive_failures: int = 3,
     ):
         check_engine_supported(model)  # generate()-only models (hybrid layers) are refused here
         check_block_options(block_size, num_blocks)
@@ -71,6 +86,10 @@ class LLMEngine:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not isinstance(max_consecutive_failures, int) or max_consecutive_failures < 1:
+            raise ValueError(f"max_consecutive_failures must be an int >= 1, got {max_consecutive_failures!r}")
+        self.max_consecutive_failures = max_consecutive_failures
+        self._stopped: str | None = None  # tensor parallelism: why the group was stopped after a failure
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = model.config.get_text_config(decoder=True)
@@ -90,10 +109,13 @@ class LLMEngine:
         self.max_positions = max_positions(self.config)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_positions)
         self.intake = RequestIntake(tokenizer, vocab_size=self.config.vocab_size, max_positions=self.max_positions,
-                                    eos_token_ids=self.eos_token_ids, kv=self.kv, device=model.device)
+                                    eos_token_ids=self.eos_token_ids, kv=self.kv, device=model.device,
+                                    max_num_seqs=max_num_seqs)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._counters = {"steps": 0, "generated_tokens": 0, "busy_s": 0.0}
+        self._counters = {"steps": 0, "generated_tokens": 0, "busy_s": 0.0, "failed_steps": 0,
+                          "consecutive_failed_steps": 0}
+        self._held: list[RequestOutput] = []  # outputs of a step interrupted by a BaseException
 
     def _derived_budget(self, block_size: int, groups: list[LayerGroup], caps: list[int | None],
                         utilization: float, kv_cache_bytes: int | None) -> list[int] | None:
@@ -131,27 +153,107 @@ class LLMEngine:
         self.scheduler.finish_request(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._held)
+
+    @property
+    def healthy(self) -> bool:
+        """False after ``max_consecutive_failures`` failed steps in a row (until a clean step), and
+        for good once a tensor-parallel group was stopped by a failure."""
+        return self._stopped is None and self._counters["consecutive_failed_steps"] < self.max_consecutive_failures
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, process, update. Returns outputs of the requests that changed."""
+        """Schedule, execute, process, update. Returns outputs of the requests that changed.
+
+        A transaction: when executing or processing the step raises, the step is closed anyway,
+        the requests it cannot continue come back with ``error`` set (``error_kind="fault"``),
+        the traceback is logged, and nothing is raised (a ``BaseException`` such as
+        ``KeyboardInterrupt`` is re-raised after that; its failed outputs come with the next step)."""
         self._check_driver("step")
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
-        if self.tp:
-            self.tp.send("step", scheduled)
-        logits = self.runner.execute(scheduled)
-        result = self.output_processor.process(scheduled, logits, self.requests)
+        outputs, self._held = self._held, []
+        try:
+            logits = self._execute(scheduled)
+            result = self.output_processor.process(scheduled, logits, self.requests)
+        except BaseException as err:
+            failed = outputs + self._abandon(scheduled, err)
+            self._counters["busy_s"] += time.perf_counter() - start
+            if not isinstance(err, Exception):
+                self._held = failed
+                raise
+            return failed
         self.scheduler.update_from_output(scheduled, result)
         for request in result.finished:
             self.requests.pop(request.request_id, None)
-        self._counters["steps"] += bool(scheduled.sequences)
+        if scheduled.sequences:
+            self._counters["steps"] += 1
+            self._count_step(failed=result.all_logits_nonfinite)
         self._counters["generated_tokens"] += result.num_generated_tokens
         self._counters["busy_s"] += time.perf_counter() - start
-        return [self.output_processor.request_output(r) for r in result.changed
-                if r.request_id in self.requests or r.is_finished]
+        return outputs + [self._output_of(r) for r in result.changed if r.request_id in self.requests or r.is_finished]
+
+    def _execute(self, scheduled: SchedulerOutput) -> torch.Tensor | None:
+        """Run the step here (and, under tensor parallelism, in every rank). Under tensor
+        parallelism a failure stops the group: the ranks can no longer agree on what ran."""
+        if not self.tp:
+            return self.runner.execute(scheduled)
+        try:
+            self.tp.send("step", scheduled)
+            return self.runner.execute(scheduled)
+        except BaseException as err:
+            self._stop_group(f"a tensor-parallel step failed ({type(err).__name__} on rank 0: {err})")
+            raise
+
+    def _abandon(self, scheduled: SchedulerOutput, err: BaseException) -> list[RequestOutput]:
+        """Close a step that raised: fail what it cannot continue (and, once a tensor-parallel
+        group is stopped, every request), free their blocks, count the failure."""
+        touched = self.scheduler.abandon(scheduled)
+        logger.error("engine step failed: %d requests fail with it", len(touched), exc_info=err)
+        reason = f"the engine failed while running this request ({type(err).__name__}: {err})"
+        if self._stopped:
+            reason = f"{self._stopped}; the tensor-parallel engine is stopped"
+        failed = [self._fail(self.requests[rid], why, REJECTED) for rid, why in scheduled.rejected
+                  if rid in self.requests]
+        failed += [self._fail(request, reason, FAULT) for request in touched if request.request_id in self.requests]
+        if self._stopped:  # the group cannot run another step: nobody can be served any more
+            failed += [self._fail(request, reason, FAULT) for request in list(self.requests.values())]
+        self._counters["steps"] += bool(scheduled.sequences)
+        self._count_step(failed=True)
+        return failed
+
+    def _fail(self, request: Request, reason: str, kind: str) -> RequestOutput:
+        """Fail ``request`` now, free its blocks and forget it; returns its last output."""
+        request.fail(reason, kind)
+        self.scheduler.finish_request(request)
+        self.requests.pop(request.request_id, None)
+        return self.output_processor.request_output(request, with_text=False)
+
+    def _output_of(self, request: Request) -> RequestOutput:
+        """``request``'s output; when decoding its text raises, the request fails instead."""
+        try:
+            return self.output_processor.request_output(request)
+        except Exception as err:  # noqa: BLE001 - one request's tokenizer fault is that request's alone
+            logger.exception("request %s: decoding its output failed", request.request_id)
+            reason = f"the engine failed while decoding this request's output ({type(err).__name__}: {err})"
+            if request.is_finished:
+                request.error, request.error_kind = request.error or reason, request.error_kind or FAULT
+                return self.output_processor.request_output(request, with_text=False)
+            return self._fail(request, reason, FAULT)
+
+    def _count_step(self, failed: bool) -> None:
+        """Health bookkeeping: failed steps in a row make the engine unhealthy, a clean one heals it."""
+        was_healthy = self.healthy
+        if failed:
+            self._counters["failed_steps"] += 1
+            self._counters["consecutive_failed_steps"] += 1
+        else:
+            self._counters["consecutive_failed_steps"] = 0
+        if was_healthy and not self.healthy:
+            logger.error("engine unhealthy: %d failed steps in a row", self._counters["consecutive_failed_steps"])
+        elif self.healthy and not was_healthy:
+            logger.warning("engine healthy again after a clean step")
 
     # ------------------------------------------------------------------ offline and streaming use
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None,
@@ -176,8 +278,8 @@ class LLMEngine:
                 rid = f"rejected-{next(self._ids)}"
                 order.append(rid)
                 ids = prompt if isinstance(prompt, list) else []
-                results[rid] = RequestOutput(rid, ids, [], finished=True,
-                                             prompt=prompt if isinstance(prompt, str) else None, error=str(err))
+                results[rid] = RequestOutput(rid, ids, [], finished=True, prompt=prompt if isinstance(prompt, str) else None,
+                                             error=str(err), error_kind=REJECTED)
         progress = _progress(len(order), use_tqdm)
         while self.has_unfinished_requests():
             for out in self.step():
@@ -186,7 +288,7 @@ class LLMEngine:
                     progress.update(1)
         progress.close()
         outputs = [results[rid] for rid in order]
-        if self.tp:
+        if self.tp and not self._stopped:
             self.tp.send("done", outputs)
         return outputs
 
@@ -199,7 +301,7 @@ class LLMEngine:
         """Under tensor parallelism, end the engine in every rank: rank 0 releases the others from
         :meth:`run_worker`; another rank calling it (code that runs the same calls in every rank)
         follows rank 0's steps until then. A no-op without tensor parallelism, or when done."""
-        if not self.tp or self._closed:
+        if not self.tp or self._closed or self._stopped:
             return
         if self.tp.is_driver:
             self.tp.send("stop")
@@ -214,10 +316,12 @@ class LLMEngine:
             raise RuntimeError("only ranks > 0 of a tensor-parallel engine follow rank 0's steps")
         if self._closed:
             raise RuntimeError("rank 0 has closed this tensor-parallel engine")
+        if self._stopped:
+            raise RuntimeError(f"rank {self.tp.rank}: {self._stopped}")
         while True:
-            kind, payload = self.tp.receive()
+            kind, payload = self._receive()
             if kind == "step":
-                self.runner.execute(payload)
+                self._follow_step(payload)
             elif kind == "save":
                 self._save_shard(*payload)
             elif kind == "check":
@@ -234,12 +338,42 @@ class LLMEngine:
             elif kind == until:
                 return payload
 
+    def _receive(self) -> tuple[str, object]:
+        """Rank 0's next message; when the channel fails (rank 0 stopped the group or died), this
+        rank stops too, with an error that says so."""
+        try:
+            return self.tp.receive()
+        except Exception as err:
+            self._stop_group(f"lost rank 0 ({type(err).__name__}: {err})")
+            raise RuntimeError(f"rank {self.tp.rank}: {self._stopped}; the tensor-parallel group is stopped") from err
+
+    def _follow_step(self, scheduled: SchedulerOutput) -> None:
+        """Execute rank 0's step. A failure here stops the whole group (so that rank 0, waiting for
+        this rank in a collective, fails at once instead of hanging) and ends this rank's loop."""
+        try:
+            self.runner.execute(scheduled)
+        except BaseException as err:
+            logger.error("rank %d: a tensor-parallel step failed; stopping the group", self.tp.rank, exc_info=err)
+            self._stop_group(f"a tensor-parallel step failed on rank {self.tp.rank} ({type(err).__name__}: {err})")
+            if not isinstance(err, Exception):
+                raise
+            raise RuntimeError(f"rank {self.tp.rank}: {self._stopped}; the tensor-parallel group is stopped") from err
+
+    def _stop_group(self, reason: str) -> None:
+        """After a failure under tensor parallelism: tear the process group down, so that every
+        rank's pending or next collective fails fast, and refuse further work here."""
+        if self._stopped is None:
+            self._stopped = reason
+            self.tp.stop()
+
     def _check_driver(self, what: str) -> None:
         if self.tp and not self.tp.is_driver:
             raise RuntimeError(f"{what}: under tensor parallelism requests go to rank 0; rank {self.tp.rank} "
                                "runs run_worker()")
         if self.tp and self._closed:
             raise RuntimeError(f"{what}: this tensor-parallel engine was closed (the other ranks have left)")
+        if self._stopped:
+            raise RuntimeError(f"{what}: this tensor-parallel engine is stopped: {self._stopped}")
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[dict]:
         """Serve one request (alongside any others queued) and yield its new tokens as they come:
@@ -332,7 +466,7 @@ class LLMEngine:
         return loaded
 
     # ------------------------------------------------------------------ accounting
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, float | int | bool]:
         s, kv = self.scheduler, self.kv.stats()
         busy = self._counters["busy_s"]
         queried, hits = kv["prefix_queried_tokens"], kv["prefix_hit_tokens"]
@@ -347,6 +481,8 @@ class LLMEngine:
             "preemptions_recompute": s.preemptions["recompute"], "preemptions_swap": s.preemptions["swap"],
             "steps": self._counters["steps"], "generated_tokens": self._counters["generated_tokens"],
             "tokens_per_second": self._counters["generated_tokens"] / busy if busy else 0.0,
+            "healthy": self.healthy, "failed_steps": self._counters["failed_steps"],
+            "consecutive_failed_steps": self._counters["consecutive_failed_steps"],
             "tensor_parallel_size": self.tp.size if self.tp else 1,
             "kv_heads_per_rank": self._kv_heads // (self.tp.size if self.tp else 1),
         }

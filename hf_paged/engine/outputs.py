@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+REJECTED = "rejected"  # RequestOutput.error_kind: the request can never be served by this engine
+FAULT = "fault"  # RequestOutput.error_kind: the engine failed while serving the request
+
 
 @dataclass
 class CompletionOutput:
@@ -31,3 +34,7 @@ class RequestOutput:
     finished: bool = False
     prompt: str | None = None
     error: str | None = None  # set when the request was refused or failed
+    # why ``error`` is set: "rejected" (the request can never be served here: bad parameters or a
+    # prompt, or it needs more KV blocks than the cache has) or "fault" (the engine failed while
+    # serving it: its step raised, or the model produced non-finite logits for it); None otherwise
+    error_kind: str | None = None

@@ -1,8 +1,50 @@
-"""``SamplingParams``: what to generate for one request (vLLM's names and meanings)."""
+"""``SamplingParams``: what to generate for one request (vLLM's names and meanings), validated once.
+
+Every range below keeps a step numerically safe on float32 logits of realistic size (the model
+runner hands the sampler float32; realistic logits are far below 1e30 in magnitude): a request
+that passes these checks cannot make the sampler or the beam arithmetic overflow into inf or
+NaN. The checks the engine's own limits add (``n``/``num_beams`` against ``max_num_seqs``,
+``logprobs`` against the vocabulary) are in :mod:`hf_paged.engine.intake`.
+"""
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field
+
+logger = logging.getLogger("hf_paged")
+
+# temperature: 0 is greedy; a positive value below TEMPERATURE_MIN is raised to it (as vLLM does),
+# so that logits / temperature stays finite (|logit| < 3.4e36) and the softmax keeps some mass.
+TEMPERATURE_MIN = 0.01
+# Above this every realistic distribution is uniform already; the bound keeps temperature a
+# finite float32 (a float32 inf would turn the -inf of masked tokens into NaN).
+TEMPERATURE_MAX = 1e6
+# repetition_penalty multiplies or divides logits: within this range they change by at most 100x.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty (OpenAI's range)
+# length_penalty: len ** length_penalty (len <= max_new_tokens) must stay in [1e-30, 1e30], so
+# that beam scores divided by it stay finite in float32: |length_penalty| * ln(max_new_tokens)
+# <= ln(LENGTH_SCALE_MAX).
+LENGTH_SCALE_MAX = 1e30
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [-(2**63), 2**64)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    """A finite int or float (not a bool, NaN or inf)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def max_length_penalty(max_new_tokens: int) -> float:
+    """The largest ``|length_penalty|`` for which ``max_new_tokens ** length_penalty`` stays within
+    ``[1 / LENGTH_SCALE_MAX, LENGTH_SCALE_MAX]`` (``inf`` for a single token)."""
+    log_len = math.log(max_new_tokens)
+    return math.log(LENGTH_SCALE_MAX) / log_len if log_len else math.inf
 
 
 @dataclass
@@ -11,8 +53,29 @@ class SamplingParams:
 
     ``temperature=0`` means greedy decoding (as in vLLM). ``n`` samples are drawn from one shared
     prefill; with ``num_beams > 1`` the request runs beam search and returns its ``n`` best beams.
-    ``seed`` makes a request's sampling reproducible whatever else is in the batch. Invalid values
-    raise ``ValueError`` naming the field.
+    ``seed`` makes a request's sampling reproducible whatever else is in the batch.
+
+    Invalid values raise ``ValueError("SamplingParams.<field> <rule>, got <value>")``. The rules:
+
+    * ``max_new_tokens``: int >= 1; ``min_new_tokens``: int in ``[0, max_new_tokens]``;
+    * ``temperature``: 0 (greedy) or a number in ``(0, 1e6]``; a value in ``(0, 0.01)`` is raised
+      to 0.01 with a logged warning (vLLM does the same): dividing logits by less would overflow
+      them or leave a one-hot distribution that float32 cannot represent;
+    * ``top_p``: in ``(0, 1]``; ``top_k``: int >= 0, or -1 (0 and -1: no top-k; a value above the
+      vocabulary keeps every token); ``min_p``: in ``[0, 1]``;
+    * ``repetition_penalty``: in ``[0.01, 100]``; ``presence_penalty``, ``frequency_penalty``: in
+      ``[-2, 2]``;
+    * ``n``, ``num_beams``: ints >= 1, ``n <= num_beams`` in beam search (the engine also bounds
+      both by its ``max_num_seqs``);
+    * ``length_penalty`` (beam search): a finite number; with ``num_beams > 1`` also
+      ``|length_penalty| * ln(max_new_tokens) <= ln(1e30)`` (scores are divided by
+      ``length ** length_penalty``, which must stay finite in float32);
+    * ``early_stopping``: True, False or ``"never"``; ``ignore_eos``: a bool;
+    * ``seed``: None or an int in ``[-(2**63), 2**64)`` (what ``torch.Generator`` takes);
+    * ``stop_token_ids``: a list of ints >= 0; ``stop``: a string or a list of non-empty strings;
+    * ``logprobs``: None or an int >= 0 (the engine also bounds it by the vocabulary size).
+
+    Every float must be a finite number (bools, NaN and inf are refused).
     """
 
     max_new_tokens: int = 16
@@ -35,49 +98,79 @@ class SamplingParams:
     min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
-        def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+        self._check_lengths()
+        self._check_sampling()
+        self._check_penalties()
+        self._check_width()
+        self._check_stops()
 
-        def is_int(value) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
+    def _bad(self, name: str, rule: str) -> ValueError:
+        return ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
 
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise bad("max_new_tokens", "must be an int >= 1")
-        if not is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise bad("min_new_tokens", "must be an int between 0 and max_new_tokens")
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
-            raise bad("temperature", "must be a finite number >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", "must be an int >= 0 (or -1 for no limit)")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
-            raise bad("min_p", "must be in [0, 1]")
-        if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0:
-            raise bad("repetition_penalty", "must be > 0")
+    def _check_real(self, name: str, low: float, high: float, rule: str) -> None:
+        value = getattr(self, name)
+        if not _is_real(value) or not low <= value <= high:
+            raise self._bad(name, rule)
+
+    def _check_lengths(self) -> None:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise self._bad("max_new_tokens", "must be an int >= 1")
+        if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise self._bad("min_new_tokens", "must be an int between 0 and max_new_tokens")
+
+    def _check_sampling(self) -> None:
+        t = self.temperature
+        if not _is_real(t) or not (t == 0 or 0 < t <= TEMPERATURE_MAX):
+            raise self._bad("temperature", f"must be 0 (greedy) or a number in (0, {TEMPERATURE_MAX:g}]")
+        if 0 < t < TEMPERATURE_MIN:
+            logger.warning("SamplingParams.temperature %r is below %g: raised to %g (use 0 for greedy decoding)",
+                           t, TEMPERATURE_MIN, TEMPERATURE_MIN)
+            self.temperature = TEMPERATURE_MIN
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise self._bad("top_p", "must be a number in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise self._bad("top_k", "must be an int >= 0 (or -1 for no limit)")
+        self._check_real("min_p", 0, 1, "must be a number in [0, 1]")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise self._bad("seed", "must be None or an int in [-(2**63), 2**64)")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise self._bad("logprobs", "must be None or an int >= 0")
+
+    def _check_penalties(self) -> None:
+        low, high = REPETITION_PENALTY_RANGE
+        self._check_real("repetition_penalty", low, high, f"must be a number in [{low:g}, {high:g}]")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not isinstance(getattr(self, name), (int, float)) or not -2 <= getattr(self, name) <= 2:
-                raise bad(name, "must be in [-2, 2]")
-        if not is_int(self.n) or self.n < 1:
-            raise bad("n", "must be an int >= 1")
-        if not is_int(self.num_beams) or self.num_beams < 1:
-            raise bad("num_beams", "must be an int >= 1")
+            self._check_real(name, *PENALTY_RANGE, f"must be a number in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}]")
+
+    def _check_width(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise self._bad("n", "must be an int >= 1")
+        if not _is_int(self.num_beams) or self.num_beams < 1:
+            raise self._bad("num_beams", "must be an int >= 1")
         if self.num_beams > 1 and self.n > self.num_beams:
-            raise bad("n", f"must not exceed num_beams={self.num_beams} in beam search")
-        if not isinstance(self.length_penalty, (int, float)):
-            raise bad("length_penalty", "must be a number")
-        if self.early_stopping not in (True, False, "never"):
-            raise bad("early_stopping", "must be True, False or 'never'")
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", "must be an int or None")
-        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be a list of token ids")
+            raise self._bad("n", f"must not exceed num_beams={self.num_beams} in beam search")
+        if not _is_real(self.length_penalty):
+            raise self._bad("length_penalty", "must be a finite number")
+        bound = max_length_penalty(self.max_new_tokens)
+        if self.num_beams > 1 and abs(self.length_penalty) > bound:
+            raise self._bad("length_penalty", f"must be in [-{bound:.4g}, {bound:.4g}] for max_new_tokens="
+                                              f"{self.max_new_tokens} (max_new_tokens ** length_penalty must stay "
+                                              f"within [1e-30, 1e30])")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise self._bad("early_stopping", "must be True, False or 'never'")
+
+    def _check_stops(self) -> None:
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise self._bad("stop_token_ids", "must be a list of token ids (ints >= 0)")
+        self.stop_token_ids = list(self.stop_token_ids)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", "must be a list of non-empty strings")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            raise bad("logprobs", "must be None or an int >= 0")
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise self._bad("stop", "must be a string or a list of non-empty strings")
+        self.stop = list(self.stop)
+        if not isinstance(self.ignore_eos, bool):
+            raise self._bad("ignore_eos", "must be a bool")
 
     @property
     def greedy(self) -> bool:

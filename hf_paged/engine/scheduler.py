@@ -8,7 +8,9 @@ later ("recompute") or moved to the CPU block pool ("swap"; recompute when swap 
 
 The scheduler is the only writer of KV state: :meth:`Scheduler.schedule` allocates (and
 preempts), :meth:`Scheduler.update_from_output` caches, forks and frees what the step's
-outcome says, :meth:`Scheduler.finish_request` frees an aborted request.
+outcome says, :meth:`Scheduler.finish_request` frees an aborted request. A step whose execution
+failed is closed by :meth:`Scheduler.abandon` instead: nothing it computed enters the prefix
+cache, and it names the requests the failed step may have left with incomplete K/V.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class _StepPlan:
     copies: list[BlockPairs] = field(default_factory=list)  # per layer group
     swap_out: list[BlockPairs] = field(default_factory=list)
     swap_in: list[BlockPairs] = field(default_factory=list)
+    moved: list[Request] = field(default_factory=list)  # requests swapped out or in by this step
 
     def __post_init__(self):
         self.copies, self.swap_out, self.swap_in = ([[] for _ in range(self.num_groups)] for _ in range(3))
@@ -62,6 +65,7 @@ class Scheduler:
         self.preemptions = {"recompute": 0, "swap": 0}
         self.num_computed_prompt_tokens = 0
         self._scheduled: dict[int, Sequence] | None = None  # the last output's sequences until it is applied
+        self._touched: list[Request] = []  # the last output's requests: scheduled, swapped out or in
 
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request) -> None:
@@ -158,6 +162,7 @@ class Scheduler:
                 break
             self.swapped.popleft()
             plan.extend(plan.swap_in, self.kv.swap_in(seqs))
+            plan.moved.append(request)
             request.status = Status.RUNNING
             self.running.append(request)
             work = self._work(request, budget)
@@ -204,6 +209,7 @@ class Scheduler:
         seqs = request.live_seqs
         if self.preemption_mode == "swap" and self.kv.can_swap_out(seqs):
             plan.extend(plan.swap_out, self.kv.swap_out(seqs))
+            plan.moved.append(request)
             request.status = Status.SWAPPED
             self.swapped.append(request)
             self.preemptions["swap"] += 1
@@ -236,6 +242,7 @@ class Scheduler:
                 self.num_computed_prompt_tokens += min(n, seq.num_prompt_tokens - start)
             seq.num_computed_tokens = start + n
         self._scheduled = {seq.seq_id: seq for _, seq, _ in ordered}
+        self._touched = list({id(r): r for r in [r for r, _, _ in ordered] + plan.moved}.values())
         groups = tuple(
             GroupBlocks(slot_mapping=tuple(slots[g]), block_tables=tuple(tables[g]), num_blocks=self.kv.pool_sizes[g],
                         block_copies=tuple(plan.copies[g]), swap_out=tuple(plan.swap_out[g]),
@@ -248,13 +255,13 @@ class Scheduler:
         )
 
     def update_from_output(self, output: SchedulerOutput, result: StepResult) -> None:
-        """Apply a step's outcome to KV memory: newly full blocks enter the prefix cache, then the
-        forks, frees and finished requests the output processor decided, in its order."""
-        if self._scheduled is None:
-            raise RuntimeError("Scheduler.update_from_output() without a scheduled step")
-        for scheduled in output.sequences:
-            self.kv.cache_full_blocks(self._scheduled[scheduled.seq_id])
-        self._scheduled = None
+        """Apply a step's outcome to KV memory: newly full blocks enter the prefix cache (except
+        those of requests that failed in the step), then the forks, frees and finished requests
+        the output processor decided, in its order."""
+        scheduled = self._close_step()
+        for seq in output.sequences:
+            if seq.request_id not in result.failed:
+                self.kv.cache_full_blocks(scheduled[seq.seq_id])
         for update in result.updates:
             match update:
                 case ForkSequence(parent, child):
@@ -263,3 +270,24 @@ class Scheduler:
                     self.kv.free(seq)
                 case FinishRequest(request):
                     self.finish_request(request)
+
+    def abandon(self, output: SchedulerOutput) -> list[Request]:
+        """Close a step that failed before its outcome was known (the forward, a block move or a
+        broadcast raised). Nothing it computed enters the prefix cache. Returns the requests it
+        may have left with incomplete K/V, which cannot continue: those it computed (their new
+        slots and copy-on-write targets may be half written; those blocks are theirs alone, as a
+        cached block is never written in place) and those it swapped out or in (the copies may
+        not have run). The caller fails them (:meth:`finish_request` frees every block); the
+        requests it rejected are in ``output.rejected``. Preempted-for-recompute requests had
+        their blocks freed already and are recomputed later as usual."""
+        touched = self._touched
+        self._close_step()
+        return [r for r in touched if r.status is not Status.FINISHED]
+
+    def _close_step(self) -> dict[int, Sequence]:
+        """End the step handed out by :meth:`schedule` (so a failure below cannot wedge the next)."""
+        if self._scheduled is None:
+            raise RuntimeError("Scheduler: no scheduled step to close (update_from_output() or abandon() "
+                               "called twice)")
+        scheduled, self._scheduled, self._touched = self._scheduled, None, []
+        return scheduled

@@ -77,10 +77,17 @@ class Request:
     beam_rows: dict[int, Any] = field(default_factory=dict)  # log-probs of beams waiting for siblings
     first_token_time: float | None = None
     error: str | None = None
+    error_kind: str | None = None  # "rejected" or "fault" (see RequestOutput.error_kind)
 
     def __post_init__(self) -> None:
         if not self.seqs:
             self.seqs = [Sequence(list(self.prompt_token_ids), len(self.prompt_token_ids))]
+
+    def fail(self, reason: str, kind: str) -> None:
+        """Mark the request failed (its blocks are freed by whoever finishes it)."""
+        self.error, self.error_kind = reason, kind
+        for seq in self.live_seqs:
+            seq.finish_reason = "error"
 
     def sequence(self, seq_id: int) -> Sequence:
         """The running sequence with this id."""

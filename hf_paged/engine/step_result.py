@@ -42,6 +42,11 @@ class StepResult:
     updates: tuple[BlockUpdate, ...] = ()  # in the order they were decided
     changed: tuple[Request, ...] = ()  # requests with new output this step, in step order
     num_generated_tokens: int = 0
+    # requests that failed while their step was processed: their blocks may hold what made them
+    # fail (e.g. NaN K/V), so none of them enters the prefix cache
+    failed: frozenset[str] = frozenset()
+    # every logits row of the step was non-finite: the model itself is failing (a failed step)
+    all_logits_nonfinite: bool = False
 
     @property
     def finished(self) -> tuple[Request, ...]:

@@ -15,6 +15,14 @@ of a ``generate`` call or a snapshot save/load (a follower that made the same ca
 ``("save", (path, export))``, ``("check", path)`` and ``("load", (placement, pool sizes))`` for
 prefix-cache snapshots, one file per rank; ``("stop", None)`` from :meth:`LLMEngine.close` (ends
 ``run_worker``).
+
+Faults: when a step's broadcast or execution raises on any rank, the ranks no longer agree on
+what ran, so that rank tears the process group down (:meth:`TensorParallelGroup.stop`). Under
+gloo a peer's pending collective then fails at once ("Connection closed by peer"), so no rank
+hangs: followers leave :meth:`LLMEngine.run_worker` with a ``RuntimeError`` naming the cause,
+and rank 0 fails every request and refuses further work (``healthy`` is False). This is tested
+under gloo only; whether a NCCL collective already running on the device fails as fast when a
+peer tears its group down is not (NCCL may wait for the group's timeout).
 """
 
 from __future__ import annotations
@@ -88,6 +96,16 @@ class TensorParallelGroup:
     def barrier(self) -> None:
         """Wait for every rank (before a rank exits: its last message must have arrived)."""
         dist.barrier(group=self.group)
+
+    def stop(self) -> None:
+        """Tear down this process's groups after a failure: a peer blocked in a collective with
+        this rank (or entering one) then fails at once ("Connection closed by peer" under gloo)
+        instead of waiting out the group's timeout. Process exit has the same effect."""
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - already broken: nothing more to release
+                pass
 
     def agree_min(self, values: list[int]) -> list[int]:
         """The smallest of every rank's values, element by element (a KV budget all ranks can hold)."""

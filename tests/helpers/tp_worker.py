@@ -3,13 +3,17 @@
     python -m torch.distributed.run --nproc_per_node 2 tests/helpers/tp_worker.py CHECKPOINT BAD_CHECKPOINT OUT.json
 
 Every scenario runs in every rank (the forwards of a split model need all ranks); rank 0 writes
-what it saw, plus what the other ranks reported, to ``OUT.json``.
+what it saw, plus what the other ranks reported, to ``OUT.json``. The last scenario, a fault in
+rank 1's forward, stops the group: each rank writes what it saw to ``fault-rank<R>.json`` next
+to ``OUT.json``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -119,7 +123,52 @@ def main(checkpoint: str, bad_checkpoint: str, out_path: str) -> None:
         report["ranks"] = everyone
         with open(out_path, "w") as fh:
             json.dump(report, fh)
-    dist.destroy_process_group()
+    fault = fault_in_rank_1(model, rank)
+    with open(os.path.join(os.path.dirname(out_path), f"fault-rank{rank}.json"), "w") as fh:
+        json.dump(fault, fh)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+FAULT_AT_STEP = 3
+
+
+def fault_in_rank_1(model, rank: int) -> dict:
+    """Rank 1's forward raises at its third step: rank 1 tears the group down and leaves
+    run_worker with an error; rank 0, waiting for it inside the forward's all-reduce, fails the
+    step and every request at once, and refuses more work. Nobody hangs."""
+    greedy = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    engine = LLMEngine(model, block_size=4, num_blocks=64)
+    seen: dict = {}
+    start = time.monotonic()
+    if rank != 0:
+        execute, calls = engine.runner.execute, [0]
+
+        def faulty(step):
+            calls[0] += 1
+            if calls[0] == FAULT_AT_STEP:
+                raise RuntimeError(f"injected fault in rank {rank}'s forward")
+            return execute(step)
+
+        engine.runner.execute = faulty
+        try:
+            engine.run_worker()
+        except RuntimeError as err:
+            seen["error"] = str(err)
+    else:
+        for i, prompt in enumerate(PROMPTS[:3]):
+            engine.add_request(prompt, greedy, request_id=str(i))
+        finished = {}
+        while engine.has_unfinished_requests() and time.monotonic() - start < 60:
+            finished.update({o.request_id: (o.error, o.error_kind) for o in engine.step() if o.finished})
+        seen.update(finished=finished, healthy=engine.healthy, stats_healthy=engine.stats()["healthy"])
+        for what, call in (("add_request", lambda: engine.add_request(PROMPTS[0], greedy)), ("step", engine.step)):
+            try:
+                call()
+            except RuntimeError as err:
+                seen[f"refused_{what}"] = str(err)
+    seen["seconds"] = time.monotonic() - start
+    return seen
 
 
 if __name__ == "__main__":
