@@ -105,7 +105,7 @@ class Stream(threading.Thread):
 RAW_SURROGATE = b'{"model": "tiny", "prompt": "Hi \xed\xa0\x80", "max_tokens": 4}'  # UTF-8-encoded U+D800
 EXTREME = {  # name -> (path, body, statuses allowed, the param a 400 names)
     "temperature 1e-300": (COMPLETIONS, completion(temperature=1e-300, seed=3), {200}, None),
-    "temperature 1e300": (COMPLETIONS, completion(temperature=1e300, seed=3), {200}, None),
+    "temperature 1e300": (COMPLETIONS, completion(temperature=1e300, seed=3), {400}, "temperature"),
     "repetition_penalty 1e-300": (COMPLETIONS, completion(temperature=1.0, repetition_penalty=1e-300), {400},
                                   "repetition_penalty"),
     "repetition_penalty 1e300": (COMPLETIONS, completion(temperature=1.0, repetition_penalty=1e300), {400},

@@ -101,8 +101,9 @@ def check_json(data: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
         if not isinstance(value, (dict, list)):
             continue
         if depth >= max_depth:
-            raise invalid(".".join(map(str, path)) or None,
-                          f"the request body nests arrays or objects deeper than {max_depth} levels")
+            field = str(path[0]) if path else None
+            raise invalid(field, f"{field or 'the request body'} nests arrays or objects deeper than "
+                                 f"{max_depth} levels")
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
             if isinstance(key, str) and _SURROGATE.search(key):
