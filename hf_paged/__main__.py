@@ -250,7 +250,7 @@ def serve(args) -> int:
     if args.tensor_parallel_size < 1:
         raise CliError("--tensor-parallel-size must be positive")
     for name in ("port", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_body_bytes", "max_n",
-                 "max_tokens_limit"):
+                 "max_tokens_limit", "max_consecutive_failures"):
         if getattr(args, name) < (0 if name == "port" else 1):
             raise CliError(f"--{name.replace('_', '-')} must be positive")
     if not args.shutdown_timeout >= 0 or not args.stream_timeout > 0:
@@ -264,7 +264,8 @@ def serve(args) -> int:
     api_key = args.api_key or os.environ.get("HF_PAGED_API_KEY") or None
     model, tokenizer = load_split(args) if "RANK" in os.environ else load(args)
     engine = LLMEngine(model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
-                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_consecutive_failures=args.max_consecutive_failures)
     if engine.tp and not engine.tp.is_driver:
         engine.run_worker()  # until rank 0's server stops
         return 0
@@ -320,6 +321,8 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT (then they end with an error)")
     s.add_argument("--stream-timeout", type=float, default=60.0,
                    help="a stream whose client reads nothing for this many seconds is aborted")
+    s.add_argument("--max-consecutive-failures", type=int, default=3,
+                   help="failed engine steps in a row after which /health answers 503 (a clean step resets it)")
     return top
 
 

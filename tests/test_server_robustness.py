@@ -288,7 +288,7 @@ def test_repeated_engine_faults_make_health_503_until_a_clean_step(server, robus
 
 
 # ---------------------------------------------------------------------------- property-based HTTP fuzz
-FUZZ_EXAMPLES = 150  # per POST route and mode (positive: valid by the schema; negative: violating it)
+FUZZ_EXAMPLES = 400  # per POST route and mode (positive: valid by the schema; negative: violating it)
 
 
 def test_fuzz_every_route_from_the_published_schema():

@@ -2,7 +2,9 @@
 
 ``app.py`` routes and errors, ``protocol.py`` request bodies and their ``SamplingParams``,
 ``engine_loop.py`` the one thread that owns the engine, ``detokenize.py`` streamed text,
-``responses.py`` response bodies, ``metrics.py`` Prometheus text, ``server.py`` running it.
+``responses.py`` response bodies, ``metrics.py`` Prometheus text, ``streaming.py`` send timeouts
+for clients that do not read, ``shutdown.py`` the graceful drain on SIGTERM/SIGINT,
+``tokenizer_pool.py`` tokenization off the event loop, ``server.py`` running it.
 """
 
 from hf_paged.serve.app import ServerSettings, build_app

@@ -233,11 +233,14 @@ class EngineLoop:
             for index, (request_id, prompt) in enumerate(zip(stream.request_ids, prompts)):
                 self.engine.add_request(prompt, params, request_id=request_id)
                 self._live[request_id] = _Live(stream, index, now)
-        except Exception as err:  # noqa: BLE001 - ValueError: a bad request; anything else: the handler's 500
+        except Exception as err:  # noqa: BLE001 - ValueError: a bad request (400); else the engine refused (503)
             for request_id in stream.request_ids:
                 if self._live.pop(request_id, None) is not None:
                     self.engine.abort(request_id)
-            self.metrics.reject("invalid", len(prompts))
+            self.metrics.reject("invalid" if isinstance(err, ValueError) else "engine", len(prompts))
+            if not isinstance(err, ValueError):  # e.g. a tensor-parallel engine whose group was stopped
+                logger.error("the engine refused a request: %s: %s", type(err).__name__, err)
+                err = EngineFailure(f"the engine cannot take requests: {err}", code="engine_unhealthy")
             return self._send(stream, err)
         self._send(stream, _ACCEPTED)
 
