@@ -20,7 +20,6 @@ import typing
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 

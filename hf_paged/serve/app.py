@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -33,7 +32,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hf_paged.engine.llm_engine import LLMEngine
-from hf_paged.engine.outputs import RequestOutput
+from hf_paged.engine.outputs import FAULT, RequestOutput
 from hf_paged.engine.params import SamplingParams
 from hf_paged.serve import responses
 from hf_paged.serve.detokenize import TextStream
@@ -214,7 +213,7 @@ def _chat_ids(tokenizer, conversation: list[dict[str, str]]) -> list[int]:
 def _request_failure(output: RequestOutput) -> APIError:
     """The answer for a request the engine ended with an error: a 400 when it was refused as never
     fitting, a 503 when the engine failed it."""
-    if getattr(output, "error_kind", None) == "fault":
+    if output.error_kind == FAULT:
         return APIError(503, f"the engine failed this request: {output.error}", code="engine_error")
     return invalid("max_tokens", output.error)
 
@@ -238,10 +237,10 @@ class _OpenAIServing:
     def _unavailable(self) -> APIError | None:
         """Why generation requests get a 503 now (None: they are served)."""
         if not self.loop.alive:
-            return APIError(503, "the engine loop is not running", code="engine_stopped")
+            return APIError(503, "the engine loop is not running", code="engine_unhealthy")
         if self.drain.draining:
             return APIError(503, "the server is shutting down", code="server_shutting_down")
-        if not getattr(self.loop.engine, "healthy", True):
+        if not self.loop.engine.healthy:
             return APIError(503, "the engine is unhealthy: its last steps failed (see the server log)",
                             code="engine_unhealthy")
         return None

@@ -6,7 +6,8 @@ read (``send`` then waits), and the stream's own unsent output is one cumulative
 memory. It would still hold its KV blocks and keep generating until ``max_tokens``:
 :class:`BoundedStreamingResponse` gives every send ``send_timeout`` seconds, then closes the body
 iterator (whose ``finally`` aborts the engine requests and frees their blocks) and returns, and
-uvicorn closes the connection.
+uvicorn closes the connection (it logs "ASGI callable returned without completing response." for
+each, after this module's warning that says why).
 """
 
 from __future__ import annotations

@@ -73,7 +73,6 @@ def main(checkpoint: str, bad_checkpoint: str, out_path: str) -> None:
     report["tiny_budget"] = tiny
 
     # Prefix-cache snapshots: one file per rank, saved and loaded by every rank making the same calls.
-    import os
 
     from hf_paged import SnapshotError
     from hf_paged.prefix_snapshot import shard_path
