@@ -13,8 +13,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from hf_paged.serve.protocol import APIError
-
 logger = logging.getLogger("hf_paged.serve")
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
@@ -28,28 +26,25 @@ class Drain:
                  flush_s: float = 5.0):
         self._end_all, self.timeout_s, self.flush_s = end_all, timeout_s, flush_s
         self.active = 0
-        self.started_at: float | None = None
-        self._deadline: float | None = None
+        self._deadline: float | None = None  # set by the first signal: in-flight requests end then
         self._ended_at: float | None = None
 
     @property
     def draining(self) -> bool:
-        return self.started_at is not None
+        return self._deadline is not None
 
     def begin(self) -> None:
         """The first signal: stop taking requests; a second one: end what is in flight now."""
         now = time.monotonic()
-        if self.started_at is None:
-            self.started_at, self._deadline = now, now + self.timeout_s
+        if self._deadline is None:
+            self._deadline = now + self.timeout_s
             logger.info("shutting down: %d request(s) in flight get %.0f s to finish", self.active, self.timeout_s)
         else:
             self._deadline = now
 
     def admit(self) -> Ticket:
-        """A generation request starts; a 503 once shutting down. Release the ticket when its
-        response is over."""
-        if self.draining:
-            raise APIError(503, "the server is shutting down", code="server_shutting_down")
+        """A generation request starts (the app refuses new ones once :attr:`draining`). Release
+        the ticket when its response is over."""
         self.active += 1
         return Ticket(self)
 
