@@ -178,14 +178,19 @@ def paged_attention_forward(
     fallback = _fallback_attention(module, kwargs)
     cache = active_cache()
     layer_idx = cache.claim(key, value) if cache is not None else None
+    stores = layer_idx is not None
+    if not stores and cache is not None:  # a KV-sharing layer, given its source layer's K/V
+        layer_idx = cache.claimed_layer(key, value)
     if layer_idx is None:
         return fallback(module, query, key, value, mask.dense, **kwargs)
 
     if isinstance(cache, PackedStep):
-        return _packed_attention(cache, layer_idx, query, key, value, **kwargs)
+        return _packed_attention(cache, layer_idx, query, key, value, stores, **kwargs)
     q_len = query.shape[2]
-    new_valid = mask.new_columns_valid(q_len, cache.get_seq_length(layer_idx) + q_len) if cache.allocates(layer_idx) else None
-    cache.commit(layer_idx, key, value, new_valid)
+    if stores:
+        new_valid = (mask.new_columns_valid(q_len, cache.get_seq_length(layer_idx) + q_len)
+                     if cache.allocates(layer_idx) else None)
+        cache.commit(layer_idx, key, value, new_valid)
     if kernels.use_triton(query) and cache.kernels_applicable and not kwargs.get("output_attentions"):
         return _kernel_attention(cache, layer_idx, query, **kwargs)
     dense_key, dense_value = cache.dense_kv(layer_idx, q_len)
@@ -197,10 +202,18 @@ def _scale(kwargs: dict, head_dim: int) -> float:
     return head_dim**-0.5 if scale is None else scale
 
 
-def _window(cache, layer_idx: int, kwargs: dict) -> int | None:
-    """The sliding window to attend with: the model's own, else the layer's configured one (a
-    sliding layer group's tables hold no blocks before the window, so nothing may read there)."""
-    return kwargs.get("sliding_window") or cache.layers[layer_idx].sliding_window
+def _read_options(cache, layer_idx: int, kwargs: dict) -> dict:
+    """What the paged read of a layer needs: its kind's span (:mod:`hf_paged.kinds`: a sliding
+    window, a chunk; a group that gives blocks back holds nothing before it, so nothing may read
+    there), the model's own sliding window if it passes one, softcap, and attention sinks (gpt-oss
+    passes them as ``s_aux``: one logit per head that joins the softmax denominator)."""
+    options = dict(cache.specs[layer_idx].read_options())
+    if kwargs.get("sliding_window"):
+        options["sliding_window"] = kwargs["sliding_window"]
+    options["softcap"] = kwargs.get("softcap")
+    if kwargs.get("s_aux") is not None:
+        options["sinks"] = kwargs["s_aux"]
+    return options
 
 
 def _kernel_attention(cache, layer_idx: int, query: torch.Tensor, **kwargs):
@@ -208,7 +221,7 @@ def _kernel_attention(cache, layer_idx: int, query: torch.Tensor, **kwargs):
     k_pool, v_pool = cache.storage.key_pools[layer_idx], cache.storage.value_pools[layer_idx]
     meta = cache.metadata_for(layer_idx, query.device)
     rows, heads, q_len, head_dim = query.shape
-    options = dict(sliding_window=_window(cache, layer_idx, kwargs), softcap=kwargs.get("softcap"), backend="triton")
+    options = dict(_read_options(cache, layer_idx, kwargs), backend="triton")
     scale = _scale(kwargs, head_dim)
     if q_len == 1:
         out = kernels.paged_attention_decode(
@@ -224,29 +237,31 @@ def _kernel_attention(cache, layer_idx: int, query: torch.Tensor, **kwargs):
     return out, None
 
 
-def _packed_attention(step: PackedStep, layer_idx: int, query, key, value, **kwargs):
+def _packed_attention(step: PackedStep, layer_idx: int, query, key, value, stores: bool = True, **kwargs):
     """An engine step: one packed row ``[1, heads, total_tokens, head_dim]`` of many sequences.
 
     Decode tokens (one per sequence) come first and go to the decode kernel; the rest (prefill
-    chunks) to the varlen prefill kernel. Each sequence attends only to its own blocks.
+    chunks) to the varlen prefill kernel. Each sequence attends only to its own blocks. A
+    KV-sharing layer (``stores`` False; ``layer_idx`` is its source layer) writes nothing and
+    reads its source's blocks.
     """
     q = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
-    new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [tokens, kv_heads, head_dim]
     meta = step.metadata_for(layer_idx, q.device)
     storage = step.storage
-    storage.ensure_layer(layer_idx, new_keys, step.num_blocks_for(layer_idx))
-    storage.write(layer_idx, new_keys, new_values, meta.slot_mapping)
+    if stores:
+        new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [tokens, kv_heads, head_dim]
+        storage.ensure_layer(layer_idx, new_keys, step.num_blocks_for(layer_idx))
+        storage.write(layer_idx, new_keys, new_values, meta.slot_mapping)
     k_pool, v_pool = storage.key_pools[layer_idx], storage.value_pools[layer_idx]
     scale = _scale(kwargs, q.shape[-1])
     triton = kernels.use_triton(q)
-    options = dict(sliding_window=_window(step, layer_idx, kwargs), softcap=kwargs.get("softcap"),
-                   backend="triton" if triton else "torch")
+    options = dict(_read_options(step, layer_idx, kwargs), backend="triton" if triton else "torch")
     tables, lens = meta.block_tables, meta.context_lens
     q = q.to(k_pool.dtype)
     nd = meta.num_decode
     parts = []
     if nd and not q.is_cuda and not triton and not options["softcap"]:
-        parts.append(_decode_by_sdpa(step, layer_idx, q[:nd], k_pool, v_pool, scale, options["sliding_window"]))
+        parts.append(_decode_by_sdpa(step, layer_idx, q[:nd], k_pool, v_pool, scale, options))
     elif nd:
         parts.append(kernels.paged_attention_decode(
             q[:nd].contiguous(), k_pool, v_pool, tables[:nd], lens[:nd], scale, **options))
@@ -257,24 +272,39 @@ def _packed_attention(step: PackedStep, layer_idx: int, query, key, value, **kwa
     return out.to(query.dtype)[None], None
 
 
-def _decode_by_sdpa(step: PackedStep, layer_idx: int, q, k_pool, v_pool, scale, window):
+def _decode_by_sdpa(step: PackedStep, layer_idx: int, q, k_pool, v_pool, scale, options: dict):
     """CPU decode for an engine step: per group of similar-length sequences, one gather of their
     keys and values (slot indices built once per step, shared by all layers) and one fused SDPA
-    call with a key-padding mask."""
+    call with a key-padding mask. Attention sinks join as one more key of zeros whose additive
+    mask is the head's sink logit: its score is the sink, its value adds nothing."""
     num_seqs, heads, head_dim = q.shape
-    kv_heads = k_pool.shape[2]
+    kv_heads, group = k_pool.shape[2], heads // k_pool.shape[2]
     k_rows, v_rows = k_pool.view(-1, kv_heads * head_dim), v_pool.view(-1, kv_heads * head_dim)
+    sinks = options.get("sinks")
     parts = []
-    for lo, hi, slots, mask in step.decode_groups(layer_idx, window, q.dtype):
+    for lo, hi, slots, mask in step.decode_groups(layer_idx, options.get("sliding_window"), q.dtype,
+                                                  options.get("chunk_size")):
         flat = slots.reshape(-1)  # index_select of [kv_heads * head_dim] rows: ~4x faster than tensor[slots]
         shape = (hi - lo, slots.shape[1], kv_heads, head_dim)
         keys = k_rows.index_select(0, flat).view(shape).transpose(1, 2)  # [seqs, kv_heads, T, head_dim]
         values = v_rows.index_select(0, flat).view(shape).transpose(1, 2)
+        if sinks is not None:
+            keys, values, mask = _with_sink_key(keys, values, mask, sinks, group)
         parts.append(torch.nn.functional.scaled_dot_product_attention(
-            q[lo:hi].view(hi - lo, kv_heads, heads // kv_heads, head_dim), keys, values, attn_mask=mask,
+            q[lo:hi].view(hi - lo, kv_heads, group, head_dim), keys, values, attn_mask=mask,
             scale=scale))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.reshape(num_seqs, heads, head_dim)
+
+
+def _with_sink_key(keys, values, mask, sinks, group: int):
+    """``keys``/``values`` ``[seqs, kv_heads, T, head_dim]`` and their additive mask ``[seqs, 1, 1, T]``
+    with one key of zeros appended, masked by each query head's sink logit (``[kv_heads, group]``)."""
+    seqs, kv_heads, _, head_dim = keys.shape
+    zeros = keys.new_zeros(seqs, kv_heads, 1, head_dim)
+    sink_column = sinks.to(mask.dtype).view(1, kv_heads, group, 1).expand(seqs, -1, -1, -1)
+    mask = torch.cat([mask.expand(-1, kv_heads, group, -1), sink_column], dim=-1)
+    return torch.cat([keys, zeros], dim=2), torch.cat([values, zeros], dim=2), mask
 
 
 def register() -> None:

@@ -31,8 +31,8 @@ from transformers import PretrainedConfig
 from hf_paged import state_layers
 from hf_paged.block_manager import HOLE, BlockManager
 from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, StashingCache
-from hf_paged.layer_groups import GroupedBlockManager, LayerGroup, layer_groups
-from hf_paged.model_info import layer_structure
+from hf_paged.layer_groups import GroupedBlockManager, LayerGroup, group_of_layers, layer_groups
+from hf_paged.model_info import layer_kinds
 from hf_paged.prefix_index import PrefixIndex
 from hf_paged.storage import PagedKVStorage
 
@@ -71,8 +71,8 @@ class KVPool:
     @classmethod
     def for_config(cls, config: PretrainedConfig, block_size: int, num_blocks: int | None,
                    prefix_caching: bool = False) -> KVPool:
-        _, windows = layer_structure(config.get_text_config(decoder=True))
-        blocks = GroupedBlockManager(block_size, num_blocks, layer_groups(windows))
+        _, specs = layer_kinds(config.get_text_config(decoder=True))
+        blocks = GroupedBlockManager(block_size, num_blocks, layer_groups(specs))
         return cls(blocks, PagedKVStorage(block_size), PrefixIndex(blocks) if prefix_caching else None)
 
 
@@ -140,19 +140,17 @@ class PagedKVCache(StashingCache):
         if not isinstance(config, PretrainedConfig):
             raise TypeError(f"PagedKVCache needs the model config, got {type(config).__name__}")
         config = config.get_text_config(decoder=True)
-        self.layer_types, self.sliding_windows = layer_structure(config)
+        self.layer_types, self.specs = layer_kinds(config)
+        self.sliding_windows = [None if spec is None else spec.window for spec in self.specs]
         super().__init__(self.sliding_windows)
         state_layers.build_state_layers(self, config, self.layer_types, self.sliding_windows)  # hybrid models
         self.config = config
         self.block_size = block_size
-        self.groups: list[LayerGroup] = layer_groups(self.sliding_windows)
-        self._group_of = [0] * len(self.sliding_windows)  # layer -> index of its group
-        for g, group in enumerate(self.groups):
-            for layer in group.layers:
-                self._group_of[layer] = g
+        self.groups: list[LayerGroup] = layer_groups(self.specs)
+        self._group_of = group_of_layers(self.groups, self.specs)  # layer -> index of the group it reads
         if pool is None:
             pool = KVPool(GroupedBlockManager(block_size, num_blocks, self.groups), PagedKVStorage(block_size))
-        elif pool.blocks.block_size != block_size or [g.window for g in pool.blocks.groups] != [g.window for g in self.groups]:
+        elif pool.blocks.block_size != block_size or pool.blocks.groups != self.groups:
             raise ValueError("PagedKVCache: the pool was made for another block size or layer structure")
         self._join(pool)
         self._tokens: dict[int, list[int]] = {}  # with a prefix index: each row's stored tokens
@@ -197,7 +195,7 @@ class PagedKVCache(StashingCache):
         self.check_no_pending()
         clone = object.__new__(type(self))
         StashingCache.__init__(clone, self.sliding_windows)
-        clone.layer_types, clone.sliding_windows = self.layer_types, self.sliding_windows
+        clone.layer_types, clone.specs, clone.sliding_windows = self.layer_types, self.specs, self.sliding_windows
         clone.config, clone.block_size = self.config, self.block_size
         clone.groups, clone._group_of = self.groups, self._group_of
         clone._join(self._pool)
@@ -322,6 +320,7 @@ class PagedKVCache(StashingCache):
         """The forward is over: with a prefix cache, a completed one's new full blocks are indexed
         (every layer has written them)."""
         self._forward = None
+        self.forget_claims()
         if completed and self.prefix is not None:
             for seq_id in self._rows:
                 tokens = self._tokens.get(seq_id)

@@ -155,6 +155,7 @@ class StashingCache(Cache):
     def __init__(self, windows: list[int | None]):
         super().__init__(layers=[PagedLayerView(self, i, w) for i, w in enumerate(windows)])
         self._pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._claimed: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # this forward's claims (KV sharing)
         self.set_metadata(None)
 
     @property
@@ -201,11 +202,23 @@ class StashingCache(Cache):
         if pending is None or pending[1] is not key or pending[2] is not value:
             return None
         self._pending = None
+        self._claimed.append(pending)
         return pending[0]
+
+    def claimed_layer(self, key: torch.Tensor, value: torch.Tensor) -> int | None:
+        """The layer that claimed ``key``/``value`` earlier in this forward: a KV-sharing layer
+        (:mod:`hf_paged.kinds.shared`) attends with its source layer's K/V objects, and so reads
+        that layer's blocks. None: not a source's K/V."""
+        return next((layer for layer, k, v in self._claimed if k is key and v is value), None)
+
+    def forget_claims(self) -> None:
+        """A forward is over: drop the references to its layers' new K/V."""
+        self._claimed = []
 
     def drop_pending(self) -> None:
         """Forget stashed K/V without complaint (the cache is being reset)."""
         self._pending = None
+        self._claimed = []
 
     def layer_states(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """A layer's K/V in ``DynamicCache``'s layout, where the cache has one (else ``(None, None)``)."""
@@ -232,6 +245,8 @@ class PackedStep(StashingCache, abc.ABC):
         """The step's metadata for the layer's group (slots and block tables), on ``device``."""
 
     @abc.abstractmethod
-    def decode_groups(self, layer_idx: int, window: int | None, dtype: torch.dtype) -> list[DecodeGroup]:
+    def decode_groups(self, layer_idx: int, window: int | None, dtype: torch.dtype,
+                      chunk_size: int | None = None) -> list[DecodeGroup]:
         """The decoding sequences in groups of similar length, each with its slots (in the
-        layer's group) and mask (``window``: the layer's sliding window)."""
+        layer's group) and mask (``window``: the layer's sliding window; ``chunk_size``: its
+        chunked local attention)."""

@@ -1,7 +1,8 @@
 """Layer groups: one block table per sequence for each set of layers that see the same span.
 
-A model's attention layers fall into groups: the full-attention layers, and the layers of each
-distinct sliding window ``W``. A sliding layer reads only its last ``W`` tokens, so its group
+A model's attention layers fall into groups, one per layer kind (:mod:`hf_paged.kinds`): the
+full-attention layers, the layers of each distinct sliding window ``W``, the chunked layers of
+each chunk size. A sliding layer reads only its last ``W`` tokens, so its group
 gives back every block that falls wholly outside the window (vLLM V1's hybrid KV cache manager
 does the same), while the full group keeps everything. Each group is one :class:`BlockManager`;
 :class:`GroupedBlockManager` drives them together (same sequences, same tokens) and keeps every
@@ -20,42 +21,64 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from hf_paged.block_manager import BlockManager, NoFreeBlocksError
+from hf_paged.kinds import KVSpec, SharedKVSpec
 
 SeqId = Hashable
 
 
 @dataclass(frozen=True)
 class LayerGroup:
-    """Layers sharing one block table per sequence: full attention (``window=None``) or one window."""
+    """Layers sharing one block table per sequence: the layers of one kind (:mod:`hf_paged.kinds`)."""
 
-    window: int | None
+    spec: KVSpec
     layers: tuple[int, ...]
 
     @property
+    def window(self) -> int | None:
+        """Tokens of the past the group keeps (None: all)."""
+        return self.spec.window
+
+    @property
     def is_sliding(self) -> bool:
-        return self.window is not None
+        """Whether the group gives blocks back as its sequences move on (sliding and chunked kinds)."""
+        return self.spec.gives_back
 
     def first_needed(self, next_position: int) -> int:
         """The earliest token position the next forward (first new token at ``next_position``) reads."""
-        return 0 if self.window is None else max(next_position - self.window + 1, 0)
+        return self.spec.first_needed(next_position)
 
 
-def layer_groups(windows: Sequence[int | None]) -> list[LayerGroup]:
-    """Group layers by window (``windows[i]``: layer i's sliding window, None for full attention).
-    The full-attention group comes first, then windows in increasing size."""
-    by_window: dict[int | None, list[int]] = {}
-    for layer, window in enumerate(windows):
-        by_window.setdefault(window, []).append(layer)
-    order = sorted(by_window, key=lambda w: (w is not None, w or 0))
-    return [LayerGroup(w, tuple(by_window[w])) for w in order]
+def layer_groups(specs: Sequence[KVSpec | None]) -> list[LayerGroup]:
+    """Group the layers that store K/V by spec (``specs[i]``: layer i's, None for a layer without
+    K/V; a sharing layer stores nothing and joins no group). Full attention comes first, then the
+    kinds that give blocks back, in increasing window."""
+    by_spec: dict[KVSpec, list[int]] = {}
+    for layer, spec in enumerate(specs):
+        if spec is not None and spec.stores:
+            by_spec.setdefault(spec, []).append(layer)
+    order = sorted(by_spec, key=lambda s: (s.window is not None, s.window or 0, s.kind))
+    return [LayerGroup(s, tuple(by_spec[s])) for s in order]
+
+
+def group_of_layers(groups: Sequence[LayerGroup], specs: Sequence[KVSpec | None]) -> list[int]:
+    """Layer -> index of the group whose blocks it reads (a sharing layer: its source's group;
+    a layer without K/V: 0, never used)."""
+    index = [0] * len(specs)
+    for g, group in enumerate(groups):
+        for layer in group.layers:
+            index[layer] = g
+    for layer, spec in enumerate(specs):
+        if isinstance(spec, SharedKVSpec):
+            index[layer] = index[spec.source]
+    return index
 
 
 def sliding_cap(group: LayerGroup, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int | None:
-    """Most blocks a sliding group can hold at once in an engine (None for a full group): each
-    sequence its window's blocks plus two partial ones, and the step's new tokens on top."""
-    if group.window is None:
+    """Most blocks a group that gives blocks back can hold at once in an engine (None for a full
+    group): each sequence its window's blocks plus two partial ones, and the step's new tokens on top."""
+    per_seq = group.spec.blocks_per_sequence(block_size)
+    if per_seq is None:
         return None
-    per_seq = -(-(group.window - 1) // block_size) + 2
     return max_num_seqs * per_seq + -(-max_num_batched_tokens // block_size)
 
 

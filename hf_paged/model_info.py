@@ -14,6 +14,9 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from hf_paged import kinds
+from hf_paged.kinds import KVSpec
+
 
 def check_supported(model: PreTrainedModel) -> None:
     """Raise, naming the class, unless ``model``'s attention and layers can be paged.
@@ -34,8 +37,9 @@ def check_engine_supported(model: PreTrainedModel) -> None:
     model_support.check_engine_supported(model)
 
 
-def layer_structure(config: PretrainedConfig) -> tuple[list[str], list[int | None]]:
-    """Per-layer (type, sliding window), derived the way ``DynamicCache(config=...)`` derives it.
+def layer_kinds(config: PretrainedConfig) -> tuple[list[str], list[KVSpec | None]]:
+    """Per-layer (type, kind spec), derived the way ``DynamicCache(config=...)`` derives the layers
+    (a spec is None for a layer without K/V: state-space, convolution, MLP-only; see :mod:`hf_paged.kinds`).
 
     Raises ``NotImplementedError`` for layers the paged cache cannot hold (see
     :func:`hf_paged.model_support.layer_problem`). Reading configs is slow: callers on a hot path
@@ -49,9 +53,14 @@ def layer_structure(config: PretrainedConfig) -> tuple[list[str], list[int | Non
         raise NotImplementedError(f"{type(config).__name__}: PagedKVCache cannot hold these layers: {problem}")
     if isinstance(layer_kwargs, dict):  # transformers < 5.24: one dict for all layers
         layer_kwargs = [layer_kwargs] * len(layer_types)
-    windows = [kw.get("sliding_window") if t in ("sliding_attention", "hybrid_sliding") else None
-               for t, kw in zip(layer_types, layer_kwargs)]
-    return list(layer_types), windows
+    return list(layer_types), kinds.layer_specs(config, list(layer_types), list(layer_kwargs))
+
+
+def layer_structure(config: PretrainedConfig) -> tuple[list[str], list[int | None]]:
+    """Per-layer (type, window): the tokens of the past each layer's cache keeps as ``DynamicCache``
+    keeps them (a sliding window, a chunk size; None: all, or no K/V). See :func:`layer_kinds`."""
+    layer_types, specs = layer_kinds(config)
+    return layer_types, [None if spec is None else spec.window for spec in specs]
 
 
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, layer_ids: Iterable[int] | None = None) -> int:

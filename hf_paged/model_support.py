@@ -46,9 +46,9 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from hf_paged import state_layers
+from hf_paged import kinds, state_layers
 
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+SUPPORTED_LAYER_TYPES = tuple(t for t in kinds.LAYER_TYPE_SPECS if t not in ("hybrid", "hybrid_sliding"))
 _NOT_MODEL_CODE = ("torch", "builtins", "transformers.modeling_utils", "transformers.generation",
                    "transformers.integrations", "transformers.utils", "transformers.modeling_layers")
 _STATE_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding", "recurrent"}
@@ -56,7 +56,7 @@ _STATE_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid", "hybrid_sli
 # window, softcap; dropout is 0 in eval; the rest are bookkeeping). Anything else, e.g. GPT-OSS's
 # attention sinks ``s_aux``, would be dropped by the Triton kernels and by an engine step.
 _HONOURED_KEYWORDS = {None, "module", "query", "key", "value", "attention_mask", "dropout", "scaling", "sliding_window",
-                      "softcap", "position_ids", "use_cache", "output_attentions", "is_causal"}
+                      "softcap", "s_aux", "position_ids", "use_cache", "output_attentions", "is_causal"}
 _CROSS_ATTENTION_NAME = re.compile(r"(^|\.)(encoder_attn|cross_?attn\w*|crossattention|cross_attention\w*)$")
 
 # Reasons, one per kind of refusal (the table groups by these).
@@ -100,10 +100,10 @@ def layer_problem(config: PretrainedConfig, layer_types: list[str] | None = None
 
     ``layer_types``: what ``get_layer_types_and_kwargs(config)`` gives, when the caller has it already.
     """
-    if getattr(config, "num_kv_shared_layers", 0) or "reuse" in (getattr(config, "kv_sharing_modes", None) or ()):
-        shared = getattr(config, "num_kv_shared_layers", 0)
-        return Support(KV_SHARING, f"{shared} layers reuse another layer's K/V (num_kv_shared_layers)"
-                       if shared else "some layers reuse another layer's K/V (kv_sharing_modes)")
+    shared = _attr(config, "num_kv_shared_layers") or 0
+    if shared and not (state_layers.STATE_API and "reuse" in (_attr(config, "kv_sharing_modes") or ())):
+        return Support(KV_SHARING, f"{shared} layers reuse another layer's K/V (num_kv_shared_layers), and transformers "
+                                   f"{transformers_version()} does not mark them in kv_sharing_modes")
     try:
         layer_types = layer_types if layer_types is not None else get_layer_types_and_kwargs(config)[0]
     except (AttributeError, TypeError, ValueError) as error:
@@ -118,6 +118,12 @@ def layer_problem(config: PretrainedConfig, layer_types: list[str] | None = None
             detail += (f" (transformers {transformers_version()} lacks the state-layer cache API, "
                        "Cache.update_conv_state and friends, that hf_paged's hybrid support uses)")
         return Support(kind, detail)
+    if shared or "reuse" in (_attr(config, "kv_sharing_modes") or ()):
+        try:
+            _, layer_kwargs = get_layer_types_and_kwargs(config)
+            kinds.layer_specs(config, layer_types, layer_kwargs)
+        except NotImplementedError as error:  # e.g. an assistant model reading its target model's K/V
+            return Support(KV_SHARING, str(error))
     return None
 
 
@@ -132,7 +138,7 @@ def engine_problem(config: PretrainedConfig) -> str | None:
         types = get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0]
     except Exception:  # noqa: BLE001 - layer_problem judges configs without a layer structure
         return None
-    hybrid = sorted(set(types) & set(state_layers.STATE_LAYER_TYPES))
+    hybrid = sorted(set(types) & set(state_layers.STATE_LAYER_TYPES) - set(state_layers.NO_CACHE_TYPES))
     return f"hybrid layers ({', '.join(hybrid)})" if hybrid else None
 
 
@@ -575,6 +581,18 @@ HYBRID_TINY_LAYERS = {
     "zamba": (dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"]), ""),
     "zamba2": (dict(hybrid_layer_ids=[1], layers_block_type=["linear_attention", "hybrid"]), ""),
 }
+# KV-sharing architectures: a tiny copy needs layers that store before the ones that share.
+_GEMMA3N_SHARING = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                        num_kv_shared_layers=2, activation_sparsity_pattern=[0.0] * 4, intermediate_size=[96] * 4)
+SHARING_TINY_LAYERS = {"gemma3n_text": _GEMMA3N_SHARING, "gemma3n": {"text_config": _GEMMA3N_SHARING}}
+
+
+def _with_layers(config: PretrainedConfig, overrides: dict) -> PretrainedConfig:
+    """``config`` rebuilt with ``overrides`` (a sub-config's under its key, e.g. ``text_config``)."""
+    values = config.to_dict()
+    for key, value in overrides.items():
+        values[key] = {**values[key], **value} if isinstance(value, dict) else value
+    return type(config)(**values)
 
 
 def _hybrid_tiny_note(model_type: str) -> str:
@@ -593,7 +611,9 @@ def build_tiny(model_type: str, class_name: str | None = None, seed: int = 0,
     cls, config_class = _model_class(model_type, class_name or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     config = tiny_config(config_class())
     if model_type in HYBRID_TINY_LAYERS and state_layers.STATE_API:
-        config = type(config)(**{**config.to_dict(), **HYBRID_TINY_LAYERS[model_type][0]})
+        config = _with_layers(config, HYBRID_TINY_LAYERS[model_type][0])
+    if model_type in SHARING_TINY_LAYERS and state_layers.STATE_API:
+        config = _with_layers(config, SHARING_TINY_LAYERS[model_type])
     if initializer_range is not None:
         for sub in [config, *(getattr(config, key) for key in getattr(config, "sub_configs", {}))]:
             if isinstance(sub, PretrainedConfig):

@@ -43,7 +43,7 @@ _MAPPING: dict = getattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING", {}) if STATE
 #: Layer types whose state transformers' classes hold (with the attention part, if any, paged).
 STATE_ONLY_TYPES = ("linear_attention", "conv")
 HYBRID_TYPES = ("hybrid", "hybrid_sliding")  # state and attention in one layer
-NO_CACHE_TYPES = ("dummy",)  # MLP/MoE-only layers (KV-sharing layers are refused before this is asked)
+NO_CACHE_TYPES = ("dummy",)  # MLP/MoE-only layers, and KV-sharing layers (their spec: hf_paged.kinds.shared)
 STATE_LAYER_TYPES = tuple(t for t in STATE_ONLY_TYPES + HYBRID_TYPES + NO_CACHE_TYPES if t in _MAPPING)
 
 

@@ -19,6 +19,7 @@ import hf_paged
 from hf_paged import kernels
 from hf_paged.bench.kv_bytes import dynamic_cache_bytes
 from hf_paged.block_manager import HOLE, BlockManager, BlockManagerError, NoFreeBlocksError
+from hf_paged.kinds import FullAttentionSpec, SlidingWindowSpec
 from hf_paged.layer_groups import GroupedBlockManager, LayerGroup, layer_groups
 from tests.helpers.tiny_models import build, left_padded
 
@@ -62,13 +63,14 @@ def test_truncate_cannot_reach_into_released_blocks():
 
 
 def test_layer_groups_full_first_then_windows():
-    groups = layer_groups([4, None, 4, 8, None])
-    assert groups == [LayerGroup(None, (1, 4)), LayerGroup(4, (0, 2)), LayerGroup(8, (3,))]
+    full, w4, w8 = FullAttentionSpec(), SlidingWindowSpec(4), SlidingWindowSpec(8)
+    groups = layer_groups([w4, full, w4, w8, full, None])  # None: a layer without K/V joins no group
+    assert groups == [LayerGroup(full, (1, 4)), LayerGroup(w4, (0, 2)), LayerGroup(w8, (3,))]
     assert groups[1].first_needed(10) == 7 and groups[0].first_needed(10) == 0
 
 
 def test_grouped_append_is_all_or_nothing_across_groups():
-    blocks = GroupedBlockManager(4, 3, [LayerGroup(None, (0,)), LayerGroup(4, (1,))])
+    blocks = GroupedBlockManager(4, 3, [LayerGroup(FullAttentionSpec(), (0,)), LayerGroup(SlidingWindowSpec(4), (1,))])
     blocks.add_sequence("a")
     blocks.append_many([("a", 8)])
     blocks.release_out_of_window("a", 8, [False, False])  # the sliding group keeps tokens 5.. only

@@ -15,11 +15,12 @@ from collections.abc import Hashable, Sequence as Seq
 
 from hf_paged.block_manager import HOLE, BlockManager, NoFreeBlocksError
 from hf_paged.engine.sequence import Sequence
+from hf_paged.kinds import FullAttentionSpec
 from hf_paged.layer_groups import GroupedBlockManager, LayerGroup
 from hf_paged.prefix_index import PrefixIndex
 
 BlockPairs = list[tuple[int, int]]  # (source block, destination block)
-FULL_ATTENTION = (LayerGroup(None, ()),)  # the layer groups of a model without sliding windows
+FULL_ATTENTION = (LayerGroup(FullAttentionSpec(), ()),)  # the layer groups of a model without sliding windows
 
 
 class KVCacheManager:

@@ -37,7 +37,7 @@ from hf_paged.engine.tensor_parallel import TensorParallelGroup, check_kv_heads,
 from hf_paged import prefix_snapshot
 from hf_paged.prefix_snapshot import SnapshotError
 from hf_paged.layer_groups import LayerGroup, layer_groups, sliding_cap, split_budget
-from hf_paged.model_info import check_engine_supported, eos_token_ids, kv_bytes_per_token, layer_structure, max_positions
+from hf_paged.model_info import check_engine_supported, eos_token_ids, kv_bytes_per_token, layer_kinds, max_positions
 from hf_paged.storage import PagedKVStorage
 
 logger = logging.getLogger("hf_paged")
@@ -93,7 +93,7 @@ class LLMEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = model.config.get_text_config(decoder=True)
-        groups = layer_groups(layer_structure(self.config)[1])
+        groups = layer_groups(layer_kinds(self.config)[1])
         if num_blocks is None:
             caps = [sliding_cap(g, block_size, max_num_seqs, max_num_batched_tokens) for g in groups]
             num_blocks = self._derived_budget(block_size, groups, caps, gpu_memory_utilization, kv_cache_bytes)

@@ -17,7 +17,7 @@ from hf_paged.channel import clear_active_cache, packed_forward
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.step_cache import PackedStepCache
 from hf_paged.layer_groups import layer_groups
-from hf_paged.model_info import cache_kwarg, layer_structure, takes_logits_to_keep
+from hf_paged.model_info import cache_kwarg, layer_kinds, takes_logits_to_keep
 from hf_paged.storage import PagedKVStorage
 
 
@@ -27,8 +27,8 @@ class ModelRunner:
     def __init__(self, model: PreTrainedModel, storage: PagedKVStorage, swap_storage: PagedKVStorage,
                  swap_space_blocks: int | list[int] = 0):
         self.model, self.storage, self.swap_storage = model, storage, swap_storage
-        _, self.windows = layer_structure(model.config.get_text_config(decoder=True))  # derived once: configs are slow
-        self.groups = layer_groups(self.windows)  # the KV cache manager's groups, in its order
+        _, self.specs = layer_kinds(model.config.get_text_config(decoder=True))  # derived once: configs are slow
+        self.groups = layer_groups(self.specs)  # the KV cache manager's groups, in its order
         self.swap_space_blocks = (list(swap_space_blocks) if isinstance(swap_space_blocks, (list, tuple))
                                   else [swap_space_blocks] * len(self.groups))  # per group
         self.device = model.device
@@ -42,10 +42,11 @@ class ModelRunner:
         self._run_block_moves(step)
         if not step.sequences:
             return None
-        step_cache = PackedStepCache(self.windows, self.groups, self.storage, step)
+        positions = torch.tensor([step.positions], device=self.device)
+        step_cache = PackedStepCache(self.specs, self.groups, self.storage, step, positions[0])
         forward = {
             "input_ids": torch.tensor([step.input_ids], device=self.device),
-            "position_ids": torch.tensor([step.positions], device=self.device),
+            "position_ids": positions,
             self._cache_kwarg: step_cache,
             "use_cache": True,
         }

@@ -12,7 +12,8 @@ import torch
 
 from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, DecodeGroup, PackedStep
 from hf_paged.engine.scheduler_output import SchedulerOutput
-from hf_paged.layer_groups import LayerGroup
+from hf_paged.kinds import KVSpec
+from hf_paged.layer_groups import LayerGroup, group_of_layers
 from hf_paged.storage import PagedKVStorage
 
 # Padding a group to its longest sequence costs gather + attention work per key slot; a separate
@@ -25,11 +26,13 @@ class PackedStepCache(PackedStep):
     is built, so the cache reports no past and asks for no mask columns. Each layer group has its
     own metadata (slots and block tables), built on first use."""
 
-    def __init__(self, windows: list[int | None], groups: list[LayerGroup], storage: PagedKVStorage,
-                 step: SchedulerOutput):
-        super().__init__(windows)
-        self.storage, self._step = storage, step
-        self._group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
+    def __init__(self, specs: list[KVSpec | None], groups: list[LayerGroup], storage: PagedKVStorage,
+                 step: SchedulerOutput, positions: torch.Tensor | None = None):
+        super().__init__([None if spec is None else spec.window for spec in specs])
+        self.storage, self._step, self.specs = storage, step, specs
+        self._positions = positions  # [total_tokens] on the model's device (see get_seq_length)
+        self._past: torch.Tensor | None = None
+        self._group_of = group_of_layers(groups, specs)
         self._metadata_of: dict[int, AttentionMetadata] = {}
         self._moved: dict[tuple, AttentionMetadata] = {}
         self._decode_groups: dict[tuple, list[DecodeGroup]] = {}
@@ -49,16 +52,18 @@ class PackedStepCache(PackedStep):
             self._moved[key] = self._group_metadata(key[0]).to(device)
         return self._moved[key]
 
-    def decode_groups(self, layer_idx: int, window: int | None, dtype: torch.dtype) -> list[DecodeGroup]:
+    def decode_groups(self, layer_idx: int, window: int | None, dtype: torch.dtype,
+                      chunk_size: int | None = None) -> list[DecodeGroup]:
         """The decoding sequences (sorted longest first by the scheduler) in groups of similar
         length; padding points at slot 0 and gets -inf in the additive mask (SDPA on CPU is
         faster with a float mask than a bool one). With a sliding ``window`` only the columns
-        some row of the group can see are gathered.
+        some row of the group can see are gathered, and with ``chunk_size`` only those of the
+        rows' current chunks.
 
         Built once per step and shared by all layers: on CPU one gather and one fused SDPA call per
         group replace a per-sequence loop, and groups keep short sequences from paying for the
         longest one's padding."""
-        key = (self._group_of[layer_idx], window, dtype)
+        key = (self._group_of[layer_idx], window, dtype, chunk_size)
         if key not in self._decode_groups:
             meta = self._group_metadata(key[0])
             lens = meta.context_lens[: meta.num_decode].long()
@@ -67,19 +72,32 @@ class PackedStepCache(PackedStep):
             for lo, hi in split_by_length(lens.tolist()):
                 longest = int(lens[lo])
                 first = max(0, int(lens[hi - 1]) - window) if window else 0
+                if chunk_size:
+                    first = max(first, (int(lens[hi - 1]) - 1) // chunk_size * chunk_size)
                 pos = torch.arange(first, longest)
                 table = meta.block_tables[lo:hi, : -(-longest // bs)].long()
                 slots = table.gather(1, (pos // bs).expand(hi - lo, -1)) * bs + pos % bs
                 visible = pos[None, :] < lens[lo:hi, None]
                 if window:
                     visible &= pos[None, :] > lens[lo:hi, None] - 1 - window
+                if chunk_size:
+                    visible &= pos[None, :] >= (lens[lo:hi, None] - 1) // chunk_size * chunk_size
                 mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
                 groups.append(DecodeGroup(lo, hi, slots.where(visible, 0), mask[:, None, None, :]))
             self._decode_groups[key] = groups
         return self._decode_groups[key]
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # positions come from position_ids; masks are not built
+    def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor | int:
+        """Per packed token, the tokens of its sequence before it minus its index in the row
+        (``[total_tokens]``): what a layer that counts positions as ``arange(q_len) +
+        cache.get_seq_length(layer)`` (Llama 4's ``attn_temperature_tuning``) needs to get each
+        token's own position. A step's positions come from ``position_ids`` and no mask is built,
+        so nothing else reads it; 0 without positions."""
+        if self._positions is None:
+            return 0
+        if self._past is None:
+            self._past = self._positions - torch.arange(len(self._positions), device=self._positions.device)
+        return self._past
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return query_length, 0

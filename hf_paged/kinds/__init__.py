@@ -1,0 +1,56 @@
+"""Layer kinds: what each kind of attention layer stores, keeps and reads, one module per kind.
+
+The block manager groups layers by spec (:mod:`hf_paged.layer_groups`); the cache and the engine
+ask a spec which blocks a sequence still needs; the ``"hf_paged"`` attention function asks it what
+the read needs (a window, a chunk start). Adding a kind is adding a module here and a line in
+:data:`LAYER_TYPE_SPECS` (vLLM V1's anchor: ``kv_cache_interface.py``).
+
+Layers transformers' cache holds no K/V for (linear-attention, state-space and convolution
+state, MLP-only layers) have no spec (``None``); their state is :mod:`hf_paged.state_layers`'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hf_paged.kinds.base import KVSpec
+from hf_paged.kinds.chunked import ChunkedLocalAttentionSpec
+from hf_paged.kinds.full import FullAttentionSpec
+from hf_paged.kinds.shared import SharedKVSpec
+from hf_paged.kinds.sliding import SlidingWindowSpec
+
+__all__ = ["KVSpec", "FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec", "SharedKVSpec",
+           "LAYER_TYPE_SPECS", "spec_for_layer_type", "layer_specs"]
+
+#: transformers layer type -> its spec, from ``get_layer_types_and_kwargs``'s per-layer kwargs.
+LAYER_TYPE_SPECS: dict[str, Callable[[dict], KVSpec]] = {
+    "full_attention": lambda kw: FullAttentionSpec(),
+    "sliding_attention": lambda kw: SlidingWindowSpec(kw["sliding_window"]),
+    "chunked_attention": lambda kw: ChunkedLocalAttentionSpec(kw["sliding_window"]),  # transformers' chunk size
+    "hybrid": lambda kw: FullAttentionSpec(),  # the attention half of a hybrid layer
+    "hybrid_sliding": lambda kw: SlidingWindowSpec(kw["sliding_window"]),
+}
+
+
+def spec_for_layer_type(layer_type: str, layer_kwargs: dict) -> KVSpec | None:
+    """The spec of a layer of ``layer_type`` (None: no K/V in the cache)."""
+    make = LAYER_TYPE_SPECS.get(layer_type)
+    return None if make is None else make(layer_kwargs)
+
+
+def layer_specs(config, layer_types: list[str], layer_kwargs: list[dict]) -> list[KVSpec | None]:
+    """Each layer's spec. A layer transformers marks as reusing another's K/V (``kv_sharing_modes``
+    ``"reuse"``: its cache layer is a dummy) reads the last layer before it of the same original
+    type that stores (``"store"``), as the model passes ``shared_kv_states`` along."""
+    specs = [spec_for_layer_type(t, kw) for t, kw in zip(layer_types, layer_kwargs)]
+    modes = getattr(config, "kv_sharing_modes", None) or ()
+    original = getattr(config, "layer_types", None) or layer_types
+    for layer, mode in enumerate(modes):
+        if mode != "reuse":
+            continue
+        source = next((s for s in range(layer - 1, -1, -1)
+                       if modes[s] == "store" and original[s] == original[layer]), None)
+        if source is None or specs[source] is None:
+            raise NotImplementedError(f"layer {layer} reuses K/V, but no earlier {original[layer]} layer stores them")
+        specs[layer] = SharedKVSpec(source, specs[source])
+    return specs
