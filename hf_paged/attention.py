@@ -181,6 +181,10 @@ def paged_attention_forward(
     stores = layer_idx is not None
     if not stores and cache is not None:  # a KV-sharing layer, given its source layer's K/V
         layer_idx = cache.claimed_layer(key, value)
+    latent = getattr(cache, "latent_context", None)
+    if layer_idx is None and latent is not None and key.shape[2] == int(latent[1][-1]):
+        cache.latent_context = None  # an MLA layer of an engine step, over the context it expanded
+        return _latent_context_attention(cache, latent[0], query, key, value, **kwargs)
     if layer_idx is None:
         return fallback(module, query, key, value, mask.dense, **kwargs)
 
@@ -250,7 +254,7 @@ def _packed_attention(step: PackedStep, layer_idx: int, query, key, value, store
     storage = step.storage
     if stores:
         new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [tokens, kv_heads, head_dim]
-        storage.ensure_layer(layer_idx, new_keys, step.num_blocks_for(layer_idx))
+        storage.ensure_layer(layer_idx, new_keys, step.num_blocks_for(layer_idx), new_values)
         storage.write(layer_idx, new_keys, new_values, meta.slot_mapping)
     k_pool, v_pool = storage.key_pools[layer_idx], storage.value_pools[layer_idx]
     scale = _scale(kwargs, q.shape[-1])
@@ -270,6 +274,30 @@ def _packed_attention(step: PackedStep, layer_idx: int, query, key, value, store
             q[nd:].contiguous(), k_pool, v_pool, tables[nd:], meta.cu_seqlens_q, lens[nd:], scale, **options))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.to(query.dtype)[None], None
+
+
+def _latent_context_attention(step: PackedStep, layer_idx: int, query, key, value, **kwargs):
+    """An MLA layer in an engine step: ``key``/``value`` ``[1, heads, sum(context), dim]`` are what
+    the model expanded from the sequences' cached latents (:meth:`PackedStepCache.update`), one
+    sequence after another; each sequence's queries attend causally over its own stretch. One
+    SDPA call per sequence: the cost is the expansion of every context per layer and step."""
+    meta = step.metadata_for(layer_idx, query.device)
+    cu_k = torch.nn.functional.pad(meta.context_lens.long().cumsum(0), (1, 0)).tolist()
+    nd = meta.num_decode
+    cu_q = list(range(nd + 1)) + [nd + int(c) for c in meta.cu_seqlens_q[1:].tolist()]
+    scale = _scale(kwargs, query.shape[-1])
+    out = query.new_empty(query.shape[2], query.shape[1], value.shape[-1])
+    for i in range(len(cu_k) - 1):
+        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        if q1 == q0:
+            continue
+        q, k, v = query[0, :, q0:q1], key[0, :, k0:k1], value[0, :, k0:k1]
+        n_q, n_k = q1 - q0, k1 - k0
+        mask = None
+        if n_q > 1:  # queries are the last n_q of the n_k tokens
+            mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
+        out[q0:q1] = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(0, 1)
+    return out[None], None
 
 
 def _decode_by_sdpa(step: PackedStep, layer_idx: int, q, k_pool, v_pool, scale, options: dict):

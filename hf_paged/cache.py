@@ -31,6 +31,7 @@ from transformers import PretrainedConfig
 from hf_paged import state_layers
 from hf_paged.block_manager import HOLE, BlockManager
 from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, StashingCache
+from hf_paged.kinds import MLAAttentionSpec
 from hf_paged.layer_groups import GroupedBlockManager, LayerGroup, group_of_layers, layer_groups
 from hf_paged.model_info import layer_kinds
 from hf_paged.prefix_index import PrefixIndex
@@ -428,10 +429,10 @@ class PagedKVCache(StashingCache):
             new_k, new_v = key.select(2, 0), value.select(2, 0)
         else:
             new_k = key.transpose(1, 2).reshape(rows * q_len, kv_heads, head_dim)
-            new_v = value.transpose(1, 2).reshape(rows * q_len, kv_heads, head_dim)
+            new_v = value.transpose(1, 2).reshape(rows * q_len, value.shape[1], value.shape[3])  # MLA: another width
         plan.new_kv = (layer_idx, key, value, new_k, new_v)  # what this layer's read may use as they are
         group = self._group_of[layer_idx]
-        self.storage.ensure_layer(layer_idx, new_k, self.managers[group].num_blocks)
+        self.storage.ensure_layer(layer_idx, new_k, self.managers[group].num_blocks, new_v)
         if plan.write_rows is not None:  # pads are not stored
             rows_index = plan.on(new_k.device, "write_rows")
             new_k, new_v = new_k.index_select(0, rows_index), new_v.index_select(0, rows_index)
@@ -637,10 +638,9 @@ class PagedKVCache(StashingCache):
             return heads_view(k_rows, run + offset, 1, length), heads_view(v_rows, run + offset, 1, length)
         keys, values = self._gather(group, offset, length, k_rows, v_rows)
         if plan.new_valid is not None and plan.new_kv[0] == layer_idx:
-            shape = (rows, length, *k_rows.shape[1:])
             new_k, new_v = plan.new_kv[3:]
-            keys.view(shape)[:, -q_len:] = new_k.view(rows, q_len, *new_k.shape[1:])
-            values.view(shape)[:, -q_len:] = new_v.view(rows, q_len, *new_v.shape[1:])
+            keys.view(rows, length, *k_rows.shape[1:])[:, -q_len:] = new_k.view(rows, q_len, *new_k.shape[1:])
+            values.view(rows, length, *v_rows.shape[1:])[:, -q_len:] = new_v.view(rows, q_len, *new_v.shape[1:])
         return heads_view(keys, 0, rows, length), heads_view(values, 0, rows, length)
 
     def _gather(self, group: int, offset: int, length: int, k_rows: torch.Tensor,
@@ -656,19 +656,19 @@ class PagedKVCache(StashingCache):
             self._plan.reads[key] = index
         if torch.is_grad_enabled():
             return k_rows.index_select(0, index), v_rows.index_select(0, index)
-        k_buf, v_buf = self._read_buffers(index.shape[0], k_rows)
+        k_buf, v_buf = self._read_buffers(index.shape[0], k_rows, v_rows)
         return torch.index_select(k_rows, 0, index, out=k_buf), torch.index_select(v_rows, 0, index, out=v_buf)
 
-    def _read_buffers(self, slots: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two ``[slots, kv_heads, head_dim]`` buffers shaped like ``like``'s rows, cut from ones kept
-        across steps (grown by doubling: a decode step allocates nothing to read; they hold about one
-        layer's dense K/V and go with ``reset``)."""
-        key = (like.device, like.dtype, tuple(like.shape[1:]))
+    def _read_buffers(self, slots: int, k_like: torch.Tensor, v_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[slots, kv_heads, head_dim]`` buffers shaped like ``k_like``'s and ``v_like``'s rows (an
+        MLA layer's differ), cut from ones kept across steps (grown by doubling: a decode step
+        allocates nothing to read; they hold about one layer's dense K/V and go with ``reset``)."""
+        key = (k_like.device, k_like.dtype, tuple(k_like.shape[1:]), tuple(v_like.shape[1:]))
         buffers = self._read_bufs.get(key)
         if buffers is None or buffers[0].shape[0] < slots:
             capacity = slots if buffers is None else max(slots, 2 * buffers[0].shape[0])
-            buffers = self._read_bufs[key] = (like.new_empty((capacity, *like.shape[1:])),
-                                              like.new_empty((capacity, *like.shape[1:])))
+            buffers = self._read_bufs[key] = (k_like.new_empty((capacity, *k_like.shape[1:])),
+                                              v_like.new_empty((capacity, *v_like.shape[1:])))
         return buffers[0][:slots], buffers[1][:slots]
 
     def set_metadata(self, metadata: AttentionMetadata | None) -> None:
@@ -692,6 +692,15 @@ class PagedKVCache(StashingCache):
                 new_valid=valid,
             ).to(device)
         return self._group_metadata[key]
+
+    @property
+    def kernel_route_problem(self) -> str | None:
+        """Why this cache's forwards take the reference route even where the kernels could read
+        (None: they may take the kernel route)."""
+        if any(isinstance(spec, MLAAttentionSpec) for spec in self.specs):
+            return ("MLA layers: the model expands the cached latent into K/V after update, and the kernels do not "
+                    "attend in latent space; generate() reads MLA models on the reference route on every device")
+        return None
 
     @property
     def kernels_applicable(self) -> bool:
@@ -741,8 +750,7 @@ class PagedKVCache(StashingCache):
                 if block != HOLE:
                     filled[block] = max(filled.get(block, 0), min(bs, length - i * bs))
         used = manager.num_used_blocks
-        per_token = {i: 2 * k.shape[2] * k.shape[3] * k.element_size()
-                     for i, k in self.storage.key_pools.items() if i in group.layers}
+        per_token = {i: self.storage.layer_bytes_per_token(i) for i in self.storage.key_pools if i in group.layers}
         per_block = bs * sum(per_token.values())
         held = self._columns if group.window is None else min(self._columns, group.window - 1)
         return {

@@ -41,6 +41,11 @@ def active_cache() -> StashingCache | None:
     return getattr(_thread, "cache", None)
 
 
+def set_active_cache(cache: StashingCache) -> None:
+    """Make ``cache`` the one the attention function reads from (``update`` does this)."""
+    _thread.cache = cache
+
+
 def clear_active_cache() -> None:
     """Forget the active cache at the end of a paged forward (so it is not kept alive)."""
     _thread.cache = None
@@ -182,7 +187,7 @@ class StashingCache(Cache):
         """Stash this layer's new K/V for the ``hf_paged`` attention call that follows."""
         self.check_no_pending()
         self._pending = (layer_idx, key_states, value_states)
-        _thread.cache = self
+        set_active_cache(self)
         return key_states, value_states
 
     def check_no_pending(self) -> None:

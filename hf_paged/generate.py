@@ -210,7 +210,7 @@ def _before_forward(model: PreTrainedModel, args: tuple, kwargs: dict):
     inputs = distinct or kwargs
     if paged_cache and not args:  # a prefix cache: skip the columns every row has cached (first forward)
         inputs = skip_cached_prefix(model, cache, inputs) or inputs
-    use_kernels = not paged_cache or _uses_kernels(model, kwargs)
+    use_kernels = not paged_cache or (cache.kernel_route_problem is None and _uses_kernels(model, kwargs))
     call = _PagedForward(attention.begin_paged_call(model) if use_kernels else None)
     getattr(model, _OPTIONS_ATTR).calls.append(call)
     if paged_cache:

@@ -67,19 +67,24 @@ def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, layer_ids: 
     """Bytes of K and V one token takes over all layers of ``config`` (a text config), or those of
     ``layer_ids``, in ``dtype``.
 
-    Heterogeneous configs (Gemma 4: another head size on full-attention layers) are summed layer by layer."""
+    Heterogeneous configs (Gemma 4: another head size on full-attention layers) are summed layer by
+    layer; an MLA layer stores its latent and rotary key. KV-sharing layers are counted as layers:
+    pass the storing layers' ids (a layer group's) for what the cache really holds."""
     try:
         layers = list(config.per_layer_config)
     except Exception:  # noqa: BLE001 - configs without per-layer views
         layers = [config] * config.num_hidden_layers
     if layer_ids is not None:
         layers = [layers[i] for i in layer_ids]
-    total = 0
+    total = 0  # elements of K and V per token
     for layer in layers:
+        if kinds.is_mla_config(layer):  # one latent and one rotary key per token (hf_paged.kinds.mla)
+            total += layer.kv_lora_rank + layer.qk_rope_head_dim
+            continue
         heads = getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads
         head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
-        total += heads * head_dim
-    return 2 * total * (torch.finfo(dtype).bits // 8)
+        total += 2 * heads * head_dim
+    return total * (torch.finfo(dtype).bits // 8)
 
 
 def max_positions(config: PretrainedConfig) -> int | None:

@@ -401,11 +401,13 @@ def classify_model(model: PreTrainedModel, reference: PretrainedConfig | None = 
         cross = cross or (names if "CrossAttention" in cls.__name__ else [])
         if cross:
             return Support(CROSS_ATTENTION, f"{cls.__name__} at {cross[0]} attends to encoder/vision states")
+    mla = kinds.is_mla_config(reference.get_text_config(decoder=True))
     for cls in writers:
         problem = source_verdict(cls).problem
-        if problem is not None:
+        if problem is not None and not (mla and problem.kind == KV_CHANGED):  # MLA expands what update returns
             return problem
-    problem = head_dim_problem(reference) or sliding_mask_problem(reference, writers) or own_cache_problem(model)
+    problem = ((None if mla else head_dim_problem(reference)) or sliding_mask_problem(reference, writers)
+               or own_cache_problem(model))
     if problem is not None:
         return problem
     return Support(SUPPORTED)
@@ -506,6 +508,10 @@ def tiny_config(config: PretrainedConfig) -> PretrainedConfig:
             continue
         if values[key] is not None or key not in _NONE_MEANS_OFF:
             kwargs[key] = value
+    if kwargs.get("kv_lora_rank") is not None and "num_key_value_heads" in kwargs:  # MLA: one K/V per query head
+        kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", _TINY["num_attention_heads"])
+    if kwargs.get("kv_lora_rank") is not None and "head_dim" in kwargs and kwargs.get("qk_rope_head_dim"):
+        kwargs["head_dim"] = kwargs["qk_rope_head_dim"]  # MLA configs rotate head_dim = qk_rope_head_dim dims
     if "is_decoder" in values:  # BERT-style and Reformer causal LMs are decoders only with this set
         kwargs["is_decoder"] = True
     for key, value in values.items():

@@ -137,7 +137,7 @@ def write_blocks(tensors, layer_groups, placed, storage, pool_sizes, device) -> 
             keys, values = tensors[f"{name}.keys"], tensors[f"{name}.values"]
             pool = storage.key_pools.get(layer)
             target = pool.device if pool is not None else device
-            storage.ensure_layer(layer, keys[0].to(target), pool_sizes[g])  # creates or grows the pools
+            storage.ensure_layer(layer, keys[0].to(target), pool_sizes[g], values[0].to(target))  # creates or grows the pools
             for pools, data in ((storage.key_pools, keys), (storage.value_pools, values)):
                 dst = pools[layer]
                 dst.index_copy_(0, blocks.to(dst.device), data.index_select(0, rows).to(dst.device, dst.dtype))

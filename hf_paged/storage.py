@@ -38,7 +38,12 @@ class PagedKVStorage:
 
     def bytes_per_block(self) -> int:
         """Bytes one block takes across all layers (K and V)."""
-        return sum(2 * k[0].numel() * k.element_size() for k in self.key_pools.values())
+        return sum(self.layer_bytes_per_token(i) for i in self.key_pools) * self.block_size
+
+    def layer_bytes_per_token(self, layer_idx: int) -> int:
+        """Bytes one token takes in a layer's pools (K and V, which may differ in width)."""
+        k, v = self.key_pools[layer_idx], self.value_pools[layer_idx]
+        return (k[0, 0].numel() * k.element_size()) + (v[0, 0].numel() * v.element_size())
 
     def bytes_per_token(self) -> int:
         return self.bytes_per_block() // self.block_size
@@ -55,14 +60,17 @@ class PagedKVStorage:
         return rows
 
     # ------------------------------------------------------------------ allocation
-    def ensure_layer(self, layer_idx: int, like: torch.Tensor, num_blocks: int) -> None:
-        """Create (or grow) the pools of a layer. ``like`` is ``[..., num_kv_heads, head_dim]``."""
+    def ensure_layer(self, layer_idx: int, like: torch.Tensor, num_blocks: int,
+                     value_like: torch.Tensor | None = None) -> None:
+        """Create (or grow) the pools of a layer. ``like`` is ``[..., num_kv_heads, head_dim]`` (its
+        keys; ``value_like`` its values where they have another width: an MLA layer's latent and
+        rotary key, :mod:`hf_paged.kinds.mla`)."""
         pool = self.key_pools.get(layer_idx)
         if pool is None:
             device = self.device or like.device
             self._rows.pop(layer_idx, None)
-            for pools in (self.key_pools, self.value_pools):
-                pools[layer_idx] = self.new_pool(num_blocks, like.shape[-2], like.shape[-1], like.dtype, device)
+            for pools, shaped in ((self.key_pools, like), (self.value_pools, like if value_like is None else value_like)):
+                pools[layer_idx] = self.new_pool(num_blocks, shaped.shape[-2], shaped.shape[-1], like.dtype, device)
         elif pool.shape[0] < num_blocks:
             self._grow_layer(layer_idx, num_blocks)
 
@@ -120,15 +128,12 @@ class PagedKVStorage:
         block ids mean nothing in another group's pools): one launch per device."""
         if not pairs or not self.key_pools:
             return
-        by_device: dict[tuple, list[int]] = {}
+        by_shape: dict[tuple, list[torch.Tensor]] = {}  # one launch per device, dtype and pool shape
         for layer_idx in self._existing(layers):
-            pool = self.key_pools[layer_idx]
-            by_device.setdefault((pool.device, pool.dtype, tuple(pool.shape)), []).append(layer_idx)
-        for (device, _, _), layer_ids in by_device.items():
-            mapping = torch.tensor(pairs, dtype=torch.int64, device=device)
-            kernels.copy_blocks(
-                [self.key_pools[i] for i in layer_ids], [self.value_pools[i] for i in layer_ids], mapping
-            )
+            for pool in (self.key_pools[layer_idx], self.value_pools[layer_idx]):
+                by_shape.setdefault((pool.device, pool.dtype, tuple(pool.shape), pool.stride()), []).append(pool)
+        for (device, *_), pools in by_shape.items():
+            kernels.copy_blocks(pools, [], torch.tensor(pairs, dtype=torch.int64, device=device))
 
     def gather(self, layer_idx: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at ``slots`` (any shape, −1 gives zeros): ``[*slots.shape, num_kv_heads, head_dim]``."""
@@ -153,7 +158,7 @@ class PagedKVStorage:
         dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long)
         for layer_idx in self._existing(layers):
             k_pool = self.key_pools[layer_idx]
-            dst.ensure_layer(layer_idx, k_pool[0], dst_num_blocks)
+            dst.ensure_layer(layer_idx, k_pool[0], dst_num_blocks, self.value_pools[layer_idx][0])
             for src_pools, dst_pools in ((self.key_pools, dst.key_pools), (self.value_pools, dst.value_pools)):
                 src_pool, dst_pool = src_pools[layer_idx], dst_pools[layer_idx]
                 moved = src_pool.index_select(0, src_ids.to(src_pool.device))

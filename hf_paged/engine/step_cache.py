@@ -10,9 +10,9 @@ import itertools
 
 import torch
 
-from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, DecodeGroup, PackedStep
+from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, DecodeGroup, PackedStep, set_active_cache
 from hf_paged.engine.scheduler_output import SchedulerOutput
-from hf_paged.kinds import KVSpec
+from hf_paged.kinds import KVSpec, MLAAttentionSpec
 from hf_paged.layer_groups import LayerGroup, group_of_layers
 from hf_paged.storage import PagedKVStorage
 
@@ -32,6 +32,8 @@ class PackedStepCache(PackedStep):
         self.storage, self._step, self.specs = storage, step, specs
         self._positions = positions  # [total_tokens] on the model's device (see get_seq_length)
         self._past: torch.Tensor | None = None
+        self._context_slots: dict[tuple, torch.Tensor] = {}
+        self.latent_context: tuple[int, torch.Tensor] | None = None  # MLA: (layer, cu_seqlens_k) of update's return
         self._group_of = group_of_layers(groups, specs)
         self._metadata_of: dict[int, AttentionMetadata] = {}
         self._moved: dict[tuple, AttentionMetadata] = {}
@@ -86,6 +88,41 @@ class PackedStepCache(PackedStep):
                 groups.append(DecodeGroup(lo, hi, slots.where(visible, 0), mask[:, None, None, :]))
             self._decode_groups[key] = groups
         return self._decode_groups[key]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Attention layers: stash for the attention function (:mod:`hf_paged.channel`). MLA layers
+        (:mod:`hf_paged.kinds.mla`): store the new latents now and return every sequence's cached
+        latent context, packed one sequence after another in step order (``[1, 1, sum(context),
+        width]``), which the model expands into K/V; ``latent_context`` tells the attention
+        function where each sequence's keys start."""
+        if not isinstance(self.specs[layer_idx], MLAAttentionSpec):
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        self.check_no_pending()
+        new_k, new_v = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)  # [tokens, 1, width]
+        meta = self.metadata_for(layer_idx, new_k.device)
+        self.storage.ensure_layer(layer_idx, new_k, self.num_blocks_for(layer_idx), new_v)
+        self.storage.write(layer_idx, new_k, new_v, meta.slot_mapping)
+        slots = self.context_slots(layer_idx, new_k.device)
+        k_rows, v_rows = self.storage.slot_rows(layer_idx)
+        keys, values = k_rows.index_select(0, slots), v_rows.index_select(0, slots)
+        cu_k = torch.nn.functional.pad(meta.context_lens.cumsum(0), (1, 0))
+        self.latent_context = (layer_idx, cu_k)
+        set_active_cache(self)
+        return keys.transpose(0, 1)[None].to(key_states.dtype), values.transpose(0, 1)[None].to(value_states.dtype)
+
+    def context_slots(self, layer_idx: int, device: torch.device) -> torch.Tensor:
+        """The slot of every context token of every sequence of the step, in step order (once per
+        layer group and device)."""
+        key = (self._group_of[layer_idx], device)
+        if key not in self._context_slots:
+            meta = self._group_metadata(key[0])
+            bs = self.storage.block_size
+            parts = []
+            for table, length in zip(meta.block_tables.long(), meta.context_lens.tolist()):
+                pos = torch.arange(length)
+                parts.append(table[pos // bs] * bs + pos % bs)
+            self._context_slots[key] = torch.cat(parts).to(device)
+        return self._context_slots[key]
 
     def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor | int:
         """Per packed token, the tokens of its sequence before it minus its index in the row
