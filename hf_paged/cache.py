@@ -31,7 +31,7 @@ from transformers import PretrainedConfig
 from hf_paged import state_layers
 from hf_paged.block_manager import HOLE, BlockManager
 from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, StashingCache
-from hf_paged.kinds import MLAAttentionSpec
+from hf_paged.kinds import MLAAttentionSpec, SharedKVSpec
 from hf_paged.layer_groups import GroupedBlockManager, LayerGroup, group_of_layers, layer_groups
 from hf_paged.model_info import layer_kinds
 from hf_paged.prefix_index import PrefixIndex
@@ -149,6 +149,7 @@ class PagedKVCache(StashingCache):
         self.block_size = block_size
         self.groups: list[LayerGroup] = layer_groups(self.specs)
         self._group_of = group_of_layers(self.groups, self.specs)  # layer -> index of the group it reads
+        self._kv_sources = {spec.source for spec in self.specs if isinstance(spec, SharedKVSpec)}  # read by later layers
         if pool is None:
             pool = KVPool(GroupedBlockManager(block_size, num_blocks, self.groups), PagedKVStorage(block_size))
         elif pool.blocks.block_size != block_size or pool.blocks.groups != self.groups:
@@ -198,7 +199,7 @@ class PagedKVCache(StashingCache):
         StashingCache.__init__(clone, self.sliding_windows)
         clone.layer_types, clone.specs, clone.sliding_windows = self.layer_types, self.specs, self.sliding_windows
         clone.config, clone.block_size = self.config, self.block_size
-        clone.groups, clone._group_of = self.groups, self._group_of
+        clone.groups, clone._group_of, clone._kv_sources = self.groups, self._group_of, self._kv_sources
         clone._join(self._pool)
         state_layers.copy_state_layers(self, clone)
         clone._rows, clone._tokens = [], {}
@@ -636,25 +637,26 @@ class PagedKVCache(StashingCache):
         run = self._runs[group]
         if run is not None:
             return heads_view(k_rows, run + offset, 1, length), heads_view(v_rows, run + offset, 1, length)
-        keys, values = self._gather(group, offset, length, k_rows, v_rows)
+        keys, values = self._gather(group, offset, length, k_rows, v_rows, layer_idx not in self._kv_sources)
         if plan.new_valid is not None and plan.new_kv[0] == layer_idx:
             new_k, new_v = plan.new_kv[3:]
             keys.view(rows, length, *k_rows.shape[1:])[:, -q_len:] = new_k.view(rows, q_len, *new_k.shape[1:])
             values.view(rows, length, *v_rows.shape[1:])[:, -q_len:] = new_v.view(rows, q_len, *new_v.shape[1:])
         return heads_view(keys, 0, rows, length), heads_view(values, 0, rows, length)
 
-    def _gather(self, group: int, offset: int, length: int, k_rows: torch.Tensor,
-                v_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, group: int, offset: int, length: int, k_rows: torch.Tensor, v_rows: torch.Tensor,
+                reuse_buffers: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of columns ``offset .. offset + length`` of every row, ``[rows * length, kv_heads,
         head_dim]`` (pads read slot 0: masked). The slots are worked out once per layer group and
         forward; without autograd the reads go into buffers of this cache that every layer and step
-        reuses (each layer's attention is done with its K/V before the next layer reads)."""
+        reuses (each layer's attention is done with its K/V before the next layer reads), except
+        a KV-sharing source's (``reuse_buffers`` False): later layers attend with what it returned."""
         key = (group, offset, length, k_rows.device)
         index = self._plan.reads.get(key)
         if index is None:
             index = self._slot_map(group)[:, offset : offset + length].clamp(min=0).reshape(-1).to(k_rows.device)
             self._plan.reads[key] = index
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or not reuse_buffers:
             return k_rows.index_select(0, index), v_rows.index_select(0, index)
         k_buf, v_buf = self._read_buffers(index.shape[0], k_rows, v_rows)
         return torch.index_select(k_rows, 0, index, out=k_buf), torch.index_select(v_rows, 0, index, out=v_buf)
