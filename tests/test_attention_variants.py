@@ -227,3 +227,12 @@ def test_negative_control_a_sharing_layer_that_does_not_read_its_source_changes_
     with pytest.MonkeyPatch.context() as patch:  # the sharing layers see only this step's new K/V
         patch.setattr(StashingCache, "claimed_layer", lambda self, key, value: None)
         assert _engine_greedy(model, prompts, max_num_batched_tokens=16)[0] != want
+
+
+def test_tensor_parallelism_refuses_mla_with_the_reason():
+    from hf_paged.engine.tensor_parallel import check_kv_heads
+
+    model, _ = _model_pair("deepseek_v3")
+    with pytest.raises(ValueError, match="MLA"):
+        check_kv_heads(model.config, 2)
+    check_kv_heads(model.config, 1)  # one rank: served

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig, PreTrainedModel
 
+from hf_paged import kinds
+
 
 def tp_size_of(model: PreTrainedModel) -> int:
     """Ranks the model's weights are split over (1 without tensor parallelism)."""
@@ -42,8 +44,13 @@ def tp_size_of(model: PreTrainedModel) -> int:
 
 
 def check_kv_heads(config: PretrainedConfig, size: int) -> None:
-    """Each rank must hold whole K/V heads: refuse a head count that does not divide by ``size``."""
+    """Each rank must hold whole K/V heads: refuse a head count that does not divide by ``size``,
+    and MLA models, whose single latent head cannot be split."""
     config = config.get_text_config(decoder=True)
+    if size > 1 and kinds.is_mla_config(config):
+        raise ValueError(
+            f"tensor parallelism is not supported for MLA models ({type(config).__name__}): their cache holds one "
+            "latent head per token that every rank would need whole (hf_paged.kinds.mla); run them on one rank")
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if size > 1 and (heads % size or config.num_attention_heads % size):
         raise ValueError(
