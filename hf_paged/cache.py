@@ -168,6 +168,7 @@ class PagedKVCache(StashingCache):
         self._runs: list[int | None] = [None] * len(self.groups)  # per group: one row whose slots follow each other
         self._forward: tuple | None = None  # (padding mask, kernels?, token ids) of the forward running now
         self.prompt_copies = 1  # set by generate(): rows of the first forward are this many copies
+        self.stock_layout = False  # set by generate() for models only the reference route serves (see begin_forward)
 
     def _join(self, pool: KVPool) -> None:
         self._pool, self.blocks, self.storage = pool, pool.blocks, pool.storage
@@ -212,7 +213,7 @@ class PagedKVCache(StashingCache):
         clone._slot_bufs = [buf.clone() for buf in self._slot_bufs]
         clone._has_holes, clone._plan, clone._runs = self._has_holes, None, [None] * len(self.groups)
         clone._forward, clone._read_bufs = None, {}
-        clone.prompt_copies = 1
+        clone.prompt_copies, clone.stock_layout = 1, self.stock_layout
         return clone
 
     def __deepcopy__(self, memo) -> PagedKVCache:
@@ -314,7 +315,14 @@ class PagedKVCache(StashingCache):
     def begin_forward(self, padding_mask: torch.Tensor | None, kernels: bool, input_ids: torch.Tensor | None = None) -> None:
         """A paged forward starts: its 2D padding mask ``[rows, columns]`` (None: no padding),
         whether the Triton kernels read this forward (else ``update`` returns dense K/V), and its
-        token ids (a prefix cache indexes the blocks by them; None: rows stop being indexed)."""
+        token ids (a prefix cache indexes the blocks by them; None: rows stop being indexed).
+
+        With ``stock_layout`` (a model whose attention hf_paged cannot see: inline, its own mask,
+        K/V changed after ``update``) pad columns are stored too and reads are contiguous, so
+        ``update`` returns exactly what ``DynamicCache`` returns even to a model that attends to
+        pads or reshapes K/V with ``view``."""
+        if self.stock_layout:
+            padding_mask = None
         self._forward = (padding_mask if padding_mask is not None and padding_mask.dim() == 2 else None, kernels,
                          input_ids if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else None)
 
@@ -407,7 +415,8 @@ class PagedKVCache(StashingCache):
         if self.allocates(layer_idx):
             new_valid = new_columns_valid(forward[0], q_len, self._columns + q_len)
         self.commit(layer_idx, key_states, value_states, new_valid)
-        return self.dense_kv(layer_idx, q_len)
+        keys, values = self.dense_kv(layer_idx, q_len)
+        return (keys.contiguous(), values.contiguous()) if self.stock_layout else (keys, values)
 
     def allocates(self, layer_idx: int) -> bool:
         """Whether ``layer_idx`` is the first layer of a forward: the one that allocates (and the

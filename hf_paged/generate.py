@@ -47,7 +47,7 @@ from hf_paged import attention, kernels, state_layers
 from hf_paged.block_manager import check_block_options
 from hf_paged.cache import PagedKVCache
 from hf_paged.channel import StashingCache, clear_active_cache
-from hf_paged.model_info import cache_kwarg, check_supported, layer_structure
+from hf_paged.model_info import cache_kwarg, check_supported, kernel_route_problem, layer_structure
 from hf_paged.prefix_cache import PrefixCache, skip_cached_prefix
 
 CACHE_IMPLEMENTATION = "hf_paged"
@@ -60,6 +60,7 @@ class _Options:
 
     block_size: int
     num_blocks: int | None
+    kernel_route_problem: object = None  # why the kernels never read this model (None: they may, where Triton runs)
     prefix: PrefixCache | None = None  # with prefix_caching=True
     hooks: list = field(default_factory=list)
     calls: list = field(default_factory=list)  # paged forwards in flight (what each must undo)
@@ -98,6 +99,7 @@ def enable(model: PreTrainedModel, block_size: int = 16, num_blocks: int | None 
         setattr(model, _OPTIONS_ATTR, options)
     same = (options.block_size, options.num_blocks) == (block_size, num_blocks)
     options.block_size, options.num_blocks = block_size, num_blocks
+    options.kernel_route_problem = kernel_route_problem(model)
     if not prefix_caching:
         options.prefix = None
     elif options.prefix is None or not same:
@@ -210,10 +212,13 @@ def _before_forward(model: PreTrainedModel, args: tuple, kwargs: dict):
     inputs = distinct or kwargs
     if paged_cache and not args:  # a prefix cache: skip the columns every row has cached (first forward)
         inputs = skip_cached_prefix(model, cache, inputs) or inputs
-    use_kernels = not paged_cache or (cache.kernel_route_problem is None and _uses_kernels(model, kwargs))
+    problem = getattr(model, _OPTIONS_ATTR).kernel_route_problem
+    use_kernels = not paged_cache or (problem is None and cache.kernel_route_problem is None
+                                      and _uses_kernels(model, kwargs))
     call = _PagedForward(attention.begin_paged_call(model) if use_kernels else None)
     getattr(model, _OPTIONS_ATTR).calls.append(call)
     if paged_cache:
+        cache.stock_layout = problem is not None and not problem.reads_latent  # see PagedKVCache.begin_forward
         cache.begin_forward(inputs.get("attention_mask"), use_kernels, inputs.get("input_ids"))
     if distinct is None:
         return None if inputs is kwargs else (args, inputs)

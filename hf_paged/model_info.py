@@ -19,19 +19,28 @@ from hf_paged.kinds import KVSpec
 
 
 def check_supported(model: PreTrainedModel) -> None:
-    """Raise, naming the class, unless ``model``'s attention and layers can be paged.
+    """Raise, naming the class, unless ``model``'s layers can be paged (on generate()'s reference route).
 
     ``TypeError`` for something that is not a ``PreTrainedModel``, ``NotImplementedError`` with the
-    reason otherwise; the rule is :func:`hf_paged.model_support.classify_model`.
+    reason otherwise; the rule is :func:`hf_paged.model_support.reference_problem`.
     """
     from hf_paged import model_support  # not at import: `python -m hf_paged.model_support` runs it as __main__
 
     model_support.check_supported(model)
 
 
+def kernel_route_problem(model: PreTrainedModel):
+    """Why ``generate()`` reads ``model`` on the reference route even where Triton runs (a
+    :class:`~hf_paged.model_support.Support`), or None: :func:`hf_paged.model_support.kernel_route_problem`."""
+    from hf_paged import model_support
+
+    return model_support.kernel_route_problem(model)
+
+
 def check_engine_supported(model: PreTrainedModel) -> None:
     """What ``LLMEngine`` asks: :func:`check_supported`, then ``ValueError`` for a model that only
-    ``generate()`` can page (hybrid layers; :func:`hf_paged.model_support.engine_problem`)."""
+    ``generate()`` can page (hybrid layers, attention the engine cannot read;
+    :func:`hf_paged.model_support.classify_routes`)."""
     from hf_paged import model_support
 
     model_support.check_engine_supported(model)

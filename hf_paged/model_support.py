@@ -1,31 +1,36 @@
-"""Which transformers architectures hf_paged can page, and why the others are refused.
+"""Which transformers architectures hf_paged can page, on which route, and why the others are refused.
 
 The class flag ``_supports_attention_backend`` is not the test: StableLM and BioGPT route attention
-through ``AttentionInterface`` without setting it. What hf_paged relies on is checked directly:
+through ``AttentionInterface`` without setting it. What hf_paged relies on is checked directly, per
+route (:class:`Routes`):
 
-1. **decoder-only**: not an encoder-decoder model, and no cross-attention layers (the paged cache
-   holds self-attention K/V only);
-2. **layers the cache supports**: every layer is ``full_attention`` or ``sliding_attention``
-   (no linear-attention / state-space / convolution / chunked / compressed layers), no layer reuses
-   another layer's K/V, and keys and values have the same head size;
-3. **attention through the interface, fed by the cache**: read from the source of every module
-   of the model *instance* that writes the cache (``cache.update(k, v, layer_idx)``): the K/V that
-   ``update`` returns go unchanged into a function looked up in ``ALL_ATTENTION_FUNCTIONS`` by
+1. **generate(), reference route** (:func:`reference_problem`): decoder-only (not an
+   encoder-decoder model, no cross-attention layers: the paged cache holds self-attention K/V
+   only); layers of a kind the cache holds (:mod:`hf_paged.kinds`: full, sliding, chunked, MLA,
+   KV-sharing; beside them the state layers of :mod:`hf_paged.state_layers`); some module writes
+   the cache through ``cache.update(k, v, layer_idx)``; no cache class of the model's own, no
+   module that adds or replaces the cache's layers. ``update`` then returns what ``DynamicCache``
+   returns and the model's own attention does the rest, inline or not.
+2. **generate(), kernel route, and LLMEngine** (:func:`classify_model`), on top: read from the
+   source of every module of the model *instance* that writes the cache, the K/V that ``update``
+   returns go unchanged into a function looked up in ``ALL_ATTENTION_FUNCTIONS`` by
    ``config._attn_implementation``, with the layer's own ``attention_mask`` argument (the mask
-   ``transformers.masking_utils`` built: its module uses ``masking_utils``), and no keyword the
-   paged kernels and engine steps do not implement (they do scaling, sliding window, softcap; not
-   GPT-OSS's attention sinks ``s_aux``); sliding layers get a sliding-window mask; no module adds
-   or replaces the cache's layers.
+   ``transformers.masking_utils`` built), and no keyword the paged reads do not implement
+   (scaling, sliding window, softcap, attention sinks ``s_aux``); sliding layers get a
+   sliding-window mask; keys and values of one head size. MLA layers (:mod:`hf_paged.kinds.mla`)
+   expand what ``update`` returns by design: the engine serves them through its latent-context
+   path, the kernel route does not (generate() reads them on the reference route). A model the
+   kernel route refuses takes the reference route on every device.
 
 Only modules that write the cache are judged, and only the classes the instance holds: a vision
 tower's inline attention (it caches nothing) does not matter, and a modeling file that keeps an old
-inline class next to one that routes through the interface is judged by the class in use. Every
-cache-writing class must pass; one that does not refuses the model. A runtime net remains: K/V
-stashed by ``update`` and never claimed by the attention function make the next cache call raise,
-so a model that slips past this gate fails loudly, never silently.
+inline class next to one that routes through the interface is judged by the class in use. A
+runtime net remains on the kernel route and in the engine: K/V stashed by ``update`` and never
+claimed by the attention function make the next cache call raise, so a model that slips past this
+gate fails loudly, never silently.
 
 ``python -m hf_paged.model_support`` prints the table of every ``*ForCausalLM`` architecture of the
-installed transformers (the README's "Supported models" section is this output).
+installed transformers, a column per route (the README's "Supported models" section is this output).
 """
 
 from __future__ import annotations
@@ -52,9 +57,9 @@ SUPPORTED_LAYER_TYPES = tuple(t for t in kinds.LAYER_TYPE_SPECS if t not in ("hy
 _NOT_MODEL_CODE = ("torch", "builtins", "transformers.modeling_utils", "transformers.generation",
                    "transformers.integrations", "transformers.utils", "transformers.modeling_layers")
 _STATE_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding", "recurrent"}
-# Keywords of an attention call that the paged read paths honour (the kernels: scaling, sliding
-# window, softcap; dropout is 0 in eval; the rest are bookkeeping). Anything else, e.g. GPT-OSS's
-# attention sinks ``s_aux``, would be dropped by the Triton kernels and by an engine step.
+# Keywords of an attention call that the paged read paths honour (scaling, sliding window, softcap,
+# attention sinks ``s_aux``; dropout is 0 in eval; the rest are bookkeeping). Anything else would be
+# dropped by the Triton kernels and by an engine step.
 _HONOURED_KEYWORDS = {None, "module", "query", "key", "value", "attention_mask", "dropout", "scaling", "sliding_window",
                       "softcap", "s_aux", "position_ids", "use_cache", "output_attentions", "is_causal"}
 _CROSS_ATTENTION_NAME = re.compile(r"(^|\.)(encoder_attn|cross_?attn\w*|crossattention|cross_attention\w*)$")
@@ -64,7 +69,7 @@ SUPPORTED = "supported"
 ENCODER_DECODER = "encoder-decoder"
 CROSS_ATTENTION = "cross-attention layers"
 STATE_LAYERS = "hybrid layers (linear attention / state-space / convolution)"
-OTHER_LAYERS = "layer types other than full/sliding attention"
+OTHER_LAYERS = "layer types the paged cache does not hold"
 KV_SHARING = "layers share KV"
 HEAD_DIMS = "keys and values of different head sizes"
 INLINE = "attention computed inline (no AttentionInterface)"
@@ -77,6 +82,7 @@ CACHE_LAYERS_EDITED = "cache layers added or replaced by the model"
 NO_LAYER_STRUCTURE = "no layer structure a cache can read"
 NOT_BUILT = "cannot be built here"
 OWN_CACHE = "a cache class of its own required by the model"
+MLA_LATENT = "MLA latent read on the reference route"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +95,11 @@ class Support:
     @property
     def supported(self) -> bool:
         return self.kind == SUPPORTED
+
+    @property
+    def reads_latent(self) -> bool:
+        """The kernel route's refusal of an MLA model (whose attention the engine does see)."""
+        return self.kind == MLA_LATENT
 
     def __str__(self) -> str:
         return self.kind if not self.detail else f"{self.kind}: {self.detail}"
@@ -144,16 +155,20 @@ def engine_problem(config: PretrainedConfig) -> str | None:
 
 def check_engine_supported(model: PreTrainedModel) -> None:
     """:func:`check_supported`, then ``ValueError`` for a model ``generate()`` pages but ``LLMEngine``
-    cannot run (:func:`engine_problem`)."""
+    cannot run (its engine route, :func:`classify_routes`, names the reason)."""
     check_supported(model)
-    problem = engine_problem(model.config)
-    if problem is not None:
-        model_type = getattr(model.config, "model_type", type(model).__name__)
-        raise ValueError(
-            f"LLMEngine cannot run {type(model).__name__} (model type {model_type!r}): it has {problem}. Hybrid models "
-            "are supported in generate() with cache_implementation='hf_paged' (after hf_paged.enable(model)), not yet "
-            "in LLMEngine, whose packed steps would run many sequences through one recurrent/conv state"
-        )
+    engine = classify_routes(model).engine
+    if engine.supported:
+        return
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    why = (" LLMEngine's packed steps would run many sequences through one recurrent/conv state."
+           if engine.kind == STATE_LAYERS else
+           " LLMEngine's packed steps read K/V through the 'hf_paged' attention function, which this model's "
+           "attention does not reach as it needs (see README, 'Supported models').")
+    raise ValueError(
+        f"LLMEngine cannot run {type(model).__name__} (model type {model_type!r}): {engine}.{why} It is supported in "
+        "generate() with cache_implementation='hf_paged' (after hf_paged.enable(model)), on the reference route"
+    )
 
 
 def _attr(config: PretrainedConfig, name: str):
@@ -413,6 +428,66 @@ def classify_model(model: PreTrainedModel, reference: PretrainedConfig | None = 
     return Support(SUPPORTED)
 
 
+@dataclasses.dataclass(frozen=True)
+class Routes:
+    """The verdict on one model per route: ``generate()`` on the reference route (CPU; update
+    returns DynamicCache's K/V to the model's own attention), ``generate()`` on the kernel route
+    (the Triton kernels read the blocks; where refused, generate() takes the reference route on
+    every device) and ``LLMEngine`` (packed steps through the ``"hf_paged"`` attention function)."""
+
+    reference: Support
+    kernels: Support
+    engine: Support
+
+
+def reference_problem(model: PreTrainedModel, reference: PretrainedConfig | None = None) -> Support | None:
+    """What rules out even the reference route: it needs a decoder-only model whose layers keep
+    their K/V in the cache through ``cache.update(key, value, layer_idx)`` (how the model then
+    attends, inline or through the interface, is its own business), layers the cache can hold, no
+    cross-attention, and no cache class or cache-layer edits of the model's own."""
+    reference = reference if reference is not None else model.config
+    if _attr(model.config, "is_encoder_decoder"):
+        return Support(ENCODER_DECODER, "an encoder-decoder model (the paged cache is for decoder-only models)")
+    problem = config_problem(reference)
+    if problem is not None:
+        return problem
+    writers: dict[type, list[str]] = {}
+    for name, module in model.named_modules():
+        if source_verdict(type(module)).writes_cache:
+            writers.setdefault(type(module), []).append(name)
+    if not writers:
+        return Support(NO_KV_CACHE, "no module calls cache.update(key, value, layer_idx)")
+    for cls in {type(m) for m in model.modules()}:
+        where = source_verdict(cls).edits_cache_layers
+        if where:
+            return Support(CACHE_LAYERS_EDITED, f"{where} adds or replaces entries of cache.layers")
+    for cls, names in writers.items():
+        cross = [n for n in names if _CROSS_ATTENTION_NAME.search(n)]
+        cross = cross or (names if "CrossAttention" in cls.__name__ else [])
+        if cross:
+            return Support(CROSS_ATTENTION, f"{cls.__name__} at {cross[0]} attends to encoder/vision states")
+    return own_cache_problem(model)
+
+
+def classify_routes(model: PreTrainedModel, reference: PretrainedConfig | None = None) -> Routes:
+    """:class:`Routes` for ``model``: the reference route's rules (:func:`reference_problem`), then
+    what the kernels and the engine need on top (:func:`classify_model`; MLA reads on the
+    reference route in generate(); hybrid layers are generate()-only)."""
+    reference = reference if reference is not None else model.config
+    problem = reference_problem(model, reference)
+    if problem is not None:
+        return Routes(problem, problem, problem)
+    strict = classify_model(model, reference)
+    if not strict.supported:
+        return Routes(Support(SUPPORTED), strict, strict)
+    kernels_route = strict
+    if kinds.is_mla_config(reference.get_text_config(decoder=True)):
+        kernels_route = Support(MLA_LATENT, "the model expands the cached latent after update; the kernels do not "
+                                            "attend in latent space")
+    engine = engine_problem(reference)
+    return Routes(strict, kernels_route, Support(STATE_LAYERS, engine) if engine else strict)
+
+
 def own_cache_problem(model: PreTrainedModel) -> Support | None:
     """A modeling file that defines a ``Cache`` subclass and checks ``isinstance(..., ThatCache)``
     (MiniMax raises for any other cache): a paged cache is never accepted there."""
@@ -454,13 +529,20 @@ def check_supported(model: PreTrainedModel) -> None:
     """Raise, naming the class, unless ``model`` can be paged (``TypeError`` for a non-model)."""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"hf_paged.enable expects a transformers PreTrainedModel, got {type(model).__name__}")
-    verdict = classify_model(model)
-    if not verdict.supported:
+    verdict = reference_problem(model)
+    if verdict is not None:
         raise NotImplementedError(
             f"{type(model).__name__} cannot be paged by hf_paged: {verdict}. hf_paged needs a decoder-only model whose "
-            "attention layers pass the K/V returned by cache.update to transformers' AttentionInterface, with "
-            "full or sliding-window attention layers only (see README, 'Supported models')"
+            "layers keep their K/V in the cache through cache.update(key, value, layer_idx), with attention layers "
+            "of the kinds in hf_paged.kinds (see README, 'Supported models')"
         )
+
+
+def kernel_route_problem(model: PreTrainedModel) -> Support | None:
+    """Why ``generate()`` reads ``model`` on the reference route on every device (None: the
+    kernels may read its blocks where Triton runs)."""
+    kernels_route = classify_routes(model).kernels
+    return None if kernels_route.supported else kernels_route
 
 
 # ------------------------------------------------------------------------------- tiny configs
@@ -512,6 +594,8 @@ def tiny_config(config: PretrainedConfig) -> PretrainedConfig:
         kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", _TINY["num_attention_heads"])
     if kwargs.get("kv_lora_rank") is not None and "head_dim" in kwargs and kwargs.get("qk_rope_head_dim"):
         kwargs["head_dim"] = kwargs["qk_rope_head_dim"]  # MLA configs rotate head_dim = qk_rope_head_dim dims
+    if values.get("use_cache") is False:  # MPT's default: generate() would cache (and so page) nothing
+        kwargs["use_cache"] = True
     if "is_decoder" in values:  # BERT-style and Reformer causal LMs are decoders only with this set
         kwargs["is_decoder"] = True
     for key, value in values.items():
@@ -529,6 +613,7 @@ def tiny_config(config: PretrainedConfig) -> PretrainedConfig:
 # Architectures whose tiny model builds but that the generic text test cannot drive.
 UNTESTED = {
     "musicgen_melody": "audio-codebook ids and its own delay-pattern generate(); the text test does not apply",
+    "inkling2_text": "its tiny model fails in stock generate() (an embedding index out of range)",
 }
 
 
@@ -538,10 +623,28 @@ class Entry:
 
     model_type: str
     class_name: str
-    support: Support
+    support: Support  # generate() on the reference route: whether the model can be paged at all
     tiny: bool  # a tiny model was built from tiny_config(its default config)
     note: str = ""  # why a supported architecture is not tested; what configs of it are refused
-    generate_only: bool = False  # hybrid layers: generate() pages it, LLMEngine refuses it
+    kernels: Support | None = None  # generate() on the kernel route (None: as ``support``)
+    engine: Support | None = None  # LLMEngine (None: as ``support``)
+
+    @classmethod
+    def of(cls, model_type: str, class_name: str, routes: Routes, tiny: bool, note: str = "") -> Entry:
+        return cls(model_type, class_name, routes.reference, tiny, note, routes.kernels, routes.engine)
+
+    @property
+    def kernels_support(self) -> Support:
+        return self.kernels or self.support
+
+    @property
+    def engine_support(self) -> Support:
+        return self.engine or self.support
+
+    @property
+    def generate_only(self) -> bool:
+        """generate() pages it, LLMEngine refuses it (hybrid layers, or attention the engine cannot read)."""
+        return self.support.supported and not self.engine_support.supported
 
     @property
     def tested(self) -> bool:
@@ -642,7 +745,7 @@ def classify_entry(model_type: str, class_name: str) -> Entry:
     if problem is not None:  # no instance needed
         return Entry(model_type, class_name, problem, False)
     try:
-        return Entry(model_type, class_name, classify_model(build_tiny(model_type, class_name), config), True)
+        return Entry.of(model_type, class_name, classify_routes(build_tiny(model_type, class_name), config), True)
     except Exception as error:  # noqa: BLE001
         why = f"no tiny model: {_short(error)}"
         try:  # the default config on the meta device: modules, no memory
@@ -650,25 +753,26 @@ def classify_entry(model_type: str, class_name: str) -> Entry:
                 model = cls._from_config(config)
         except Exception:  # noqa: BLE001 - judge every class of its module instead
             why += "; the default config does not build"
-            return Entry(model_type, class_name, module_verdict(cls), False, why)
-        return Entry(model_type, class_name, classify_model(model), False, why)
+            return Entry.of(model_type, class_name, module_verdict(cls), False, why)
+        return Entry.of(model_type, class_name, classify_routes(model), False, why)
 
 
-def module_verdict(cls: type) -> Support:
+def module_verdict(cls: type) -> Routes:
     """Judge a model class that cannot be built by the source of every module class in its modeling file."""
     module = sys.modules[cls.__module__]
     classes = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, torch.nn.Module)
                and c.__module__ == module.__name__]
     writers = [c for c in classes if source_verdict(c).writes_cache]
     if not writers:
-        return Support(NO_KV_CACHE, f"no class of {module.__name__.rsplit('.', 1)[-1]} calls cache.update")
-    for c in writers:
-        if source_verdict(c).problem is not None:
-            return source_verdict(c).problem
+        refused = Support(NO_KV_CACHE, f"no class of {module.__name__.rsplit('.', 1)[-1]} calls cache.update")
+        return Routes(refused, refused, refused)
     edits = next((source_verdict(c).edits_cache_layers for c in classes if source_verdict(c).edits_cache_layers), None)
     if edits:
-        return Support(CACHE_LAYERS_EDITED, f"{edits} adds or replaces entries of cache.layers")
-    return Support(SUPPORTED)
+        refused = Support(CACHE_LAYERS_EDITED, f"{edits} adds or replaces entries of cache.layers")
+        return Routes(refused, refused, refused)
+    strict = next((source_verdict(c).problem for c in writers if source_verdict(c).problem is not None),
+                  Support(SUPPORTED))
+    return Routes(Support(SUPPORTED), strict, strict)
 
 
 def _short(error: BaseException) -> str:
@@ -679,8 +783,9 @@ def _short(error: BaseException) -> str:
 def _refused_configs(cls: type) -> str:
     """A supported architecture whose modeling code also has layers the paged cache refuses (by config)."""
     source = inspect.getsource(sys.modules[cls.__module__])
-    marks = {"KV-sharing layers": ("num_kv_shared_layers", "kv_sharing_modes")}
-    if not state_layers.STATE_API:  # hybrid layers need transformers' state-layer cache API
+    marks = {}
+    if not state_layers.STATE_API:  # hybrid and KV-sharing layers need transformers' state-layer cache API
+        marks["KV-sharing layers"] = ("num_kv_shared_layers", "kv_sharing_modes")
         marks["conv / linear-attention layers"] = ("update_conv_state", "update_recurrent_state")
     kinds = [what for what, found in marks.items() if any(mark in source for mark in found)]
     return f"configs with {' or '.join(kinds)} are refused" if kinds else ""
@@ -696,10 +801,11 @@ def causal_lm_entries() -> list[Entry]:
             entry = classify_entry(model_type, class_name)
             if entry.support.supported:
                 cls, config_class = _model_class(model_type, class_name)
-                engine = engine_problem(config_class())
+                cache_off = "its default config has use_cache=False (nothing is cached, so nothing paged); tested with " \
+                            "use_cache=True" if getattr(config_class(), "use_cache", True) is False else ""
                 notes = [UNTESTED.get(model_type, ""), entry.note, _refused_configs(cls), _hybrid_tiny_note(model_type),
-                         f"generate() only: LLMEngine refuses {engine}" if engine else ""]
-                entry = dataclasses.replace(entry, note="; ".join(n for n in notes if n), generate_only=bool(engine))
+                         cache_off]
+                entry = dataclasses.replace(entry, note="; ".join(n for n in notes if n))
             entries.append(entry)
     return entries
 
@@ -709,30 +815,40 @@ def _cell(text: str) -> str:
 
 
 def markdown_table(entries: list[Entry]) -> str:
-    """The README's table: a summary line, then one row per architecture."""
+    """The README's table: a summary line, then one row per architecture and a column per route."""
     tested = sum(e.tested for e in entries)
-    generate_only = sum(e.tested and e.generate_only for e in entries)
     untested = sum(e.support.supported and not e.tested for e in entries)
     refused = collections.Counter(e.support.kind for e in entries if not e.support.supported)
+    kernels_ok = sum(e.support.supported and e.kernels_support.supported for e in entries)
+    engine_ok = sum(e.support.supported and e.engine_support.supported for e in entries)
+    engine_tested = sum(e.tested and e.engine_support.supported for e in entries)
     lines = [
         f"{len(entries)} `*ForCausalLM` architectures in transformers {transformers_version()}: "
-        f"**{tested} supported and tested** ({generate_only} of them in generate() only: hybrid layers, which "
-        f"LLMEngine refuses), {untested} supported but not tested, "
+        f"**{tested} supported and tested** in generate(), {untested} supported but not tested, "
         f"{sum(refused.values())} refused ("
-        + ", ".join(f"{kind}: {n}" for kind, n in sorted(refused.items(), key=lambda kv: (-kv[1], kv[0]))) + ").",
+        + ", ".join(f"{kind}: {n}" for kind, n in sorted(refused.items(), key=lambda kv: (-kv[1], kv[0]))) + "). "
+        f"Of the supported, {kernels_ok} are read by the kernels where Triton runs (the others take the reference "
+        f"route on every device) and {engine_ok} run in LLMEngine ({engine_tested} tested there).",
         "",
-        "| model type | class | hf_paged | why / notes |",
-        "| --- | --- | --- | --- |",
+        "| model type | class | generate(): reference route | generate(): kernel route | LLMEngine | why / notes |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for e in entries:
-        if e.tested:
-            verdict = "tested, generate() only" if e.generate_only else "tested"
-        elif e.support.supported:
-            verdict = "supported, not tested"
-        else:
-            verdict = f"refused: {e.support.kind}"
-        why = e.note if e.support.supported else e.support.detail
-        lines.append(f"| {e.model_type} | {e.class_name} | {verdict} | {_cell(why)} |")
+        if not e.support.supported:
+            refusal = f"refused: {e.support.kind}"
+            lines.append(f"| {e.model_type} | {e.class_name} | {refusal} | {refusal} | {refusal} | "
+                         f"{_cell(e.support.detail)} |")
+            continue
+        reference = "tested" if e.tested else "supported, not tested"
+        kernels_cell = "kernels" if e.kernels_support.supported else f"reference route: {e.kernels_support.kind}"
+        engine = (("tested" if e.tested else "supported, not tested") if e.engine_support.supported
+                  else f"refused: {e.engine_support.kind}")
+        routes: dict[str, list[str]] = {}  # a refusal's detail -> the routes it refuses
+        for route, verdict in (("kernel route", e.kernels_support), ("LLMEngine", e.engine_support)):
+            if not verdict.supported and verdict.detail:
+                routes.setdefault(verdict.detail, []).append(route)
+        why = "; ".join(n for n in [e.note] + [f"{' and '.join(r)}: {d}" for d, r in routes.items()] if n)
+        lines.append(f"| {e.model_type} | {e.class_name} | {reference} | {kernels_cell} | {engine} | {_cell(why)} |")
     return "\n".join(lines) + "\n"
 
 

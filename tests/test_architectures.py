@@ -122,9 +122,11 @@ def test_every_architecture_is_tested_or_refused_with_a_reason(model_type):
         assert torch.equal(_generate(model, inputs, paged=True), stock), f"{model_type}: greedy differs from stock"
         beams = _generate(model, inputs, paged=False, num_beams=2)
         assert torch.equal(_generate(model, inputs, paged=True, num_beams=2), beams), f"{model_type}: beams differ"
-        if entry.generate_only:  # hybrid layers: generate() only, the engine refuses at construction
-            with pytest.raises(ValueError, match=f"{re.escape(type(model).__name__)}.*generate\\(\\)"):
+        engine = model_support.classify_routes(model).engine  # the tiny instance's (mimo_v2_flash: equal heads)
+        if not engine.supported:  # generate() only: the engine refuses at construction, naming why
+            with pytest.raises(ValueError, match=f"{re.escape(type(model).__name__)}.*generate\\(\\)") as refused:
                 hf_paged.LLMEngine(model, block_size=BLOCK_SIZE)
+            assert engine.kind in str(refused.value) and entry.generate_only
         else:
             assert _engine_tokens(model, inputs) == _stock_tokens(model, inputs), f"{model_type}: LLMEngine differs"
     elif entry.support.supported:
@@ -133,8 +135,8 @@ def test_every_architecture_is_tested_or_refused_with_a_reason(model_type):
         assert entry.support.kind and entry.support.detail, f"{model_type}: refused without a reason"
         if entry.tiny:
             model = _quietly(model_support.build_tiny, model_type, entry.class_name)
-            if model_support.classify_model(model).supported:  # only the default config's sizes are refused
-                assert entry.support.kind == model_support.HEAD_DIMS, entry.support
+            if model_support.reference_problem(model) is None:  # only the default config's layers are refused
+                assert entry.support.kind in (model_support.KV_SHARING, model_support.OTHER_LAYERS), entry.support
                 return
             with pytest.raises(NotImplementedError, match=re.escape(type(model).__name__)) as refused:
                 hf_paged.enable(model)
@@ -144,15 +146,19 @@ def test_every_architecture_is_tested_or_refused_with_a_reason(model_type):
 def test_the_classification_covers_the_mapping_and_the_known_cases():
     found = entries()
     assert list(found) == list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-    for inline in ("bloom", "falcon", "gpt_neo"):
-        assert found[inline].support.kind == INLINE, found[inline].support
+    for inline in ("bloom", "falcon", "gpt_neo", "mpt"):  # generate()'s reference route pages them; the rest refuse
+        assert found[inline].tested and found[inline].engine_support.kind == INLINE, found[inline]
+        assert found[inline].kernels_support.kind == INLINE
+    for variant in ("gpt_oss", "deepseek_v3", "glm4_moe_lite", "llama4_text", "gemma3n_text"):  # issue 20's kinds
+        assert found[variant].tested and found[variant].engine_support.supported, found[variant]
+    assert found["deepseek_v3"].kernels_support.kind == model_support.MLA_LATENT
     for routed in ("stablelm", "biogpt"):  # AttentionInterface without the class flag: now accepted
         assert found[routed].tested, found[routed].support
     without_flag = [e.class_name for e in found.values() if e.tested and not _flag(e)]
     assert {"StableLmForCausalLM", "BioGptForCausalLM"} <= set(without_flag)
     for composite in ("gemma3", "gemma4", "fuyu"):  # text-only through a composite class
         assert found[composite].tested, found[composite].support
-    assert found["gemma3n"].support.kind == model_support.KV_SHARING
+    assert found["gemma3n"].support.supported if state_layers.STATE_API else found["gemma3n"].support.kind == model_support.KV_SHARING
     if state_layers.STATE_API:  # hybrid models: generate() pages them, LLMEngine refuses them
         for hybrid in ("qwen3_next", "qwen3_5_text", "falcon_h1", "bamba", "jamba", "nemotron_h", "zamba2"):
             assert found[hybrid].tested and found[hybrid].generate_only, found[hybrid]
@@ -160,8 +166,8 @@ def test_the_classification_covers_the_mapping_and_the_known_cases():
     else:
         assert found["qwen3_next"].support.kind == model_support.STATE_LAYERS
     assert found["bart"].support.kind == model_support.CROSS_ATTENTION
-    assert found["jetmoe"].support.kind == KV_CHANGED
-    assert found["doge"].support.kind == OWN_MASK
+    assert found["jetmoe"].engine_support.kind == KV_CHANGED and found["jetmoe"].tested
+    assert found["doge"].engine_support.kind == OWN_MASK and found["doge"].tested
 
 
 def _flag(entry) -> bool:
@@ -180,10 +186,18 @@ def test_the_readme_table_is_the_generated_one():
 
 
 @pytest.mark.parametrize("arch", list(UNSUPPORTED))
-def test_inline_models_are_refused_for_inline_attention(arch):
+def test_inline_models_page_on_the_reference_route_and_the_engine_refuses_them(arch):
+    """Inline attention (no AttentionInterface): generate()'s reference route hands the model what
+    DynamicCache would and the model attends itself, so it pages; the kernel route is never taken
+    for it; LLMEngine, whose packed steps need the interface, refuses it naming the reason."""
     model = build(arch, table=UNSUPPORTED)
-    with pytest.raises(NotImplementedError, match=f"{type(model).__name__}.*{re.escape(INLINE)}"):
-        hf_paged.enable(model)
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
+    ids, mask = left_padded(PROMPT_LENGTHS)
+    inputs = dict(input_ids=ids, attention_mask=mask)
+    assert torch.equal(_generate(model, inputs, paged=True), _generate(model, inputs, paged=False))
+    assert model_support.kernel_route_problem(model).kind == INLINE
+    with pytest.raises(ValueError, match=f"{type(model).__name__}.*{re.escape(INLINE)}"):
+        hf_paged.LLMEngine(model, block_size=BLOCK_SIZE)
     with pytest.raises(TypeError, match="PreTrainedModel"):
         hf_paged.enable(torch.nn.Linear(2, 2))
 
@@ -246,14 +260,18 @@ class OwnMaskAttention(modeling_llama.LlamaAttention):
     (OwnMaskAttention, OWN_MASK, "gives attention None"),
 ])
 def test_negative_control_a_layer_that_breaks_a_rule_refuses_the_model(attention, kind, words):
+    """Refused by the kernel route and the engine; generate()'s reference route still pages it."""
     model = build("llama")
     assert model_support.classify_model(model).supported  # the same model, stock layers: accepted
     layer = model.model.layers[1]
     layer.self_attn = attention(model.config, layer_idx=1)
     verdict = model_support.classify_model(model)
     assert verdict.kind == kind and words in verdict.detail, verdict
-    with pytest.raises(NotImplementedError, match="LlamaForCausalLM"):
-        hf_paged.enable(model)
+    assert model_support.kernel_route_problem(model) == verdict
+    with pytest.raises(ValueError, match=f"LlamaForCausalLM.*{re.escape(kind)}"):
+        hf_paged.LLMEngine(model, block_size=BLOCK_SIZE)
+    hf_paged.enable(model)  # the reference route
+    hf_paged.disable(model)
 
 
 # --------------------------------------------------------------- refusals are real (gate bypassed)
@@ -292,6 +310,7 @@ def test_refused_models_really_fail_when_the_gate_is_bypassed(monkeypatch, name,
     inputs = dict(input_ids=ids, attention_mask=mask, **extra)
     stock = _generate(model, inputs, paged=False)
     monkeypatch.setattr(model_support, "classify_model", lambda *args, **kwargs: Support(model_support.SUPPORTED))
+    monkeypatch.setattr(model_support, "reference_problem", lambda *args, **kwargs: None)
     kernels.set_backend("triton")
     try:
         paged = _generate(model, inputs, paged=True)
@@ -303,7 +322,7 @@ def test_refused_models_really_fail_when_the_gate_is_bypassed(monkeypatch, name,
 
 
 @pytest.mark.parametrize("model_type", [
-    "gpt_oss",  # attention sinks (s_aux): dropped by the packed read path and the Triton kernels
+    "jetmoe",  # K/V repeated after cache.update: the attention function never sees the stashed K/V
     "moshi",  # sliding layers, full causal masks: stock attends the whole prompt at prefill
 ])
 def test_refused_models_really_differ_in_the_engine_when_the_gate_is_bypassed(monkeypatch, model_type):

@@ -124,13 +124,13 @@ class PackedStepCache(PackedStep):
             self._context_slots[key] = torch.cat(parts).to(device)
         return self._context_slots[key]
 
-    def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor | int:
-        """Per packed token, the tokens of its sequence before it minus its index in the row
-        (``[total_tokens]``): what a layer that counts positions as ``arange(q_len) +
-        cache.get_seq_length(layer)`` (Llama 4's ``attn_temperature_tuning``) needs to get each
-        token's own position. A step's positions come from ``position_ids`` and no mask is built,
-        so nothing else reads it; 0 without positions."""
-        if self._positions is None:
+    def get_seq_length(self, layer_idx: int | None = None) -> torch.Tensor | int:
+        """Asked for a layer: per packed token, the tokens of its sequence before it minus its index
+        in the row (``[total_tokens]``), what a layer that counts positions as ``arange(q_len) +
+        cache.get_seq_length(self.layer_idx)`` (Llama 4's ``attn_temperature_tuning``) needs to get
+        each token's own position. Asked without a layer (a model sizing its positions or masks): 0,
+        as a step's positions come from ``position_ids`` and no mask is built."""
+        if self._positions is None or layer_idx is None:
             return 0
         if self._past is None:
             self._past = self._positions - torch.arange(len(self._positions), device=self._positions.device)
