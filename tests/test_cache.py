@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+import transformers
 from transformers import DynamicCache
 
 import hf_paged
@@ -277,10 +278,23 @@ def test_pools_follow_the_layer_dtype(llama):
 
 # ---------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("arch", list(UNSUPPORTED))
-def test_unsupported_models_are_refused_by_name(arch):
+def test_inline_attention_models_page_on_the_reference_route_and_the_engine_refuses_them_by_name(arch):
     model = build(arch, table=UNSUPPORTED)
-    with pytest.raises(NotImplementedError, match=type(model).__name__):
-        hf_paged.enable(model)
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
+    ids, mask = left_padded([3, 9])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    want = model.generate(**kwargs)
+    hf_paged.enable(model, block_size=4)
+    try:
+        assert torch.equal(model.generate(**kwargs, cache_implementation="hf_paged"), want)
+    finally:
+        hf_paged.disable(model)
+    with pytest.raises(ValueError, match=f"{type(model).__name__}.*inline"):
+        hf_paged.LLMEngine(model, block_size=4)
+    with pytest.raises(NotImplementedError, match="BartForCausalLM.*cross-attention"):
+        hf_paged.enable(transformers.BartForCausalLM(transformers.BartConfig(
+            vocab_size=96, d_model=32, decoder_layers=1, encoder_layers=1, decoder_attention_heads=2,
+            encoder_attention_heads=2, decoder_ffn_dim=32, encoder_ffn_dim=32, add_cross_attention=True)))
 
 
 def test_non_paged_cache_with_the_flag_is_refused(paged):
