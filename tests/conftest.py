@@ -11,7 +11,25 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
-from hf_paged import PagedKVCache  # noqa: E402
+from hf_paged import PagedKVCache, kernels  # noqa: E402
+
+
+@pytest.fixture
+def triton_launches(monkeypatch):
+    """Force the Triton kernels (the interpreter on CPU: the route CUDA takes) and count their
+    launches, so a silent fallback to the reference path fails the test."""
+    counts = {"paged_attention_decode": 0, "paged_attention_prefill": 0}
+    for name in counts:
+        original = getattr(kernels, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            counts[_name] += kwargs.get("backend") == "triton"
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, counted)
+    kernels.set_backend("triton")
+    yield counts
+    kernels.set_backend("auto")
 
 
 @pytest.fixture(autouse=True)

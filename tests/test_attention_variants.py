@@ -236,3 +236,36 @@ def test_tensor_parallelism_refuses_mla_with_the_reason():
     with pytest.raises(ValueError, match="MLA"):
         check_kv_heads(model.config, 2)
     check_kv_heads(model.config, 1)  # one rank: served
+
+
+# ------------------------------------------------------------------------------ the kernel route
+@pytest.mark.parametrize("name", ["gpt_oss", "llama4_text", "gemma3n_text"])
+def test_kernel_route_reads_sinks_chunks_and_shared_layers_like_stock(name, triton_launches):
+    """generate() on the kernel route: the decode and prefill kernels read the blocks (sinks, chunk
+    starts, a sharing layer's source blocks) and the tokens equal stock's."""
+    model, stock = _model_pair(name)
+    ids, mask = left_padded([5, 13])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    want = stock.generate(**kwargs)
+    got, _ = _paged_generate(model, **kwargs)
+    assert torch.equal(got, want)
+    assert triton_launches["paged_attention_prefill"] > 0 and triton_launches["paged_attention_decode"] > 0
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "llama4_text", "gemma3n_text"])
+def test_engine_on_the_triton_kernels_equals_stock(name, triton_launches):
+    model, stock = _model_pair(name)
+    prompts = _prompts(2, seed=6)
+    got, engine = _engine_greedy(model, prompts, new=4, max_num_batched_tokens=16)
+    assert got == _stock_greedy(stock, prompts, new=4)
+    assert triton_launches["paged_attention_prefill"] > 0 and triton_launches["paged_attention_decode"] > 0
+    _no_leak(engine)
+
+
+def test_mla_takes_the_reference_route_even_with_the_kernels_forced(triton_launches):
+    model, stock = _model_pair("deepseek_v3")
+    ids, mask = left_padded(PROMPTS)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    got, cache = _paged_generate(model, **kwargs)
+    assert torch.equal(got, stock.generate(**kwargs)) and "MLA" in cache.kernel_route_problem
+    assert triton_launches == {"paged_attention_decode": 0, "paged_attention_prefill": 0}

@@ -18,26 +18,11 @@ from tests.helpers.tiny_models import build, left_padded
 MODES = {"greedy": dict(do_sample=False), "beam3": dict(do_sample=False, num_beams=3)}
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    counts = {"paged_attention_decode": 0, "paged_attention_prefill": 0}
-    for name in counts:
-        original = getattr(kernels, name)
-
-        def counted(*args, _original=original, _name=name, **kwargs):
-            counts[_name] += kwargs.get("backend") == "triton"
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(kernels, name, counted)
-    kernels.set_backend("triton")
-    yield counts
-    kernels.set_backend("auto")
-
-
 @pytest.mark.parametrize(
     "arch, mode", [("llama", "greedy"), ("llama", "beam3"), ("mistral", "beam3"), ("gemma2", "greedy"), ("gpt2", "greedy")]
 )
-def test_kernel_path_is_token_exact(arch, mode, launches):
+def test_kernel_path_is_token_exact(arch, mode, triton_launches):
+    launches = triton_launches
     model = build(arch)
     ids, mask = left_padded([5, 19, 30])  # sliding windows 12 (Mistral) and 9 (Gemma2) are crossed
     stock = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, **MODES[mode])
