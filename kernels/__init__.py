@@ -3,17 +3,19 @@
 Public entry points (the library's attention function calls these)::
 
     paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
-                           sliding_window=None, softcap=None, *, backend=None, precision=None,
-                           out=None, max_context_len=None) -> out
+                           sliding_window=None, softcap=None, sinks=None, chunk_size=None, *,
+                           backend=None, precision=None, out=None, max_context_len=None) -> out
     paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-                            sliding_window=None, softcap=None, *, backend=None, precision=None,
-                            out=None) -> out
+                            sliding_window=None, softcap=None, sinks=None, chunk_size=None, *,
+                            backend=None, precision=None, out=None) -> out
     reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, backend=None) -> None
     copy_blocks(k_caches, v_caches, block_mapping, *, backend=None) -> None
 
 Their signatures here are the documented ones: the torch references (``*_ref``, in
 ``reference``) and the Triton launchers (``*_triton``, in ``decode``, ``prefill`` and
-``cache_ops``) take the same arguments.
+``cache_ops``) take the same arguments.  ``sinks`` (``[num_heads]``, gpt-oss attention sinks)
+and ``chunk_size`` (Llama 4's chunked local attention) are described with the masking semantics
+in ``reference``.
 
 Backend: :func:`set_backend` (or the environment variable ``HF_PAGED_KERNEL_BACKEND``, read at
 import) is the library's one backend switch: ``"triton"``, ``"torch"``, or ``None`` / ``"auto"``
@@ -149,6 +151,8 @@ def paged_attention_decode(
     scale: float,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    chunk_size: Optional[int] = None,
     *,
     backend: Optional[str] = None,
     precision: Optional[str] = None,
@@ -165,7 +169,8 @@ def paged_attention_decode(
     """
     return _dispatch(
         q, backend, "decode:paged_attention_decode_triton", paged_attention_decode_ref,
-        (q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, softcap), out,
+        (q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, softcap, sinks,
+         chunk_size), out,
         precision=precision or _fp32_precision, max_context_len=max_context_len,
     )
 
@@ -180,6 +185,8 @@ def paged_attention_prefill(
     scale: float,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    chunk_size: Optional[int] = None,
     *,
     backend: Optional[str] = None,
     precision: Optional[str] = None,
@@ -193,7 +200,7 @@ def paged_attention_prefill(
     return _dispatch(
         q, backend, "prefill:paged_attention_prefill_triton", paged_attention_prefill_ref,
         (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window,
-         softcap), out, precision=precision or _fp32_precision,
+         softcap, sinks, chunk_size), out, precision=precision or _fp32_precision,
     )
 
 

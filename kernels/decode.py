@@ -181,7 +181,8 @@ def default_decode_config(head_dim: int, dtype: torch.dtype, device: torch.devic
 
 
 def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                  sliding_window=None, softcap=None, *, out=None,
+                                  sliding_window=None, softcap=None, sinks=None,
+                                  chunk_size=None, *, out=None,
                                   precision: str = "ieee", max_context_len: Optional[int] = None,
                                   num_splits: Optional[int] = None,
                                   config: Optional[dict] = None) -> torch.Tensor:
@@ -189,6 +190,8 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_len
     ``precision`` a name, not None).  ``num_splits`` overrides the split-K heuristic
     (:func:`pick_num_splits`), ``config`` updates :func:`default_decode_config` (and disables
     the shared-memory fallback of :func:`launch_with_stage_fallback`)."""
+    if sinks is not None or (chunk_size is not None and chunk_size > 0):
+        raise NotImplementedError("sinks / chunk_size: not yet in the Triton kernels")
     q, out, block_tables, context_lens = prepare_attention_args(
         q, k_cache, v_cache, out, block_tables, context_lens)
     num_seqs, num_heads, head_dim = q.shape

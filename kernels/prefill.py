@@ -345,12 +345,15 @@ def _capability_major(device: torch.device) -> int:
 
 
 def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                   scale, sliding_window=None, softcap=None, *, out=None,
+                                   scale, sliding_window=None, softcap=None, sinks=None,
+                                   chunk_size=None, *, out=None,
                                    precision: str = "ieee",
                                    config: Optional[dict] = None) -> torch.Tensor:
     """The Triton path of :func:`hf_paged.kernels.paged_attention_prefill` (same arguments, and
     ``precision`` a name, not None).  ``config`` updates :func:`default_prefill_config` (and
     disables the shared-memory fallback of :func:`launch_with_stage_fallback`)."""
+    if sinks is not None or (chunk_size is not None and chunk_size > 0):
+        raise NotImplementedError("sinks / chunk_size: not yet in the Triton kernels")
     num_seqs = context_lens.shape[0]
     assert cu_seqlens_q.shape[0] == num_seqs + 1, "cu_seqlens_q must have num_seqs + 1 entries"
     q, out, block_tables, context_lens, cu_seqlens_q = prepare_attention_args(

@@ -118,8 +118,12 @@ def make_paged(
     return Paged(kc, vc, bt, torch.tensor(ctx_lens, dtype=torch.int32), k_log, v_log)
 
 
-def dense_attention(q, k, v, qpos, scale, window=None, softcap=None, use_sdpa=False):
-    """Naive float64 attention of one sequence: q [n, H, D], k/v [T, Hkv, D], qpos [n]."""
+def dense_attention(q, k, v, qpos, scale, window=None, softcap=None, use_sdpa=False, sinks=None,
+                    chunk_size=None):
+    """Naive float64 attention of one sequence: q [n, H, D], k/v [T, Hkv, D], qpos [n].
+    ``sinks`` [H]: as transformers' gpt-oss ``eager_attention_forward`` (a sink column is
+    concatenated to the scores, softmaxed with them, and dropped); ``chunk_size``: a key is
+    visible only in its query's chunk (``k // chunk_size == p // chunk_size``)."""
     n, h, d = q.shape
     group = h // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
@@ -128,7 +132,9 @@ def dense_attention(q, k, v, qpos, scale, window=None, softcap=None, use_sdpa=Fa
     mask = kpos[None, :] <= qpos[:, None]
     if window:
         mask &= kpos[None, :] > qpos[:, None] - window
-    if use_sdpa and not softcap:
+    if chunk_size:
+        mask &= (kpos[None, :] // chunk_size) == (qpos[:, None] // chunk_size)
+    if use_sdpa and not softcap and sinks is None:
         return torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
         ).transpose(0, 1)
@@ -136,8 +142,12 @@ def dense_attention(q, k, v, qpos, scale, window=None, softcap=None, use_sdpa=Fa
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double()[:, None, None].expand(h, n, 1)], dim=-1)
     p = torch.exp(s - s.amax(-1, keepdim=True))
     p = p / p.sum(-1, keepdim=True)
+    if sinks is not None:
+        p = p[..., :-1]
     return torch.einsum("hnt,thd->nhd", p, v)
 
 
@@ -390,6 +400,125 @@ def test_references_vs_dense(window, softcap):
         want = dense_attention(qp[cu[i] : cu[i + 1]], p.k_logical[i], p.v_logical[i],
                                torch.arange(c - n, c), scale, window, softcap, use_sdpa=True)
         torch.testing.assert_close(got[cu[i] : cu[i + 1]], want, rtol=1e-10, atol=1e-10)
+
+
+def first_visible_key(ctx: int, n_q: int, window=None, chunk_size=None) -> int:
+    """The first key any of a sequence's last ``n_q`` queries sees (that of its first query)."""
+    p0, first = ctx - n_q, 0
+    if window:
+        first = max(p0 - window + 1, 0)
+    if chunk_size:
+        first = max(first, p0 // chunk_size * chunk_size)
+    return first
+
+
+def give_back(p: Paged, nqs, window=None, chunk_size=None, table_entry: int = -1) -> torch.Tensor:
+    """Blocks before each sequence's first visible key given back: their cache contents become
+    NaN (reading any of their keys would show) and, unless ``table_entry`` is None, their
+    block-table entries become ``table_entry`` (-1: dereferencing one would read outside the
+    cache).  Returns the new block table (the cache is changed in place).  No block sharing."""
+    bt = p.block_tables.clone()
+    bs = p.k_cache.shape[1]
+    gone = 0
+    for i, (c, n) in enumerate(zip(p.context_lens.tolist(), nqs)):
+        nb = first_visible_key(c, n, window, chunk_size) // bs
+        blk = bt[i, :nb].long()
+        p.k_cache[blk], p.v_cache[blk] = float("nan"), float("nan")
+        if table_entry is not None:
+            bt[i, :nb] = table_entry
+        gone += nb
+    assert gone > 0, "the case gives nothing back"
+    return bt
+
+
+# (window, softcap, sinks, chunk_size): block size 4, so chunk 6 ends inside a block
+SINK_CHUNK_REF_CASES = [
+    (None, None, True, None),  # sinks alone
+    (None, None, False, 6),  # chunk alone
+    (None, None, True, 6),  # chunk + sinks
+    (3, None, False, 6),  # chunk + sliding window (window inside a chunk)
+    (9, None, True, 6),  # window wider than a chunk: the chunk decides
+    (None, 3.0, True, None),  # softcap + sinks (the explicit-scores path)
+    (5, 2.0, True, 8),  # everything
+]
+
+
+@pytest.mark.parametrize("window,softcap,sinks,chunk", SINK_CHUNK_REF_CASES,
+                         ids=lambda c: str(c))
+def test_references_vs_dense_sinks_chunk(window, softcap, sinks, chunk):
+    """Sinks and chunked local attention, GQA (4 query heads on 2 KV heads), block size 4 with
+    chunk 6: chunk boundaries fall inside blocks and inside prefills' query runs; blocks before
+    each sequence's first visible key are given back (-1 entries, NaN contents)."""
+    g = _gen("ref-dense-sink-chunk", window, softcap, sinks, chunk)
+    ctx = [1, 6, 9, 30, 25, 13]
+    nqs = [1, 6, 4, 30, 0, 2]  # (9, 4): queries at 5..8 straddle the boundary at 6
+    hd, heads, hkv, scale = 16, 4, 2, 0.3
+    p = make_paged(ctx, 4, hkv, hd, torch.float64, g)
+    snk = (torch.randn(heads, generator=g) + 1.0) if sinks else None  # float32: cast by the refs
+    # decode (one query per sequence, at ctx - 1)
+    bt = give_back(p, [1] * len(ctx), window, chunk) if (window or chunk) else p.block_tables
+    qd = torch.randn(len(ctx), heads, hd, generator=g, dtype=torch.float64)
+    got = paged_attention_decode_ref(qd, p.k_cache, p.v_cache, bt, p.context_lens, scale, window,
+                                     softcap, snk, chunk)
+    assert torch.isfinite(got).all()
+    for i, c in enumerate(ctx):
+        want = dense_attention(qd[i : i + 1], p.k_logical[i], p.v_logical[i],
+                               torch.tensor([c - 1]), scale, window, softcap, sinks=snk,
+                               chunk_size=chunk)
+        torch.testing.assert_close(got[i : i + 1], want, rtol=1e-10, atol=1e-10)
+    # prefill (fresh cache: decode's give-back went further than prefill's)
+    p = make_paged(ctx, 4, hkv, hd, torch.float64, g)
+    bt = give_back(p, nqs, window, chunk) if (window or chunk) else p.block_tables
+    cu = _cu(nqs)
+    qp = torch.randn(int(cu[-1]), heads, hd, generator=g, dtype=torch.float64)
+    got = paged_attention_prefill_ref(qp, p.k_cache, p.v_cache, bt, cu, p.context_lens, scale,
+                                      window, softcap, sinks=snk, chunk_size=chunk)
+    assert torch.isfinite(got).all()
+    for i, (c, n) in enumerate(zip(ctx, nqs)):
+        if n == 0:
+            continue
+        want = dense_attention(qp[cu[i] : cu[i + 1]], p.k_logical[i], p.v_logical[i],
+                               torch.arange(c - n, c), scale, window, softcap, sinks=snk,
+                               chunk_size=chunk)
+        torch.testing.assert_close(got[cu[i] : cu[i + 1]], want, rtol=1e-10, atol=1e-10)
+
+
+def test_references_negative_control_sinks_chunk():
+    """Dropping the sinks, or chunk_size, is rejected by the oracle that has them."""
+    g = _gen("ref-neg-sink-chunk")
+    ctx, nqs = [9, 30], [4, 30]
+    p = make_paged(ctx, 4, 2, 16, torch.float64, g)
+    snk = torch.randn(4, generator=g, dtype=torch.float64) + 1.0
+    cu = _cu(nqs)
+    q = torch.randn(int(cu[-1]), 4, 16, generator=g, dtype=torch.float64)
+    tol = 1e-10
+
+    def oracle(sinks, chunk):
+        return torch.cat([dense_attention(q[cu[i] : cu[i + 1]], p.k_logical[i], p.v_logical[i],
+                                          torch.arange(c - n, c), 0.3, sinks=sinks,
+                                          chunk_size=chunk)
+                          for i, (c, n) in enumerate(zip(ctx, nqs))])
+
+    def ref(sinks, chunk):
+        return paged_attention_prefill_ref(q, p.k_cache, p.v_cache, p.block_tables, cu,
+                                           p.context_lens, 0.3, sinks=sinks, chunk_size=chunk)
+
+    check_close(ref(snk, 6), oracle(snk, 6), tol)  # the positive check, for contrast
+    assert rel_err(ref(None, 6), oracle(snk, 6)) > 10 * tol
+    assert rel_err(ref(snk, None), oracle(snk, 6)) > 10 * tol
+    with pytest.raises(AssertionError):
+        check_close(ref(None, 6), oracle(snk, 6), tol)
+    qd = q[:2]
+    want = torch.cat([dense_attention(qd[i : i + 1], p.k_logical[i], p.v_logical[i],
+                                      torch.tensor([c - 1]), 0.3, sinks=snk, chunk_size=6)
+                      for i, c in enumerate(ctx)])
+    got = paged_attention_decode_ref(qd, p.k_cache, p.v_cache, p.block_tables, p.context_lens, 0.3,
+                                     sinks=snk, chunk_size=6)
+    check_close(got, want, tol)
+    for s_, c_ in ((None, 6), (snk, None)):
+        got = paged_attention_decode_ref(qd, p.k_cache, p.v_cache, p.block_tables,
+                                         p.context_lens, 0.3, sinks=s_, chunk_size=c_)
+        assert rel_err(got, want) > 10 * tol
 
 
 def test_reference_half_inputs_computed_in_fp32():
