@@ -765,6 +765,7 @@ class PagedKVCache(StashingCache):
         per_block = bs * sum(per_token.values())
         held = self._columns if group.window is None else min(self._columns, group.window - 1)
         return {
+            "kind": group.spec.describe(),
             "window": group.window,
             "layers": list(group.layers),
             "blocks_total": manager.num_blocks,

@@ -85,12 +85,12 @@ class KVCacheManager:
         ``"groups"``) and prefix-cache counters."""
         swap = self._swap.managers if self._swap else []
         groups = [
-            {"window": g.window, "blocks_total": m.num_blocks, "blocks_used": m.num_used_blocks,
+            {"kind": g.spec.describe(), "layers": list(g.layers), "window": g.window, "blocks_total": m.num_blocks, "blocks_used": m.num_used_blocks,
              "blocks_free": m.num_free_blocks, "blocks_cached": m.num_cached_blocks,
              "blocks_shared": m.num_shared_blocks, "blocks_peak": m.blocks_peak}
             for g, m in zip(self.groups, self._blocks)
         ]
-        totals = {key: sum(g[key] for g in groups) for key in groups[0] if key != "window"}
+        totals = {key: sum(g[key] for g in groups) for key in groups[0] if key not in ("kind", "layers", "window")}
         return {
             "block_size": self.block_size, **totals,
             "swap_blocks_total": sum(m.num_blocks for m in swap), "swap_blocks_used": sum(m.num_used_blocks for m in swap),
