@@ -117,7 +117,7 @@ class PagedKVStorage:
             slot_mapping = slot_mapping.to(k_rows.device)
         if key.dtype != k_rows.dtype:
             key, value = key.to(k_rows.dtype), value.to(v_rows.dtype)
-        if kernels.use_triton(k_rows):
+        if kernels.use_triton(k_rows) and k_rows.shape[1:] == v_rows.shape[1:]:  # MLA's two widths: index_copy_
             kernels.reshape_and_cache(key, value, self.key_pools[layer_idx], self.value_pools[layer_idx], slot_mapping)
             return
         k_rows.index_copy_(0, slot_mapping, key)
