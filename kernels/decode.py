@@ -8,6 +8,11 @@ Tokens are processed ``TILE`` at a time (several cache blocks gathered through t
 Each program keeps an fp32 running max / sum; with more than one split it writes a normalised
 partial output and its log-sum-exp, and a second small kernel merges the splits.
 
+Attention sinks: split 0 starts its running max at the head's sink logit and its running sum at
+1 (the sink's own term, with no value), so the sink sits in split 0's log-sum-exp and the merge
+counts it exactly once.  Chunked local attention (like a sliding window) only moves the first
+visible key: the splits cover ``[start, ctx)`` and blocks before ``start`` are never read.
+
 This module imports triton at import time; ``hf_paged.kernels`` only imports it lazily.
 """
 
@@ -44,8 +49,8 @@ def _tanh(x):
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    scale, softcap, window, num_splits,
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr, sinks_ptr,
+    scale, softcap, window, chunk, num_splits,
     stride_qs, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -57,6 +62,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    USE_SINKS: tl.constexpr, USE_CHUNK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -64,10 +70,13 @@ def _decode_kernel(
     split = tl.program_id(2)
 
     ctx = tl.load(ctx_ptr + seq)
-    # visible keys of the query at position ctx-1: [start, ctx)
+    # visible keys of the query at position ctx-1: [start, ctx); blocks before start may have
+    # been given back and are never read
     start = ctx * 0
     if USE_WINDOW:
         start = tl.maximum(ctx - window, 0)
+    if USE_CHUNK:  # the query's chunk
+        start = tl.maximum(start, tl.maximum(ctx - 1, 0) // chunk * chunk)
     seg = tl.cdiv(tl.cdiv(ctx - start, num_splits), TILE) * TILE
     seg_lo = start + split * seg
     seg_hi = tl.minimum(seg_lo + seg, ctx)
@@ -86,6 +95,12 @@ def _decode_kernel(
 
     m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P], tl.float32)
+    if USE_SINKS:  # split 0 starts its online softmax from the sink (base 2): max = sink,
+        # sum = exp2(sink - sink) = 1, no value; the other splits do not see it, so the merge of
+        # the splits' log-sum-exps counts it once
+        sink = tl.load(sinks_ptr + heads, mask=gmask, other=0.0) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
 
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bts
@@ -190,8 +205,6 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_len
     ``precision`` a name, not None).  ``num_splits`` overrides the split-K heuristic
     (:func:`pick_num_splits`), ``config`` updates :func:`default_decode_config` (and disables
     the shared-memory fallback of :func:`launch_with_stage_fallback`)."""
-    if sinks is not None or (chunk_size is not None and chunk_size > 0):
-        raise NotImplementedError("sinks / chunk_size: not yet in the Triton kernels")
     q, out, block_tables, context_lens = prepare_attention_args(
         q, k_cache, v_cache, out, block_tables, context_lens)
     num_seqs, num_heads, head_dim = q.shape
@@ -210,6 +223,12 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_len
         max_context_len = min(max_context_len, int(sliding_window))
     else:
         sliding_window = None
+    use_chunk = chunk_size is not None and chunk_size > 0
+    if use_chunk:  # visible keys: at most one chunk
+        max_context_len = min(max_context_len, int(chunk_size))
+    if sinks is not None:
+        assert sinks.shape == (num_heads,), "sinks must be [num_heads]"
+        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
     if num_splits is None:
         num_splits = pick_num_splits(num_seqs, num_kv_heads, max_context_len, tile,
                                      sm_count(q.device))
@@ -235,8 +254,10 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_len
     grid = (num_seqs, num_kv_heads, num_splits)
     args = (
         q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse,
+        sinks if sinks is not None else out,  # unused without sinks
         float(scale), float(softcap) if use_softcap else 1.0,
-        int(sliding_window) if sliding_window else 0, num_splits,
+        int(sliding_window) if sliding_window else 0, int(chunk_size) if use_chunk else 1,
+        num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -248,6 +269,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_len
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, TILE=tile,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=use_softcap, SINGLE_SPLIT=single,
+        USE_SINKS=sinks is not None, USE_CHUNK=use_chunk,
         PREC=prec, UPCAST=upcast,
     )
     key = ("decode", q.device, q.dtype, head_dim, group, block_size, tile, int(cfg["num_warps"]))

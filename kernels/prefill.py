@@ -26,10 +26,13 @@ K/V tiles are gathered block-wise: a tile of ``BLOCK_N`` keys is ``BLOCK_N // RO
 ``[BLOCK_N, head_dim]``; on sm_90 the reshape is a free view of the shared-memory buffer that
 the software pipeline fills with async copies.  Key tiles start at multiples of ``BLOCK_N``.
 
-Per program the key range is split into: a masked head (sliding-window edge), a run of unmasked
-full tiles (no masks, no bounds checks at all), and a masked tail (causal diagonal; the only
-loop whose loads are bounds-checked).  Softmax runs in base 2 with the scale folded into the
-exponent's FMA.  Optional (``LAZY``): a row's reference max moves only when it grows by more
+Per program the key range is split into: a masked head (sliding-window or chunk edge: chunked
+local attention, ``chunk_size``, is a lower bound on a row's keys like a window), a run of
+unmasked full tiles (no masks, no bounds checks at all), and a masked tail (causal diagonal; the
+only loop whose loads are bounds-checked).  Keys before the first row's first visible key are
+never read (their blocks may have been given back).  Attention sinks start each row's online
+softmax: running max = the head's sink logit, running sum = 1, accumulator 0.  Softmax runs in
+base 2 with the scale folded into the exponent's FMA.  Optional (``LAZY``): a row's reference max moves only when it grows by more
 than 8 (a factor 2^8, harmless in fp32), and the output accumulator is rescaled only in the
 tiles where some row's max moved (a CTA-wide vote), instead of every tile.  Configs may carry
 ``maxnreg`` (e.g. 128 at 8 warps: two CTAs per SM).
@@ -124,7 +127,7 @@ def _load_kv(k_base, v_base, bt_row, n0, lo, hi,
 
 @triton.jit
 def _prefill_tile(
-    acc, l_i, m_i, q, pos,
+    acc, l_i, m_i, q, pos, cstart,
     k_base, v_base, bt_row, n0, lo, hi,
     scale, qk_scale, softcap, window,
     stride_kb, stride_kt: tl.constexpr, stride_vb, stride_vt: tl.constexpr,
@@ -132,8 +135,8 @@ def _prefill_tile(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM_P: tl.constexpr, PAD_D: tl.constexpr,
     MASKED: tl.constexpr, LOAD_MASK: tl.constexpr, LO_MASK: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, LAZY: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_CHUNK: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    LAZY: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     k, v = _load_kv(k_base, v_base, bt_row, n0, lo, hi, stride_kb, stride_kt, stride_vb, stride_vt,
                     d, dmask, BLOCK_SIZE, BLOCK_N, ROWS, HEAD_DIM_P, PAD_D, LOAD_MASK, LO_MASK)
@@ -148,6 +151,8 @@ def _prefill_tile(
         vis = n[None, :] <= pos[:, None]
         if USE_WINDOW:
             vis = vis & (n[None, :] > pos[:, None] - window)
+        if USE_CHUNK:  # cstart: first key of each row's chunk
+            vis = vis & (n[None, :] >= cstart[:, None])
         s = tl.where(vis, s, float("-inf"))
     m_tile = tl.max(s, 1) * sc
     if LAZY:  # move a row's reference max only when it grows by more than 2^8
@@ -157,7 +162,7 @@ def _prefill_tile(
     else:
         m_new = tl.maximum(m_i, m_tile)
     if MASKED:
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key (nor sink) yet
     else:  # every key of the tile is visible to every row: the max is finite
         m_use = m_new
     alpha = tl.exp2(m_i - m_use)
@@ -192,8 +197,8 @@ def _tile_rows(hp, j, n_q, q_start, GROUP: tl.constexpr, PACK_GQA: tl.constexpr,
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
-    scale, softcap, window, num_seqs,
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sinks_ptr,
+    scale, softcap, window, chunk, num_seqs,
     stride_qt, stride_qh,
     stride_kb, stride_kh,
     stride_vb, stride_vh,
@@ -203,7 +208,8 @@ def _prefill_kernel(
     GROUP: tl.constexpr, PACK_GQA: tl.constexpr, TOK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_CHUNK: tl.constexpr, USE_LO: tl.constexpr,
+    USE_SINKS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     LAZY: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, HEADS_FIRST: tl.constexpr,
     SCAN: tl.constexpr,
 ):
@@ -236,6 +242,9 @@ def _prefill_kernel(
     d = tl.arange(0, HEAD_DIM_P)
     dmask = d < HEAD_DIM
     pos = ctx - n_q + m  # absolute query positions, per row
+    cstart = pos * 0
+    if USE_CHUNK:
+        cstart = pos // chunk * chunk  # first key of each row's chunk
     q = load_2d(q_ptr + rows[:, None] * stride_qt + (heads * stride_qh)[:, None] + d[None, :],
                 mmask, dmask, True, HEAD_DIM != HEAD_DIM_P)
 
@@ -244,8 +253,8 @@ def _prefill_kernel(
     v_base = v_ptr + kvh * stride_vh
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bts
 
-    # key tiles start at multiples of BLOCK_N: [k_lo, full_lo) masked head (window edge),
-    # [full_lo, full_hi) keys visible to every row, [full_hi, k_hi) masked tail (diagonal)
+    # key tiles start at multiples of BLOCK_N: [k_lo, full_lo) masked head (window / chunk
+    # edge), [full_lo, full_hi) keys visible to every row, [full_hi, k_hi) masked tail (diagonal)
     pos_lo = ctx - n_q + j * TOK_M  # first row's position
     pos_hi = tl.minimum(pos_lo + TOK_M, ctx) - 1  # last valid row's position
     k_hi = pos_hi + 1
@@ -253,11 +262,19 @@ def _prefill_kernel(
     k_lo = pos_lo * 0
     full_lo = k_lo
     k_first = k_lo  # the first key any row reads
-    if USE_WINDOW:
-        first_key = tl.maximum(pos_lo - window + 1, 0)
+    if USE_LO:  # a row's first visible key grows with its position: the first row's is the
+        # first key read (blocks before it may be given back), the last row's bounds the body
+        first_key = k_lo
+        last_lo = k_lo
+        if USE_WINDOW:
+            first_key = tl.maximum(pos_lo - window + 1, 0)
+            last_lo = tl.maximum(pos_hi - window + 1, 0)
+        if USE_CHUNK:
+            first_key = tl.maximum(first_key, pos_lo // chunk * chunk)
+            last_lo = tl.maximum(last_lo, pos_hi // chunk * chunk)
         k_first = first_key
         k_lo = first_key // BLOCK_N * BLOCK_N
-        full_lo = tl.cdiv(tl.maximum(first_key, pos_hi - window + 1), BLOCK_N) * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(first_key, last_lo), BLOCK_N) * BLOCK_N
         full_lo = tl.minimum(full_lo, full_hi)
     # a program past its sequence's queries (grid slack) gets empty key ranges; its rows are
     # all masked (m >= n_q) so it stores nothing
@@ -269,29 +286,34 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if USE_SINKS:  # the online softmax starts from the sink (base 2): max = sink, sum =
+        # exp2(sink - sink) = 1, and no value in acc
+        m_i = tl.load(sinks_ptr + heads) * 1.4426950408889634
+        l_i = l_i + 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_P
 
-    if USE_WINDOW:  # masked head: window edge (all its keys exist: no bounds checks)
+    if USE_LO:  # masked head: window / chunk edge (all its keys exist: no bounds checks)
         for n0 in range(k_lo, full_lo, BLOCK_N):
             acc, l_i, m_i = _prefill_tile(
-                acc, l_i, m_i, q, pos, k_base, v_base, bt_row, n0, first_key, full_lo,
+                acc, l_i, m_i, q, pos, cstart, k_base, v_base, bt_row, n0, first_key, full_lo,
                 scale, qk_scale, softcap, window, stride_kb, stride_kt, stride_vb, stride_vt,
                 d, dmask, BLOCK_SIZE, BLOCK_N, ROWS, HEAD_DIM_P, PAD_D, True, False, True,
-                USE_WINDOW, USE_SOFTCAP, LAZY, PREC, UPCAST)
+                USE_WINDOW, USE_CHUNK, USE_SOFTCAP, LAZY, PREC, UPCAST)
     for n0 in range(full_lo, full_hi, BLOCK_N):  # unmasked body
         acc, l_i, m_i = _prefill_tile(
-            acc, l_i, m_i, q, pos, k_base, v_base, bt_row, n0, 0, full_hi,
+            acc, l_i, m_i, q, pos, cstart, k_base, v_base, bt_row, n0, 0, full_hi,
             scale, qk_scale, softcap, window, stride_kb, stride_kt, stride_vb, stride_vt,
             d, dmask, BLOCK_SIZE, BLOCK_N, ROWS, HEAD_DIM_P, PAD_D, False, False, False,
-            USE_WINDOW, USE_SOFTCAP, LAZY, PREC, UPCAST)
+            USE_WINDOW, USE_CHUNK, USE_SOFTCAP, LAZY, PREC, UPCAST)
     for n0 in range(full_hi, k_hi, BLOCK_N):  # masked tail: causal diagonal, keys < k_hi
-        # (a short window can start inside the tail: then keys before it are not read either)
+        # (a short window or a chunk can start inside the tail: then keys before it are not
+        # read either)
         acc, l_i, m_i = _prefill_tile(
-            acc, l_i, m_i, q, pos, k_base, v_base, bt_row, n0, k_first, k_hi,
+            acc, l_i, m_i, q, pos, cstart, k_base, v_base, bt_row, n0, k_first, k_hi,
             scale, qk_scale, softcap, window, stride_kb, stride_kt, stride_vb, stride_vt,
-            d, dmask, BLOCK_SIZE, BLOCK_N, ROWS, HEAD_DIM_P, PAD_D, True, True, USE_WINDOW,
-            USE_WINDOW, USE_SOFTCAP, LAZY, PREC, UPCAST)
+            d, dmask, BLOCK_SIZE, BLOCK_N, ROWS, HEAD_DIM_P, PAD_D, True, True, USE_LO,
+            USE_WINDOW, USE_CHUNK, USE_SOFTCAP, LAZY, PREC, UPCAST)
 
     o = acc * (1.0 / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
     # the row mapping again, from scalars (an opaque 0 keeps the compiler from reusing the
@@ -352,8 +374,6 @@ def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens
     """The Triton path of :func:`hf_paged.kernels.paged_attention_prefill` (same arguments, and
     ``precision`` a name, not None).  ``config`` updates :func:`default_prefill_config` (and
     disables the shared-memory fallback of :func:`launch_with_stage_fallback`)."""
-    if sinks is not None or (chunk_size is not None and chunk_size > 0):
-        raise NotImplementedError("sinks / chunk_size: not yet in the Triton kernels")
     num_seqs = context_lens.shape[0]
     assert cu_seqlens_q.shape[0] == num_seqs + 1, "cu_seqlens_q must have num_seqs + 1 entries"
     q, out, block_tables, context_lens, cu_seqlens_q = prepare_attention_args(
@@ -376,6 +396,10 @@ def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens
     rows = min(block_n, block_size) if block_size & (block_size - 1) == 0 else 1
     use_window = sliding_window is not None and sliding_window > 0
     use_softcap = softcap is not None and softcap > 0
+    use_chunk = chunk_size is not None and chunk_size > 0
+    if sinks is not None:
+        assert sinks.shape == (num_heads,), "sinks must be [num_heads]"
+        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
     prec, upcast = dot_modes(q.dtype, precision)
 
     num_progs = num_tokens // tok_m + num_seqs
@@ -384,8 +408,9 @@ def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens
     grid = (grid_heads, num_progs) if heads_first else (num_progs, grid_heads)
     args = (
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        sinks if sinks is not None else out,  # unused without sinks
         float(scale), float(softcap) if use_softcap else 1.0,
-        int(sliding_window) if use_window else 0, num_seqs,
+        int(sliding_window) if use_window else 0, int(chunk_size) if use_chunk else 1, num_seqs,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(2),
@@ -397,7 +422,8 @@ def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens
         GROUP=group, PACK_GQA=pack, TOK_M=tok_m, HEAD_DIM=head_dim,
         HEAD_DIM_P=max(16, next_pow2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, ROWS=rows,
-        USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, PREC=prec, UPCAST=upcast,
+        USE_WINDOW=use_window, USE_CHUNK=use_chunk, USE_LO=use_window or use_chunk,
+        USE_SINKS=sinks is not None, USE_SOFTCAP=use_softcap, PREC=prec, UPCAST=upcast,
         HEADS_FIRST=heads_first, SCAN=_SCAN, LAZY=bool(cfg.get("LAZY", False)),
     )
     if cfg.get("maxnreg") and not INTERPRET:

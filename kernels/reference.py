@@ -105,8 +105,8 @@ def _attend(q, k, v, mask, scale: float, softcap: Optional[float],
         row_mask = mask[:, None, None].expand(-1, -1, G, -1, -1).reshape(B, 1, G * N, -1)
         kt, vt = k.transpose(1, 2), v.transpose(1, 2)
         if sinks is not None:
-            sink_rows = sinks[None, :, :, None, None].expand(B, -1, -1, N, 1).reshape(B, Hkv, G * N, 1)
-            rows = torch.cat([rows, sink_rows], dim=-1)
+            sink_rows = sinks[None, :, :, None, None].expand(B, -1, -1, N, 1)
+            rows = torch.cat([rows, sink_rows.reshape(B, Hkv, G * N, 1)], dim=-1)
             T = kt.shape[2]
             kt = torch.nn.functional.pad(kt, (0, 1, 0, 1))  # [B, Hkv, T + 1, D + 1], zeros
             kt[:, :, T, D] = 1.0 / scale

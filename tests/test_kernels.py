@@ -155,6 +155,35 @@ def _as64(p: Paged):
     return p.k_cache.double(), p.v_cache.double()
 
 
+def first_visible_key(ctx: int, n_q: int, window=None, chunk_size=None) -> int:
+    """The first key any of a sequence's last ``n_q`` queries sees (that of its first query)."""
+    p0, first = ctx - n_q, 0
+    if window:
+        first = max(p0 - window + 1, 0)
+    if chunk_size:
+        first = max(first, p0 // chunk_size * chunk_size)
+    return first
+
+
+def give_back(p: Paged, nqs, window=None, chunk_size=None, table_entry: int = -1) -> torch.Tensor:
+    """Blocks before each sequence's first visible key given back: their cache contents become
+    NaN (reading any of their keys would show) and, unless ``table_entry`` is None, their
+    block-table entries become ``table_entry`` (-1: dereferencing one would read outside the
+    cache).  Returns the new block table (the cache is changed in place).  No block sharing."""
+    bt = p.block_tables.clone()
+    bs = p.k_cache.shape[1]
+    gone = 0
+    for i, (c, n) in enumerate(zip(p.context_lens.tolist(), nqs)):
+        nb = first_visible_key(c, n, window, chunk_size) // bs
+        blk = bt[i, :nb].long()
+        p.k_cache[blk], p.v_cache[blk] = float("nan"), float("nan")
+        if table_entry is not None:
+            bt[i, :nb] = table_entry
+        gone += nb
+    assert gone > 0, "the case gives nothing back"
+    return bt
+
+
 # --------------------------------------------------------------------------------------------
 # decode
 # --------------------------------------------------------------------------------------------
@@ -370,6 +399,134 @@ def test_random_shapes_fp32(seed):
 
 
 # --------------------------------------------------------------------------------------------
+# attention sinks and chunked local attention (Triton vs the float64 reference)
+# --------------------------------------------------------------------------------------------
+def _sinks(heads: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(heads, generator=g) + 1.0  # comparable to the scores: they matter
+
+
+# (head_dim, block_size, num_kv_heads, group, ctx_lens, window, softcap, sinks, chunk_size,
+#  num_splits, given_back): given_back None (nothing), -1 (table entries -1 and blocks NaN) or
+#  "nan" (entries kept, blocks NaN) for the blocks before each query's first visible key
+DECODE_SINK_CHUNK_CASES = [
+    (32, 4, 2, 2, [1, 6, 7, 23, 40], None, None, True, None, 1, None),
+    (32, 8, 1, 4, [3, 30, 57], None, 5.0, True, None, 3, None),  # split-K: the sink once
+    (32, 4, 2, 2, [5, 6, 19, 40], None, None, False, 6, 2, -1),  # chunk ends inside a block
+    (64, 8, 1, 2, [9, 50, 90], None, None, True, 48, 3, "nan"),  # a chunk over 3 splits
+    (32, 4, 1, 2, [7, 13, 30], 5, None, True, 8, 2, -1),  # chunk + window
+]
+
+
+@pytest.mark.parametrize("case", DECODE_SINK_CHUNK_CASES,
+                         ids=lambda c: f"sinks{int(c[7])}-chunk{c[8]}-w{c[5]}-splits{c[9]}")
+def test_decode_sinks_chunk_fp32(case):
+    from hf_paged.kernels.decode import paged_attention_decode_triton
+
+    hd, bs, hkv, group, ctx, window, softcap, sinks, chunk, splits, gb = case
+    g = _gen("decode-sink-chunk", case)
+    p = make_paged(ctx, bs, hkv, hd, torch.float32, g)
+    bt = p.block_tables if gb is None else give_back(
+        p, [1] * len(ctx), window, chunk, None if gb == "nan" else gb)
+    q = torch.randn(len(ctx), hkv * group, hd, generator=g)
+    snk = _sinks(hkv * group, g) if sinks else None
+    if softcap:
+        snk = snk.to(torch.bfloat16)  # any float dtype
+    out = torch.full_like(q, float("nan"))
+    paged_attention_decode_triton(q, p.k_cache, p.v_cache, bt, p.context_lens, hd**-0.5, window,
+                                  softcap, snk, chunk, out=out, num_splits=splits,
+                                  config={"TILE": 16})
+    kc, vc = _as64(p)
+    ref = paged_attention_decode_ref(q.double(), kc, vc, bt, p.context_lens, hd**-0.5, window,
+                                     softcap, snk, chunk)
+    check_close(out, ref, FP32_TOL)
+
+
+# (head_dim, block_size, num_kv_heads, group, [(ctx, n_q)...], window, softcap, sinks,
+#  chunk_size, config, given_back)
+PREFILL_SINK_CHUNK_CASES = [
+    (32, 8, 1, 4, [(40, 40), (9, 0), (30, 7)], None, None, True, None, None, None),
+    # chunk 6 ends inside blocks of 4 and inside the query runs of (30, 30) and (9, 4)
+    (32, 4, 2, 2, [(30, 30), (9, 4), (40, 7)], None, None, True, 6,
+     {"BLOCK_M": 16, "BLOCK_N": 16}, -1),
+    # chunk wider than a tile: masked head, unmasked body and masked tail all in use; 36 is no
+    # multiple of the 8 tokens of a query tile, so some tiles straddle a chunk boundary
+    (32, 8, 1, 2, [(100, 100), (70, 20)], None, 2.0, True, 36,
+     {"BLOCK_M": 16, "BLOCK_N": 16, "LAZY": True}, "nan"),
+    (32, 8, 2, 1, [(50, 50), (33, 9)], 10, None, False, 16,
+     {"BLOCK_M": 16, "BLOCK_N": 16, "PACK_GQA": False}, -1),  # chunk + window
+    # block size not a power of two (keys gathered one by one)
+    (32, 12, 1, 2, [(40, 40), (27, 5)], None, None, True, 10, {"BLOCK_M": 16, "BLOCK_N": 16}, -1),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_SINK_CHUNK_CASES,
+                         ids=lambda c: f"bs{c[1]}-sinks{int(c[7])}-chunk{c[8]}-w{c[5]}")
+def test_prefill_sinks_chunk_fp32(case):
+    from hf_paged.kernels.prefill import paged_attention_prefill_triton
+
+    hd, bs, hkv, group, seqs, window, softcap, sinks, chunk, cfg, gb = case
+    ctx = [c for c, _ in seqs]
+    nqs = [n for _, n in seqs]
+    g = _gen("prefill-sink-chunk", case)
+    p = make_paged(ctx, bs, hkv, hd, torch.float32, g)
+    bt = p.block_tables if gb is None else give_back(
+        p, nqs, window, chunk, None if gb == "nan" else gb)
+    cu = _cu(nqs)
+    q = torch.randn(int(cu[-1]), hkv * group, hd, generator=g)
+    snk = _sinks(hkv * group, g) if sinks else None
+    out = torch.full_like(q, float("nan"))
+    paged_attention_prefill_triton(q, p.k_cache, p.v_cache, bt, cu, p.context_lens, hd**-0.5,
+                                   window, softcap, snk, chunk, out=out, config=cfg)
+    kc, vc = _as64(p)
+    ref = paged_attention_prefill_ref(q.double(), kc, vc, bt, cu, p.context_lens, hd**-0.5,
+                                      window, softcap, snk, chunk)
+    check_close(out, ref, FP32_TOL)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter, on NaN
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_negative_control_sinks_chunk(kind):
+    """The Triton kernels without the sinks, or without chunk_size, are rejected by the
+    reference that has them; and the given-back (NaN) blocks of the cases above are read,
+    and show, as soon as chunk_size is ignored."""
+    g = _gen("neg-sink-chunk", kind)
+    seqs = [(30, 30), (9, 4), (40, 7)] if kind == "prefill" else [(19, 1), (40, 1), (9, 1)]
+    ctx, nqs = [c for c, _ in seqs], [n for _, n in seqs]
+    p = make_paged(ctx, 4, 2, 32, torch.float32, g)
+    cu = _cu(nqs)
+    q = torch.randn(int(cu[-1]), 4, 32, generator=g)
+    snk = _sinks(4, g)
+    kc, vc = _as64(p)
+
+    def run(bt, sinks, chunk):
+        if kind == "decode":
+            return K.paged_attention_decode(q, p.k_cache, p.v_cache, bt, p.context_lens, 0.2,
+                                            sinks=sinks, chunk_size=chunk, backend="triton")
+        return K.paged_attention_prefill(q, p.k_cache, p.v_cache, bt, cu, p.context_lens, 0.2,
+                                         sinks=sinks, chunk_size=chunk, backend="triton")
+
+    def ref(bt, sinks, chunk):
+        f = paged_attention_decode_ref if kind == "decode" else (
+            lambda *a, **kw: paged_attention_prefill_ref(*a[:4], cu, *a[4:], **kw))
+        return f(q.double(), kc, vc, bt, p.context_lens, 0.2, sinks=sinks, chunk_size=chunk)
+
+    want = ref(p.block_tables, snk, 6)
+    check_close(run(p.block_tables, snk, 6), want, FP32_TOL)  # the positive check
+    no_sink = run(p.block_tables, None, 6)
+    assert rel_err(no_sink, want) > 10 * FP32_TOL
+    with pytest.raises(AssertionError):
+        check_close(no_sink, want, FP32_TOL)
+    no_chunk = run(p.block_tables, snk, None)
+    assert rel_err(no_chunk, want) > 10 * FP32_TOL
+    with pytest.raises(AssertionError):
+        check_close(no_chunk, want, FP32_TOL)
+    # blocks before the chunk start given back as NaN (table entries kept)
+    bt = give_back(p, nqs, chunk_size=6, table_entry=None)
+    check_close(run(bt, snk, 6), want, FP32_TOL)
+    assert not torch.isfinite(run(bt, snk, None)).all()
+
+
+# --------------------------------------------------------------------------------------------
 # the references against naive dense attention (so they can't share a kernel's mistake)
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (None, 3.0), (12, 8.0)])
@@ -400,35 +557,6 @@ def test_references_vs_dense(window, softcap):
         want = dense_attention(qp[cu[i] : cu[i + 1]], p.k_logical[i], p.v_logical[i],
                                torch.arange(c - n, c), scale, window, softcap, use_sdpa=True)
         torch.testing.assert_close(got[cu[i] : cu[i + 1]], want, rtol=1e-10, atol=1e-10)
-
-
-def first_visible_key(ctx: int, n_q: int, window=None, chunk_size=None) -> int:
-    """The first key any of a sequence's last ``n_q`` queries sees (that of its first query)."""
-    p0, first = ctx - n_q, 0
-    if window:
-        first = max(p0 - window + 1, 0)
-    if chunk_size:
-        first = max(first, p0 // chunk_size * chunk_size)
-    return first
-
-
-def give_back(p: Paged, nqs, window=None, chunk_size=None, table_entry: int = -1) -> torch.Tensor:
-    """Blocks before each sequence's first visible key given back: their cache contents become
-    NaN (reading any of their keys would show) and, unless ``table_entry`` is None, their
-    block-table entries become ``table_entry`` (-1: dereferencing one would read outside the
-    cache).  Returns the new block table (the cache is changed in place).  No block sharing."""
-    bt = p.block_tables.clone()
-    bs = p.k_cache.shape[1]
-    gone = 0
-    for i, (c, n) in enumerate(zip(p.context_lens.tolist(), nqs)):
-        nb = first_visible_key(c, n, window, chunk_size) // bs
-        blk = bt[i, :nb].long()
-        p.k_cache[blk], p.v_cache[blk] = float("nan"), float("nan")
-        if table_entry is not None:
-            bt[i, :nb] = table_entry
-        gone += nb
-    assert gone > 0, "the case gives nothing back"
-    return bt
 
 
 # (window, softcap, sinks, chunk_size): block size 4, so chunk 6 ends inside a block
