@@ -178,6 +178,20 @@ def test_engine_prefix_cache_hits_equal_stock(name):
     _no_leak(engine)
 
 
+@pytest.mark.parametrize("name", VARIANTS)
+def test_engine_beam_search_equals_transformers(name):
+    model, stock = _model_pair(name)
+    prompts = _prompts(2, seed=8)
+    engine = hf_paged.LLMEngine(model, block_size=BLOCK, num_blocks=256, max_num_batched_tokens=16)
+    params = hf_paged.SamplingParams(max_new_tokens=6, num_beams=3, n=2, ignore_eos=True)
+    outputs = engine.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        ref = stock.generate(input_ids=torch.tensor([prompt]), max_new_tokens=6, num_beams=3, num_return_sequences=2,
+                             do_sample=False)
+        assert [c.token_ids for c in out.outputs] == [row[len(prompt):].tolist() for row in ref]
+    _no_leak(engine)
+
+
 def test_llama4_temperature_tuning_reads_each_token_position_in_the_engine():
     """floor_scale 2: the NoPE layer's query scale changes every other position, so a packed step
     must give each token its own position (a past of 0 for all was silently wrong)."""
