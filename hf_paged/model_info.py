@@ -74,26 +74,21 @@ def layer_structure(config: PretrainedConfig) -> tuple[list[str], list[int | Non
 
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, layer_ids: Iterable[int] | None = None) -> int:
     """Bytes of K and V one token takes over all layers of ``config`` (a text config), or those of
-    ``layer_ids``, in ``dtype``.
-
-    Heterogeneous configs (Gemma 4: another head size on full-attention layers) are summed layer by
-    layer; an MLA layer stores its latent and rotary key. KV-sharing layers are counted as layers:
-    pass the storing layers' ids (a layer group's) for what the cache really holds."""
+    ``layer_ids``, in ``dtype``: each layer's kind says (:meth:`hf_paged.kinds.KVSpec.bytes_per_token`;
+    an MLA layer stores a latent and a rotary key, a KV-sharing layer nothing, a layer without K/V
+    nothing). Heterogeneous configs (Gemma 4: another head size on full-attention layers) are
+    read layer by layer."""
     try:
         layers = list(config.per_layer_config)
     except Exception:  # noqa: BLE001 - configs without per-layer views
         layers = [config] * config.num_hidden_layers
-    if layer_ids is not None:
-        layers = [layers[i] for i in layer_ids]
-    total = 0  # elements of K and V per token
-    for layer in layers:
-        if kinds.is_mla_config(layer):  # one latent and one rotary key per token (hf_paged.kinds.mla)
-            total += layer.kv_lora_rank + layer.qk_rope_head_dim
-            continue
-        heads = getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads
-        head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
-        total += 2 * heads * head_dim
-    return total * (torch.finfo(dtype).bits // 8)
+    try:
+        specs = layer_kinds(config)[1]
+    except NotImplementedError:  # layers the cache cannot hold: count every layer as full attention
+        specs = [kinds.FullAttentionSpec()] * len(layers)
+    ids = range(len(layers)) if layer_ids is None else layer_ids
+    size = torch.finfo(dtype).bits // 8
+    return sum(specs[i].bytes_per_token(layers[i], size) for i in ids if specs[i] is not None)
 
 
 def max_positions(config: PretrainedConfig) -> int | None:

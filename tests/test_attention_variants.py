@@ -136,6 +136,8 @@ def test_cache_holds_what_dynamic_cache_holds(name):
     slack = sum(len(PROMPTS) * BLOCK * sum(cache.storage.layer_bytes_per_token(i) for i in g["layers"]
                                            if i in cache.storage.key_pools) for g in stats["groups"])
     assert stats["bytes_used"] <= dynamic + slack, (stats["bytes_used"], dynamic)
+    per_token = hf_paged.model_info.kv_bytes_per_token(model.config, torch.float32)
+    assert per_token == sum(cache.storage.layer_bytes_per_token(i) for i in cache.storage.key_pools)
     if name == "gemma3n_text":
         assert sorted(cache.storage.key_pools) == [0, 1]  # the sharing layers 2 and 3 own no pools
     if name == "deepseek_v3":

@@ -42,5 +42,11 @@ class KVSpec:
             return None
         return -(-(self.window - 1) // block_size) + 2  # the window's blocks and a partial one at each end
 
+    def bytes_per_token(self, layer_config, dtype_bytes: int) -> int:
+        """Bytes one token of this layer takes in its blocks (K and V), from the layer's config."""
+        heads = getattr(layer_config, "num_key_value_heads", None) or layer_config.num_attention_heads
+        head_dim = getattr(layer_config, "head_dim", None) or layer_config.hidden_size // layer_config.num_attention_heads
+        return 2 * heads * head_dim * dtype_bytes
+
     def describe(self) -> str:
         return self.kind

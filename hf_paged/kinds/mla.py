@@ -31,6 +31,9 @@ class MLAAttentionSpec(KVSpec):
     qk_rope_head_dim: int
     kind = "mla"
 
+    def bytes_per_token(self, layer_config, dtype_bytes: int) -> int:
+        return (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes  # one latent, one rotary key
+
     def describe(self) -> str:
         return f"mla({self.kv_lora_rank}+{self.qk_rope_head_dim})"
 

@@ -31,5 +31,8 @@ class SharedKVSpec(KVSpec):
     def read_options(self) -> dict:
         return self.source_spec.read_options()
 
+    def bytes_per_token(self, layer_config, dtype_bytes: int) -> int:
+        return 0  # its source layer holds the K/V
+
     def describe(self) -> str:
         return f"shared(layer {self.source})"
