@@ -247,8 +247,13 @@ def _packed_attention(step: PackedStep, layer_idx: int, query, key, value, store
     Decode tokens (one per sequence) come first and go to the decode kernel; the rest (prefill
     chunks) to the varlen prefill kernel. Each sequence attends only to its own blocks. A
     KV-sharing layer (``stores`` False; ``layer_idx`` is its source layer) writes nothing and
-    reads its source's blocks.
+    reads its source's blocks. A batch of one-token rows (the decode forward of a model with
+    recurrent layers, :mod:`hf_paged.engine.model_runner`) is read as that packed row.
     """
+    if query.shape[0] > 1:  # [seqs, heads, 1, head_dim] -> [1, heads, seqs, head_dim], and back
+        out, _ = _packed_attention(step, layer_idx, query.transpose(0, 2), key.transpose(0, 2),
+                                   value.transpose(0, 2), stores, **kwargs)
+        return out.transpose(0, 1), None
     q = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
     meta = step.metadata_for(layer_idx, q.device)
     storage = step.storage

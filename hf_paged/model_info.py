@@ -65,6 +65,15 @@ def layer_kinds(config: PretrainedConfig) -> tuple[list[str], list[KVSpec | None
     return list(layer_types), kinds.layer_specs(config, list(layer_types), list(layer_kwargs))
 
 
+def state_kinds(config: PretrainedConfig) -> list[kinds.RecurrentStateSpec | None]:
+    """Per layer, its recurrent-state spec (None: no conv / recurrent state), derived the way
+    ``DynamicCache(config=...)`` derives its layers (see :mod:`hf_paged.kinds.recurrent`)."""
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    if isinstance(layer_kwargs, dict):  # transformers < 5.24: one dict for all layers
+        layer_kwargs = [layer_kwargs] * len(layer_types)
+    return kinds.state_specs(config, list(layer_types), list(layer_kwargs))
+
+
 def layer_structure(config: PretrainedConfig) -> tuple[list[str], list[int | None]]:
     """Per-layer (type, window): the tokens of the past each layer's cache keeps as ``DynamicCache``
     keeps them (a sliding window, a chunk size; None: all, or no K/V). See :func:`layer_kinds`."""

@@ -138,36 +138,35 @@ def layer_problem(config: PretrainedConfig, layer_types: list[str] | None = None
     return None
 
 
-def engine_problem(config: PretrainedConfig) -> str | None:
-    """Why ``LLMEngine`` cannot run ``config``'s layers though ``generate()`` can (None: it can).
-
-    Hybrid layers (linear attention, state-space, convolution; MLP-only layers beside them) keep a
-    state per sequence: an engine step's single packed row ``[1, total_tokens]`` of many sequences
-    would run them as one sequence. Their state is held in ``generate()``'s padded rows only.
-    """
+def state_only(config: PretrainedConfig) -> bool:
+    """Whether ``config``'s layers are all recurrent-state (or MLP-only) layers, at least one of
+    them stateful: a pure state-space model (Mamba, Mamba2, FalconMamba). Nothing to page, so
+    ``generate()`` refuses it; ``LLMEngine`` serves it with state slots (:mod:`hf_paged.kinds.recurrent`)."""
     try:
-        types = get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0]
+        types = set(get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0])
     except Exception:  # noqa: BLE001 - layer_problem judges configs without a layer structure
-        return None
-    hybrid = sorted(set(types) & set(state_layers.STATE_LAYER_TYPES) - set(state_layers.NO_CACHE_TYPES))
-    return f"hybrid layers ({', '.join(hybrid)})" if hybrid else None
+        return False
+    stateful = types & set(kinds.STATE_LAYER_TYPES)
+    return state_layers.STATE_API and bool(stateful) and types <= stateful | set(state_layers.NO_CACHE_TYPES)
 
 
 def check_engine_supported(model: PreTrainedModel) -> None:
-    """:func:`check_supported`, then ``ValueError`` for a model ``generate()`` pages but ``LLMEngine``
-    cannot run (its engine route, :func:`classify_routes`, names the reason)."""
-    check_supported(model)
-    engine = classify_routes(model).engine
-    if engine.supported:
+    """Raise unless ``LLMEngine`` can run ``model`` (its engine route, :func:`classify_routes`):
+    ``NotImplementedError`` where no route can (as :func:`check_supported`), ``ValueError`` for a
+    model only ``generate()`` pages. A pure state-space model runs in the engine alone."""
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"LLMEngine expects a transformers PreTrainedModel, got {type(model).__name__}")
+    routes = classify_routes(model)
+    if routes.engine.supported:
         return
+    if not routes.reference.supported:
+        check_supported(model)
     model_type = getattr(model.config, "model_type", type(model).__name__)
-    why = (" LLMEngine's packed steps would run many sequences through one recurrent/conv state."
-           if engine.kind == STATE_LAYERS else
-           " LLMEngine's packed steps read K/V through the 'hf_paged' attention function, which this model's "
-           "attention does not reach as it needs (see README, 'Supported models').")
     raise ValueError(
-        f"LLMEngine cannot run {type(model).__name__} (model type {model_type!r}): {engine}.{why} It is supported in "
-        "generate() with cache_implementation='hf_paged' (after hf_paged.enable(model)), on the reference route"
+        f"LLMEngine cannot run {type(model).__name__} (model type {model_type!r}): {routes.engine}. LLMEngine's packed "
+        "steps read K/V through the 'hf_paged' attention function, which this model's attention does not reach as it "
+        "needs (see README, 'Supported models'). It is supported in generate() with cache_implementation='hf_paged' "
+        "(after hf_paged.enable(model)), on the reference route"
     )
 
 
@@ -472,9 +471,13 @@ def reference_problem(model: PreTrainedModel, reference: PretrainedConfig | None
 def classify_routes(model: PreTrainedModel, reference: PretrainedConfig | None = None) -> Routes:
     """:class:`Routes` for ``model``: the reference route's rules (:func:`reference_problem`), then
     what the kernels and the engine need on top (:func:`classify_model`; MLA reads on the
-    reference route in generate(); hybrid layers are generate()-only)."""
+    reference route in generate()). Recurrent layers run in every route; a model of nothing but
+    recurrent layers has nothing to page and runs in the engine alone (:func:`state_only`)."""
     reference = reference if reference is not None else model.config
     problem = reference_problem(model, reference)
+    if problem is not None and problem.kind == NO_KV_CACHE and state_only(reference):
+        nothing = Support(NO_KV_CACHE, "a pure state-space model: no K/V to page (LLMEngine serves it with state slots)")
+        return Routes(nothing, nothing, Support(SUPPORTED))
     if problem is not None:
         return Routes(problem, problem, problem)
     strict = classify_model(model, reference)
@@ -484,8 +487,7 @@ def classify_routes(model: PreTrainedModel, reference: PretrainedConfig | None =
     if kinds.is_mla_config(reference.get_text_config(decoder=True)):
         kernels_route = Support(MLA_LATENT, "the model expands the cached latent after update; the kernels do not "
                                             "attend in latent space")
-    engine = engine_problem(reference)
-    return Routes(strict, kernels_route, Support(STATE_LAYERS, engine) if engine else strict)
+    return Routes(strict, kernels_route, strict)
 
 
 def own_cache_problem(model: PreTrainedModel) -> Support | None:
@@ -547,7 +549,7 @@ def kernel_route_problem(model: PreTrainedModel) -> Support | None:
 
 # ------------------------------------------------------------------------------- tiny configs
 _TINY = dict(
-    vocab_size=96, hidden_size=64, d_model=64, n_embd=64, intermediate_size=96, ffn_dim=96, n_inner=96,
+    vocab_size=96, hidden_size=64, d_model=64, n_groups=1, n_embd=64, intermediate_size=96, ffn_dim=96, n_inner=96,
     moe_intermediate_size=32, shared_expert_intermediate_size=32, moe_shared_expert_intermediate_size=32,
     num_attention_heads=4, n_head=4, n_heads=4, num_heads=4, num_key_value_heads=2, num_kv_heads=2, head_dim=16,
     max_position_embeddings=512, n_positions=512, n_ctx=512, sliding_window=8, sliding_window_size=8,
@@ -594,6 +596,8 @@ def tiny_config(config: PretrainedConfig) -> PretrainedConfig:
         kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", _TINY["num_attention_heads"])
     if kwargs.get("kv_lora_rank") is not None and "head_dim" in kwargs and kwargs.get("qk_rope_head_dim"):
         kwargs["head_dim"] = kwargs["qk_rope_head_dim"]  # MLA configs rotate head_dim = qk_rope_head_dim dims
+    if isinstance(values.get("expand"), int) and {"num_heads", "head_dim", "hidden_size"} <= kwargs.keys():
+        kwargs["expand"] = max(1, kwargs["num_heads"] * kwargs["head_dim"] // kwargs["hidden_size"])  # Mamba2's rule
     if values.get("use_cache") is False:  # MPT's default: generate() would cache (and so page) nothing
         kwargs["use_cache"] = True
     if "is_decoder" in values:  # BERT-style and Reformer causal LMs are decoders only with this set
@@ -643,8 +647,18 @@ class Entry:
 
     @property
     def generate_only(self) -> bool:
-        """generate() pages it, LLMEngine refuses it (hybrid layers, or attention the engine cannot read)."""
+        """generate() pages it, LLMEngine refuses it (attention the engine cannot read)."""
         return self.support.supported and not self.engine_support.supported
+
+    @property
+    def engine_only(self) -> bool:
+        """LLMEngine serves it, generate() has nothing to page (a pure state-space model)."""
+        return not self.support.supported and self.engine_support.supported
+
+    @property
+    def engine_tested(self) -> bool:
+        """LLMEngine serves it and tests/test_architectures.py runs it there (equal to stock)."""
+        return self.engine_support.supported and self.tiny and self.model_type not in UNTESTED
 
     @property
     def tested(self) -> bool:
@@ -680,12 +694,13 @@ def _model_class(model_type: str, class_name: str) -> tuple[type, type]:
     return cls, config_class
 
 
+_NO_ATTENTION_BY_DEFAULT = ("its default config has no attention layer: a pure state-space model, which generate() "
+                            "refuses (nothing to page) and LLMEngine serves")
 # Hybrid architectures whose tiny copy (2 layers, config defaults) would have no attention layer:
 # the layer pattern their tiny model gets instead, and what the table says about it.
 HYBRID_TINY_LAYERS = {
-    "bamba": (dict(attn_layer_indices=[1]), "its default config has no attention layer (nothing to page: refused)"),
-    "granitemoehybrid": (dict(layer_types=["linear_attention", "full_attention"]),
-                         "its default config has no attention layer (nothing to page: refused)"),
+    "bamba": (dict(attn_layer_indices=[1]), _NO_ATTENTION_BY_DEFAULT),
+    "granitemoehybrid": (dict(layer_types=["linear_attention", "full_attention"]), _NO_ATTENTION_BY_DEFAULT),
     "jamba": (dict(attn_layer_period=2, attn_layer_offset=1), ""),
     "zamba": (dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"]), ""),
     "zamba2": (dict(hybrid_layer_ids=[1], layers_block_type=["linear_attention", "hybrid"]), ""),
@@ -822,13 +837,16 @@ def markdown_table(entries: list[Entry]) -> str:
     kernels_ok = sum(e.support.supported and e.kernels_support.supported for e in entries)
     engine_ok = sum(e.support.supported and e.engine_support.supported for e in entries)
     engine_tested = sum(e.tested and e.engine_support.supported for e in entries)
+    engine_only = [e for e in entries if e.engine_only]
     lines = [
         f"{len(entries)} `*ForCausalLM` architectures in transformers {transformers_version()}: "
         f"**{tested} supported and tested** in generate(), {untested} supported but not tested, "
         f"{sum(refused.values())} refused ("
         + ", ".join(f"{kind}: {n}" for kind, n in sorted(refused.items(), key=lambda kv: (-kv[1], kv[0]))) + "). "
         f"Of the supported, {kernels_ok} are read by the kernels where Triton runs (the others take the reference "
-        f"route on every device) and {engine_ok} run in LLMEngine ({engine_tested} tested there).",
+        f"route on every device) and {engine_ok} run in LLMEngine ({engine_tested} tested there). "
+        f"LLMEngine also serves {len(engine_only)} pure state-space models that generate() refuses "
+        f"({sum(e.engine_tested for e in engine_only)} tested).",
         "",
         "| model type | class | generate(): reference route | generate(): kernel route | LLMEngine | why / notes |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -836,7 +854,8 @@ def markdown_table(entries: list[Entry]) -> str:
     for e in entries:
         if not e.support.supported:
             refusal = f"refused: {e.support.kind}"
-            lines.append(f"| {e.model_type} | {e.class_name} | {refusal} | {refusal} | {refusal} | "
+            engine = ("tested" if e.engine_tested else "supported, not tested") if e.engine_only else refusal
+            lines.append(f"| {e.model_type} | {e.class_name} | {refusal} | {refusal} | {engine} | "
                          f"{_cell(e.support.detail)} |")
             continue
         reference = "tested" if e.tested else "supported, not tested"

@@ -15,12 +15,14 @@ from collections.abc import Hashable, Sequence as Seq
 
 from hf_paged.block_manager import HOLE, BlockManager, NoFreeBlocksError
 from hf_paged.engine.sequence import Sequence
-from hf_paged.kinds import FullAttentionSpec
+from hf_paged.kinds import FullAttentionSpec, NoKVSpec
 from hf_paged.layer_groups import GroupedBlockManager, LayerGroup
 from hf_paged.prefix_index import PrefixIndex
+from hf_paged.state_slots import SlotPairs, StateSlotManager
 
 BlockPairs = list[tuple[int, int]]  # (source block, destination block)
 FULL_ATTENTION = (LayerGroup(FullAttentionSpec(), ()),)  # the layer groups of a model without sliding windows
+NO_KV = NoKVSpec()
 
 
 class KVCacheManager:
@@ -37,18 +39,26 @@ class KVCacheManager:
     their group's prefix index (as evictable) until their memory is reused, so a later request
     with the same prefix can adopt them. Exact by construction: a hit reads only blocks that hold
     the K/V of the same tokens after the same prefix.
+
+    Models with recurrent layers (:mod:`hf_paged.kinds.recurrent`) also give every sequence one
+    state slot (``num_state_slots``, :mod:`hf_paged.state_slots`): taken when its blocks are,
+    copied at a fork (settled after the step's frees, :meth:`settle_state_forks`), moved with its
+    blocks on a swap, freed with them. Such models run without prefix caching.
     """
 
     def __init__(self, block_size: int, num_blocks: int | Seq[int] | None, *, enable_prefix_caching: bool = True,
-                 swap_space_blocks: int | Seq[int] = 0, groups: Seq[LayerGroup] = FULL_ATTENTION):
+                 swap_space_blocks: int | Seq[int] = 0, groups: Seq[LayerGroup] = FULL_ATTENTION,
+                 num_state_slots: int = 0, swap_state_slots: int = 0):
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_prefix_caching = enable_prefix_caching and not num_state_slots
         self.groups = list(groups)
         self._device = GroupedBlockManager(block_size, num_blocks, self.groups,
-                                           enable_prefix_caching=enable_prefix_caching)
+                                           enable_prefix_caching=self.enable_prefix_caching)
         self._swap = GroupedBlockManager(block_size, swap_space_blocks, self.groups) if swap_space_blocks else None
         self.prefix = PrefixIndex(self._device)
         self._inflight: dict[Hashable, int] = {}  # key -> seq computing that block right now
+        self._states = StateSlotManager(num_state_slots) if num_state_slots else None
+        self._swap_states = StateSlotManager(swap_state_slots) if num_state_slots and swap_state_slots else None
 
     # ------------------------------------------------------------------ facts
     @property
@@ -80,6 +90,19 @@ class KVCacheManager:
     def holds(self, seq: Sequence) -> bool:
         return seq.seq_id in self._device
 
+    @property
+    def has_states(self) -> bool:
+        """Whether sequences hold recurrent-state slots beside their blocks."""
+        return self._states is not None
+
+    @property
+    def num_state_slots(self) -> int:
+        return self._states.num_slots if self._states else 0
+
+    def state_slot(self, seq: Sequence) -> int:
+        """The device state slot of a scheduled sequence (-1 for a model without recurrent layers)."""
+        return self._states.slot(seq.seq_id) if self._states else -1
+
     def stats(self) -> dict:
         """Block counts (device and swap space, summed over layer groups; each group's under
         ``"groups"``) and prefix-cache counters."""
@@ -90,11 +113,17 @@ class KVCacheManager:
              "blocks_shared": m.num_shared_blocks, "blocks_peak": m.blocks_peak}
             for g, m in zip(self.groups, self._blocks)
         ]
-        totals = {key: sum(g[key] for g in groups) for key in groups[0] if key not in ("kind", "layers", "window")}
+        keys = [key for key in groups[0] if key not in ("kind", "layers", "window")]
+        groups = [g for g in groups if g["kind"] != NO_KV.describe()]  # a state-only model's bookkeeping
+        totals = {key: sum(g[key] for g in groups) for key in keys}
+        states, swap_states = self._states, self._swap_states
         return {
             "block_size": self.block_size, **totals,
             "swap_blocks_total": sum(m.num_blocks for m in swap), "swap_blocks_used": sum(m.num_used_blocks for m in swap),
             "prefix_queried_tokens": self.prefix.queried_tokens, "prefix_hit_tokens": self.prefix.hit_tokens,
+            "state_slots_total": states.num_slots if states else 0, "state_slots_used": states.num_used if states else 0,
+            "state_slots_free": states.num_free if states else 0, "state_slots_peak": states.peak if states else 0,
+            "swap_state_slots_used": swap_states.num_used if swap_states else 0,
             "groups": groups,
         }
 
@@ -107,6 +136,10 @@ class KVCacheManager:
         """Register ``seq`` with every cached full block of its known tokens (all but the last,
         which must be computed to get logits) that all layer groups can serve. Returns the number
         of tokens found cached."""
+        if self._states is not None:
+            self._states.allocate(seq.seq_id)  # a state cannot be restored from cached blocks: no prefix hits
+            self._device.add_sequence(seq.seq_id)
+            return 0
         if not self.enable_prefix_caching:
             self._device.add_sequence(seq.seq_id)
             return 0
@@ -162,6 +195,13 @@ class KVCacheManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         self._device.fork(parent.seq_id, child.seq_id)
         self.prefix.fork(parent.seq_id, child.seq_id)
+        if self._states is not None:
+            self._states.fork(parent.seq_id, child.seq_id)
+
+    def settle_state_forks(self) -> SlotPairs:
+        """After a step's forks and frees: the children's state slots, as (parent slot, child slot)
+        copies that must run, all at once, before anything else touches the slots."""
+        return self._states.settle() if self._states is not None else []
 
     def free(self, seq: Sequence) -> None:
         """Give back a sequence's blocks, wherever they are (device or swap space)."""
@@ -172,6 +212,9 @@ class KVCacheManager:
             self._device.free(seq.seq_id)
         elif self._swap is not None and seq.seq_id in self._swap:
             self._swap.free(seq.seq_id)
+        for states in (self._states, self._swap_states):
+            if states is not None and seq.seq_id in states:
+                states.free(seq.seq_id)
 
     # ------------------------------------------------------------------ swapping
     @staticmethod
@@ -180,6 +223,8 @@ class KVCacheManager:
 
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
         if self._swap is None:
+            return False
+        if self._states is not None and (self._swap_states is None or self._swap_states.num_free < len(seqs)):
             return False
         return all(len(self._distinct(src, seqs)) <= dst.num_free_blocks
                    for src, dst in zip(self._blocks, self._swap.managers))
@@ -191,12 +236,32 @@ class KVCacheManager:
         return [self._move(seqs, src, dst) for src, dst in zip(self._blocks, self._swap.managers)]
 
     def can_swap_in(self, seqs: list[Sequence], reserve: int = 0) -> bool:
+        if self._states is not None and self._states.num_free < len(seqs):
+            return False
         return all(dst.growable or len(self._distinct(src, seqs)) + reserve <= dst.num_free_blocks
                    for src, dst in zip(self._swap.managers, self._blocks))
 
     def swap_in(self, seqs: list[Sequence]) -> list[BlockPairs]:
         """The reverse of :meth:`swap_out`: returns the (CPU block, device block) copies per group."""
         return [self._move(seqs, src, dst) for src, dst in zip(self._swap.managers, self._blocks)]
+
+    def swap_out_states(self, seqs: list[Sequence]) -> SlotPairs:
+        """With :meth:`swap_out`: the (device slot, CPU slot) copies of the sequences' states."""
+        return self._move_states(seqs, self._states, self._swap_states)
+
+    def swap_in_states(self, seqs: list[Sequence]) -> SlotPairs:
+        """With :meth:`swap_in`: the (CPU slot, device slot) copies of the sequences' states."""
+        return self._move_states(seqs, self._swap_states, self._states)
+
+    @staticmethod
+    def _move_states(seqs: list[Sequence], src: StateSlotManager | None, dst: StateSlotManager | None) -> SlotPairs:
+        if src is None:
+            return []
+        pairs = []
+        for s in seqs:
+            pairs.append((src.slot(s.seq_id), dst.allocate(s.seq_id)))
+            src.free(s.seq_id)
+        return pairs
 
     @classmethod
     def _move(cls, seqs: list[Sequence], src: BlockManager, dst: BlockManager) -> BlockPairs:
@@ -218,6 +283,13 @@ class KVCacheManager:
         self._device.check_invariants()
         if self._swap is not None:
             self._swap.check_invariants()
+        for states, blocks in ((self._states, self._device), (self._swap_states, self._swap)):
+            if states is not None:
+                states.check_invariants()
+                assert states.num_used == len(blocks.managers[0].sequences), "state slots and sequences disagree"
 
     def num_used_blocks(self) -> int:
         return self._device.num_used_blocks + (self._swap.num_used_blocks if self._swap else 0)
+
+    def num_used_state_slots(self) -> int:
+        return sum(s.num_used for s in (self._states, self._swap_states) if s is not None)

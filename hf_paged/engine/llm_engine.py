@@ -36,8 +36,11 @@ from hf_paged.engine.sequence import Request
 from hf_paged.engine.tensor_parallel import TensorParallelGroup, check_kv_heads, tp_size_of
 from hf_paged import prefix_snapshot
 from hf_paged.prefix_snapshot import SnapshotError
+from hf_paged.kinds import NoKVSpec
 from hf_paged.layer_groups import LayerGroup, layer_groups, sliding_cap, split_budget
-from hf_paged.model_info import check_engine_supported, eos_token_ids, kv_bytes_per_token, layer_kinds, max_positions
+from hf_paged.model_info import (cache_kwarg, check_engine_supported, eos_token_ids, kv_bytes_per_token, layer_kinds,
+                                 max_positions, state_kinds)
+from hf_paged.state_pool import StatePool, probe_state_shapes
 from hf_paged.storage import PagedKVStorage
 
 logger = logging.getLogger("hf_paged")
@@ -54,7 +57,12 @@ class LLMEngine:
             (``gpu_memory_utilization``); elsewhere from ``kv_cache_bytes`` or, without it, a pool
             that grows on demand (no preemption then).
         max_num_seqs / max_num_batched_tokens: per-step limits (sequences, tokens).
-        enable_prefix_caching: reuse cached full blocks of earlier prompts.
+        enable_prefix_caching: reuse cached full blocks of earlier prompts. ``None`` (default): on,
+            except for models with recurrent layers, whose state at a prefix's end no block holds
+            (an explicit True there is a ``ValueError``; ``stats()["prefix_caching"]`` says which).
+        num_state_slots: models with recurrent layers (Mamba, linear attention, convolutions): the
+            sequences whose states fit at once (default ``max_num_seqs``, fewer when a byte budget
+            cannot hold that many beside one block per slot). Running sequences never exceed it.
         preemption_mode: ``"recompute"`` or ``"swap"`` (to ``swap_space_blocks`` CPU blocks).
         max_consecutive_failures: failed steps in a row after which :attr:`healthy` is False (a
             step fails when its forward, block moves or processing raise, or when every logits
@@ -72,11 +80,12 @@ class LLMEngine:
 
     def __init__(
         self, model: PreTrainedModel, tokenizer: Any = None, *, block_size: int = 16, num_blocks: int | None = None,
-        max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+        max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool | None = None,
         preemption_mode: str = "recompute", swap_space_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None, max_consecutive_failures: int = 3,
+        num_state_slots: int | None = None,
     ):
-        check_engine_supported(model)  # generate()-only models (hybrid layers) are refused here
+        check_engine_supported(model)  # generate()-only models are refused here, naming why
         check_block_options(block_size, num_blocks)
         check_kv_heads(model.config, tp_size_of(model))
         self.tp = TensorParallelGroup.of(model)
@@ -94,17 +103,45 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = model.config.get_text_config(decoder=True)
         groups = layer_groups(layer_kinds(self.config)[1])
-        if num_blocks is None:
+        self.state_specs = state_kinds(self.config)
+        if self.tp and any(self.state_specs):
+            raise ValueError(f"tensor parallelism: {type(model).__name__} has recurrent layers, whose state slots "
+                             "LLMEngine does not split across ranks; run it with tensor_parallel_size=1")
+        self.prefix_caching_note: str | None = None  # why prefix caching is off, when the model rules it out
+        states = swap_states = None
+        if any(self.state_specs):
+            enable_prefix_caching = self._refuse_prefix_cache(enable_prefix_caching)
+            states = StatePool(probe_state_shapes(model, self.state_specs, cache_kwarg(model)), self.state_specs,
+                               1, model.device)  # sized below, once the budget is known
+            if not groups:  # a pure state-space model: one group without layers keeps the sequences' bookkeeping
+                groups, num_blocks = [LayerGroup(NoKVSpec(), ())], None
+            if num_state_slots is None:
+                num_state_slots = max_num_seqs
+        elif num_state_slots is not None:
+            raise ValueError(f"num_state_slots is for models with recurrent layers; {type(model).__name__} has none")
+        if num_state_slots is not None and (not isinstance(num_state_slots, int) or num_state_slots < 1):
+            raise ValueError(f"num_state_slots must be an int >= 1, got {num_state_slots!r}")
+        if num_blocks is None and (groups[0].layers or states):
             caps = [sliding_cap(g, block_size, max_num_seqs, max_num_batched_tokens) for g in groups]
-            num_blocks = self._derived_budget(block_size, groups, caps, gpu_memory_utilization, kv_cache_bytes)
+            per_slot = states.bytes_per_slot() if states else 0
+            num_blocks, num_state_slots = self._derived_budget(block_size, groups, caps, gpu_memory_utilization,
+                                                               kv_cache_bytes, per_slot, num_state_slots)
         if swap_space_blocks is None:
             swap_space_blocks = (num_blocks or 0) if preemption_mode == "swap" else 0
-        self.kv = KVCacheManager(block_size, num_blocks, enable_prefix_caching=enable_prefix_caching,
-                                 swap_space_blocks=swap_space_blocks, groups=groups)
+        swap_slots = num_state_slots if states and preemption_mode == "swap" else 0
+        if states:
+            states = StatePool(states.shapes, self.state_specs, num_state_slots, model.device)
+            swap_states = StatePool(states.shapes, self.state_specs, swap_slots, "cpu",
+                                    pin_memory=model.device.type == "cuda") if swap_slots else None
+        self.kv = KVCacheManager(block_size, num_blocks, enable_prefix_caching=enable_prefix_caching is not False,
+                                 swap_space_blocks=swap_space_blocks, groups=groups,
+                                 num_state_slots=num_state_slots or 0, swap_state_slots=swap_slots)
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   preemption_mode=preemption_mode)
+                                   preemption_mode=preemption_mode,
+                                   split_prompts=all(s.continues_chunks for s in self.state_specs if s))
         swap_storage = PagedKVStorage(block_size, device="cpu", pin_memory=model.device.type == "cuda")
-        self.runner = ModelRunner(model, PagedKVStorage(block_size), swap_storage, swap_space_blocks)
+        self.runner = ModelRunner(model, PagedKVStorage(block_size), swap_storage, swap_space_blocks, groups=groups,
+                                  states=states, swap_states=swap_states)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.max_positions = max_positions(self.config)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_positions)
@@ -118,19 +155,42 @@ class LLMEngine:
         self._held: list[RequestOutput] = []  # outputs of a step interrupted by a BaseException
 
     def _derived_budget(self, block_size: int, groups: list[LayerGroup], caps: list[int | None],
-                        utilization: float, kv_cache_bytes: int | None) -> list[int] | None:
+                        utilization: float, kv_cache_bytes: int | None, bytes_per_slot: int = 0,
+                        num_state_slots: int | None = None) -> tuple[list[int] | None, int | None]:
         """Blocks per layer-group pool that fit ``kv_cache_bytes``, or free CUDA memory; None: grow
         on demand. Sliding groups get no more than they can ever hold (``sliding_cap``): the rest
-        of the budget goes to the full-attention layers."""
+        of the budget goes to the full-attention layers. Recurrent state slots (``bytes_per_slot``
+        each) come out of the same budget first: as many of ``num_state_slots`` as leave every
+        slot's sequence at least one block of each group."""
         if kv_cache_bytes is None and self.model.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.model.device)
             kv_cache_bytes = int((total * utilization - (total - free)) * 0.9)  # 10% left for activations
         if kv_cache_bytes is None:
-            return None
+            return None, num_state_slots
         ranks = self.tp.size if self.tp else 1  # a rank holds its share of the heads
         per_block = [kv_bytes_per_token(self.config, self.model.dtype, g.layers) * block_size // ranks for g in groups]
+        if bytes_per_slot:
+            fits = kv_cache_bytes // (bytes_per_slot + sum(per_block))
+            if fits < 1:
+                raise ValueError(f"kv_cache_bytes={kv_cache_bytes} cannot hold one sequence's recurrent state "
+                                 f"({bytes_per_slot} bytes) and one block")
+            num_state_slots = min(num_state_slots, fits)
+            kv_cache_bytes -= num_state_slots * bytes_per_slot
+        if not any(per_block):  # no K/V at all (a pure state-space model): nothing else to budget
+            return None, num_state_slots
         budget = split_budget(kv_cache_bytes, per_block, caps)
-        return self.tp.agree_min(budget) if self.tp else budget  # ranks may see different free memory
+        return (self.tp.agree_min(budget) if self.tp else budget), num_state_slots  # ranks may see different memory
+
+    def _refuse_prefix_cache(self, enable_prefix_caching: bool | None) -> bool:
+        """Models with recurrent layers run without prefix caching: a cached prefix's blocks hold
+        its K/V, not the recurrent state at its end, so a hit could not restart the state there."""
+        self.prefix_caching_note = ("off: the model has recurrent layers, whose state at a prefix's end is not kept "
+                                 "(a hit could not restore it)")
+        if enable_prefix_caching:
+            raise ValueError(f"enable_prefix_caching=True: {type(self.model).__name__} has recurrent layers "
+                             "(Mamba / linear attention / convolutions), whose state at the end of a cached prefix "
+                             "no block holds; run it with enable_prefix_caching=False (or None)")
+        return False
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -483,13 +543,17 @@ class LLMEngine:
             "tokens_per_second": self._counters["generated_tokens"] / busy if busy else 0.0,
             "healthy": self.healthy, "failed_steps": self._counters["failed_steps"],
             "consecutive_failed_steps": self._counters["consecutive_failed_steps"],
+            "prefix_caching": self.kv.enable_prefix_caching,
+            "state_slots_total": kv["state_slots_total"], "state_slots_used": kv["state_slots_used"],
+            "state_slots_free": kv["state_slots_free"], "swap_state_slots_used": kv["swap_state_slots_used"],
+            "state_bytes_per_slot": self.runner.states.bytes_per_slot() if self.runner.states else 0,
             "tensor_parallel_size": self.tp.size if self.tp else 1,
             "kv_heads_per_rank": self._kv_heads // (self.tp.size if self.tp else 1),
         }
 
     @property
     def _kv_heads(self) -> int:
-        return getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+        return getattr(self.config, "num_key_value_heads", None) or getattr(self.config, "num_attention_heads", 0)
 
 
 class _NoProgress:

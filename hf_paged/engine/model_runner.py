@@ -5,6 +5,13 @@ per-sequence metadata (slot of each new token, block tables, context lengths, wh
 tokens end) to the ``hf_paged`` attention function, which writes the new K/V into their slots and
 attends per sequence. No padding, no dense mask. Logits are computed only at the last token of
 each sequence that needs a next token. The runner holds the K/V storage and decides nothing.
+
+Models with recurrent layers (:mod:`hf_paged.kinds.recurrent`) need each sequence in a batch row
+of its own, as transformers' mixers treat a row as one sequence: a step then runs the decoding
+sequences as one ``[num_decode, 1]`` batch (their states gathered from their slots in the
+:class:`~hf_paged.state_pool.StatePool`) and each prefill chunk as a ``[1, chunk]`` forward; the
+attention layers read the same blocks as in the packed layout. ``per_sequence`` turns this
+layout on for any model (to measure what it costs).
 """
 
 from __future__ import annotations
@@ -16,8 +23,9 @@ from hf_paged.attention import paged_call
 from hf_paged.channel import clear_active_cache, packed_forward
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.step_cache import PackedStepCache
-from hf_paged.layer_groups import layer_groups
+from hf_paged.layer_groups import LayerGroup, layer_groups
 from hf_paged.model_info import cache_kwarg, layer_kinds, takes_logits_to_keep
+from hf_paged.state_pool import StatePool
 from hf_paged.storage import PagedKVStorage
 
 
@@ -25,10 +33,13 @@ class ModelRunner:
     """Runs steps of ``model`` on the device pools in ``storage`` (and the CPU ``swap_storage``)."""
 
     def __init__(self, model: PreTrainedModel, storage: PagedKVStorage, swap_storage: PagedKVStorage,
-                 swap_space_blocks: int | list[int] = 0):
+                 swap_space_blocks: int | list[int] = 0, *, groups: list[LayerGroup] | None = None,
+                 states: StatePool | None = None, swap_states: StatePool | None = None):
         self.model, self.storage, self.swap_storage = model, storage, swap_storage
+        self.states, self.swap_states = states, swap_states
+        self.per_sequence = states is not None
         _, self.specs = layer_kinds(model.config.get_text_config(decoder=True))  # derived once: configs are slow
-        self.groups = layer_groups(self.specs)  # the KV cache manager's groups, in its order
+        self.groups = groups if groups is not None else layer_groups(self.specs)  # the KV cache manager's, in order
         self.swap_space_blocks = (list(swap_space_blocks) if isinstance(swap_space_blocks, (list, tuple))
                                   else [swap_space_blocks] * len(self.groups))  # per group
         self.device = model.device
@@ -40,26 +51,62 @@ class ModelRunner:
         """Run the step. Returns float32 logits ``[n, vocab]`` of the sequences with
         ``needs_logits``, in ``step.sequences`` order (None when nothing is computed)."""
         self._run_block_moves(step)
+        self._run_state_moves(step)
         if not step.sequences:
             return None
-        positions = torch.tensor([step.positions], device=self.device)
-        step_cache = PackedStepCache(self.specs, self.groups, self.storage, step, positions[0])
+        if not self.per_sequence:
+            return self._forward(step, rows=False)
+        return torch.cat([self._forward(part, rows) for part, rows in _row_parts(step)])
+
+    def _forward(self, step: SchedulerOutput, rows: bool) -> torch.Tensor:
+        """One forward: the packed row ``[1, tokens]``, or (``rows``) one decode token per batch row."""
+        shape = (-1, 1) if rows else (1, -1)
+        positions = torch.tensor(step.positions, device=self.device).view(shape)
+        step_cache = PackedStepCache(self.specs, self.groups, self.storage, step, positions.view(-1))
         forward = {
-            "input_ids": torch.tensor([step.input_ids], device=self.device),
+            "input_ids": torch.tensor(step.input_ids, device=self.device).view(shape),
             "position_ids": positions,
             self._cache_kwarg: step_cache,
             "use_cache": True,
         }
         keep_index = torch.tensor(step.logits_indices, dtype=torch.long, device=self.device)
+        if rows:  # every row is one decode token that needs its logits
+            keep_index = torch.zeros(1, dtype=torch.long, device=self.device)
         if self._logits_to_keep:
             forward["logits_to_keep"] = keep_index
+        state_layers, slots = None, None
+        if self.states is not None:
+            slots = torch.tensor(step.states.slots, dtype=torch.long, device=self.device)
+            state_layers = self.states.layers_for(slots, has_previous=step.sequences[0].start > 0)
+            for layer, held in state_layers.items():
+                step_cache.layers[layer] = held
         with packed_forward(), paged_call(self.model):
-            logits = self.model(**forward).logits[0]
+            logits = self.model(**forward).logits
         clear_active_cache()
-        if not self._logits_to_keep:
-            logits = logits.index_select(0, keep_index)
         step_cache.check_no_pending()
+        if state_layers is not None:
+            self.states.store(state_layers, slots)
+        if rows:
+            logits = logits[:, -1]
+            if len(step.logits_indices) < len(step.sequences):  # a 1-token chunk of a recompute needs none
+                keep = [i for i, s in enumerate(step.sequences) if s.needs_logits]
+                logits = logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))
+        else:
+            logits = logits[0]
+            if not self._logits_to_keep:
+                logits = logits.index_select(0, keep_index)
         return logits.float()
+
+    def _run_state_moves(self, step: SchedulerOutput) -> None:
+        """Fork copies (one simultaneous copy), then swaps out, then swaps in."""
+        moves = step.states
+        if moves is None or self.states is None:
+            return
+        self.states.copy_slots(moves.copies)
+        if moves.swap_out:
+            self.states.transfer(self.swap_states, moves.swap_out)
+        if moves.swap_in:
+            self.swap_states.transfer(self.states, moves.swap_in)
 
     def _run_block_moves(self, step: SchedulerOutput) -> None:
         """Per layer group: swaps out before swaps in before copy-on-write copies (the order the
@@ -72,3 +119,12 @@ class ModelRunner:
                 self.swap_storage.transfer(self.storage, list(blocks.swap_in), blocks.num_blocks, group.layers)
             self.storage.copy_blocks(list(blocks.block_copies), group.layers)
 
+
+
+def _row_parts(step: SchedulerOutput) -> list[tuple[SchedulerOutput, bool]]:
+    """A step as forwards that give each sequence a batch row of its own: the decoding sequences
+    (one token each, after a first one) together as rows, then each other sequence alone."""
+    continuing = next((i for i, s in enumerate(step.sequences) if s.num_tokens != 1 or s.start == 0),
+                      len(step.sequences))
+    parts = [(step.part(0, continuing), True)] if continuing else []
+    return parts + [(step.part(i, i + 1), False) for i in range(continuing, len(step.sequences))]

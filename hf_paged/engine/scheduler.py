@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hf_paged.engine.kv_cache_manager import BlockPairs, KVCacheManager
-from hf_paged.engine.scheduler_output import GroupBlocks, ScheduledSequence, SchedulerOutput
+from hf_paged.engine.scheduler_output import GroupBlocks, ScheduledSequence, SchedulerOutput, StateMoves
 from hf_paged.engine.sequence import Request, Sequence, Status
 from hf_paged.engine.step_result import FinishRequest, ForkSequence, FreeSequence, StepResult
 
@@ -34,6 +34,8 @@ class _StepPlan:
     copies: list[BlockPairs] = field(default_factory=list)  # per layer group
     swap_out: list[BlockPairs] = field(default_factory=list)
     swap_in: list[BlockPairs] = field(default_factory=list)
+    state_swap_out: BlockPairs = field(default_factory=list)  # (device slot, CPU slot)
+    state_swap_in: BlockPairs = field(default_factory=list)  # (CPU slot, device slot)
     moved: list[Request] = field(default_factory=list)  # requests swapped out or in by this step
 
     def __post_init__(self):
@@ -50,8 +52,13 @@ class _StepPlan:
 
 
 class Scheduler:
+    """``split_prompts`` False (models whose recurrent layers cannot continue a prefill from a
+    saved state, :mod:`hf_paged.kinds.recurrent`): a sequence's known tokens are computed in one
+    forward, in a step whose budget they fit (or, longer than the whole budget, over it)."""
+
     def __init__(
         self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int, preemption_mode: str,
+        split_prompts: bool = True,
     ):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
@@ -59,6 +66,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
+        self.split_prompts = split_prompts
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -66,6 +74,9 @@ class Scheduler:
         self.num_computed_prompt_tokens = 0
         self._scheduled: dict[int, Sequence] | None = None  # the last output's sequences until it is applied
         self._touched: list[Request] = []  # the last output's requests: scheduled, swapped out or in
+        self._state_copies: list[tuple[int, int]] = []  # forks settled by the last update, for the next step
+        self._forked: list[Request] = []  # their requests
+        self._request_of: dict[int, Request] = {}  # the last output's sequences' requests
 
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request) -> None:
@@ -93,6 +104,13 @@ class Scheduler:
     def _num_running_seqs(self) -> int:
         return sum(len(r.live_seqs) for r in self.running)
 
+    def _lacks_state_slots(self, request: Request) -> bool:
+        """Whether the running requests and ``request`` could need more state slots than there are
+        (each request as many as it will run sequences at once: forks take theirs later)."""
+        if not self.kv.has_states:
+            return False
+        return sum(self._width(r) for r in self.running) + self._width(request) > self.kv.num_state_slots
+
     @staticmethod
     def _width(request: Request) -> int:
         """Sequences the request will run at once (after its prompt forks)."""
@@ -107,7 +125,11 @@ class Scheduler:
         """
         work = []
         for seq in request.live_seqs:
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = seq.num_tokens - seq.num_computed_tokens
+            if self.split_prompts or n <= 1:
+                n = min(n, budget)
+            elif n > budget and n <= self.max_num_batched_tokens:
+                n = 0  # whole or not at all: a later step has room (one longer than any budget runs over it)
             if n > 0:
                 work.append((seq, n))
                 budget -= n
@@ -156,12 +178,13 @@ class Scheduler:
         while self.swapped and budget > 0:
             request = self.swapped[0]
             seqs = request.live_seqs
-            if self._num_running_seqs() + len(seqs) > self.max_num_seqs:
+            if self._num_running_seqs() + len(seqs) > self.max_num_seqs or self._lacks_state_slots(request):
                 break
             if not self.kv.can_swap_in(seqs, reserve=len(seqs)):
                 break
             self.swapped.popleft()
             plan.extend(plan.swap_in, self.kv.swap_in(seqs))
+            plan.state_swap_in += self.kv.swap_in_states(seqs)
             plan.moved.append(request)
             request.status = Status.RUNNING
             self.running.append(request)
@@ -178,6 +201,13 @@ class Scheduler:
             request = self.waiting[0]
             if self._num_running_seqs() + self._width(request) > self.max_num_seqs and self.running:
                 break
+            if self._lacks_state_slots(request):
+                if self.running or self.swapped:
+                    break
+                self.waiting.popleft()
+                plan.rejected.append((request, f"the request runs {self._width(request)} sequences at once, and the "
+                                               f"engine has {self.kv.num_state_slots} recurrent-state slots"))
+                continue
             seqs = request.live_seqs
             for seq in seqs:
                 if not self.kv.holds(seq):
@@ -208,6 +238,7 @@ class Scheduler:
         self.running.remove(request)
         seqs = request.live_seqs
         if self.preemption_mode == "swap" and self.kv.can_swap_out(seqs):
+            plan.state_swap_out += self.kv.swap_out_states(seqs)  # (before swap_out frees the sequences)
             plan.extend(plan.swap_out, self.kv.swap_out(seqs))
             plan.moved.append(request)
             request.status = Status.SWAPPED
@@ -226,12 +257,13 @@ class Scheduler:
         decode = sorted((w for w in plan.work if w[2] == 1), key=lambda w: -w[1].num_computed_tokens)
         ordered = decode + [w for w in plan.work if w[2] > 1]
         bs, num_groups = self.kv.block_size, len(self.kv.groups)
-        sequences, ids, positions = [], [], []
+        sequences, ids, positions, state_slots = [], [], [], []
         slots, tables = [[] for _ in range(num_groups)], [[] for _ in range(num_groups)]
         for request, seq, n in ordered:
             start = seq.num_computed_tokens
             span = range(start, start + n)
             sequences.append(ScheduledSequence(request.request_id, seq.seq_id, start, n, start + n == seq.num_tokens))
+            state_slots.append(self.kv.state_slot(seq))
             ids += seq.token_ids[start : start + n]
             positions += span
             for g in range(num_groups):
@@ -242,34 +274,46 @@ class Scheduler:
                 self.num_computed_prompt_tokens += min(n, seq.num_prompt_tokens - start)
             seq.num_computed_tokens = start + n
         self._scheduled = {seq.seq_id: seq for _, seq, _ in ordered}
-        self._touched = list({id(r): r for r in [r for r, _, _ in ordered] + plan.moved}.values())
+        self._request_of = {seq.seq_id: request for request, seq, _ in ordered}
+        self._touched = list({id(r): r for r in [r for r, _, _ in ordered] + plan.moved + self._forked}.values())
         groups = tuple(
             GroupBlocks(slot_mapping=tuple(slots[g]), block_tables=tuple(tables[g]), num_blocks=self.kv.pool_sizes[g],
                         block_copies=tuple(plan.copies[g]), swap_out=tuple(plan.swap_out[g]),
                         swap_in=tuple(plan.swap_in[g]))
             for g in range(num_groups)
         )
+        states = None
+        if self.kv.has_states:
+            states = StateMoves(slots=tuple(state_slots), copies=tuple(self._state_copies),
+                                swap_out=tuple(plan.state_swap_out), swap_in=tuple(plan.state_swap_in))
+        self._state_copies, self._forked = [], []
         return SchedulerOutput(
             sequences=tuple(sequences), input_ids=tuple(ids), positions=tuple(positions), groups=groups,
-            rejected=tuple((request.request_id, why) for request, why in plan.rejected),
+            rejected=tuple((request.request_id, why) for request, why in plan.rejected), states=states,
         )
 
     def update_from_output(self, output: SchedulerOutput, result: StepResult) -> None:
         """Apply a step's outcome to KV memory: newly full blocks enter the prefix cache (except
         those of requests that failed in the step), then the forks, frees and finished requests
         the output processor decided, in its order."""
+        request_of = self._request_of
         scheduled = self._close_step()
         for seq in output.sequences:
             if seq.request_id not in result.failed:
                 self.kv.cache_full_blocks(scheduled[seq.seq_id])
+        forked = {}
         for update in result.updates:
             match update:
                 case ForkSequence(parent, child):
                     self.kv.fork(parent, child)
+                    if parent.seq_id in request_of:
+                        forked[id(request_of[parent.seq_id])] = request_of[parent.seq_id]
                 case FreeSequence(seq):
                     self.kv.free(seq)
                 case FinishRequest(request):
                     self.finish_request(request)
+        self._state_copies = self.kv.settle_state_forks()  # after the frees: a beam step forks, then frees
+        self._forked = list(forked.values()) if self._state_copies else []
 
     def abandon(self, output: SchedulerOutput) -> list[Request]:
         """Close a step that failed before its outcome was known (the forward, a block move or a

@@ -42,6 +42,21 @@ class GroupBlocks:
 
 
 @dataclass(frozen=True)
+class StateMoves:
+    """Recurrent-state slots of a step (models with recurrent layers, :mod:`hf_paged.state_slots`).
+
+    ``slots`` holds each scheduled sequence's device slot (in ``sequences`` order). Before the
+    forward, storage runs ``copies`` (forks settled by the last step: one simultaneous copy),
+    then ``swap_out`` (device slot → CPU slot) and ``swap_in`` (CPU slot → device slot).
+    """
+
+    slots: tuple[int, ...] = ()
+    copies: tuple[tuple[int, int], ...] = ()
+    swap_out: tuple[tuple[int, int], ...] = ()
+    swap_in: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """Everything one step runs, in forward order.
 
@@ -56,6 +71,19 @@ class SchedulerOutput:
     positions: tuple[int, ...] = ()
     groups: tuple[GroupBlocks, ...] = (GroupBlocks(),)
     rejected: tuple[tuple[str, str], ...] = ()  # (request_id, why): requests that can never fit
+    states: StateMoves | None = None  # models with recurrent layers
+
+    def part(self, lo: int, hi: int) -> SchedulerOutput:
+        """The forward of sequences ``lo .. hi - 1`` alone (no block or state moves: those run once,
+        before the step's first forward). A model with recurrent layers runs a step as several
+        such forwards, each sequence in its own batch row (:mod:`hf_paged.engine.model_runner`)."""
+        counts = [s.num_tokens for s in self.sequences]
+        t0, t1 = sum(counts[:lo]), sum(counts[:hi])
+        groups = tuple(GroupBlocks(slot_mapping=g.slot_mapping[t0:t1], block_tables=g.block_tables[lo:hi],
+                                   num_blocks=g.num_blocks) for g in self.groups)
+        states = None if self.states is None else StateMoves(slots=self.states.slots[lo:hi])
+        return SchedulerOutput(sequences=self.sequences[lo:hi], input_ids=self.input_ids[t0:t1],
+                               positions=self.positions[t0:t1], groups=groups, states=states)
 
     @property
     def slot_mapping(self) -> tuple[int, ...]:

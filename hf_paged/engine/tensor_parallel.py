@@ -51,8 +51,10 @@ def check_kv_heads(config: PretrainedConfig, size: int) -> None:
         raise ValueError(
             f"tensor parallelism is not supported for MLA models ({type(config).__name__}): their cache holds one "
             "latent head per token that every rank would need whole (hf_paged.kinds.mla); run them on one rank")
+    if size <= 1:
+        return
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    if size > 1 and (heads % size or config.num_attention_heads % size):
+    if heads % size or config.num_attention_heads % size:
         raise ValueError(
             f"tensor-parallel size {size} does not divide the model's heads (num_key_value_heads={heads}, "
             f"num_attention_heads={config.num_attention_heads}): each rank must hold whole K/V heads; "

@@ -6,7 +6,9 @@ the read needs (a window, a chunk start). Adding a kind is adding a module here 
 :data:`LAYER_TYPE_SPECS` (vLLM V1's anchor: ``kv_cache_interface.py``).
 
 Layers transformers' cache holds no K/V for (linear-attention, state-space and convolution
-state, MLP-only layers) have no spec (``None``); their state is :mod:`hf_paged.state_layers`'.
+state, MLP-only layers) have no K/V spec (``None``). Their recurrent state is one more kind,
+:class:`RecurrentStateSpec` (:mod:`hf_paged.kinds.recurrent`: one state slot per sequence in
+the engine; in ``generate()`` transformers' own cache layers, :mod:`hf_paged.state_layers`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from hf_paged.kinds.base import KVSpec
 from hf_paged.kinds.chunked import ChunkedLocalAttentionSpec
 from hf_paged.kinds.full import FullAttentionSpec
 from hf_paged.kinds.mla import MLAAttentionSpec, is_mla_config
+from hf_paged.kinds.recurrent import STATE_LAYER_TYPES, NoKVSpec, RecurrentStateSpec, state_specs
 from hf_paged.kinds.shared import SharedKVSpec
 from hf_paged.kinds.sliding import SlidingWindowSpec
 
 __all__ = ["KVSpec", "FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec", "SharedKVSpec",
-           "MLAAttentionSpec", "LAYER_TYPE_SPECS", "spec_for_layer_type", "layer_specs", "is_mla_config"]
+           "MLAAttentionSpec", "RecurrentStateSpec", "NoKVSpec", "STATE_LAYER_TYPES", "LAYER_TYPE_SPECS", "spec_for_layer_type",
+           "layer_specs", "state_specs", "is_mla_config"]
 
 #: transformers layer type -> its spec, from ``get_layer_types_and_kwargs``'s per-layer kwargs.
 LAYER_TYPE_SPECS: dict[str, Callable[[dict], KVSpec]] = {
