@@ -5,14 +5,13 @@ one, so both have the same weights. Outputs must be identical (``torch.equal``, 
 sequences and scores, greedy on a left-padded batch, seeded sampling with three samples per
 prompt, beam search with four beams, at blocks of 16 and of 1 token. The cache's batch operations
 are checked against a ``DynamicCache`` of the same model, a negative control shows the comparison
-catches a state that beam search did not reorder, and the engine refuses these models.
+catches a state that beam search did not reorder. (The engine serves them: tests/test_engine_hybrid.py.)
 """
 
 from __future__ import annotations
 
 import copy
 import gc
-import re
 import warnings
 
 import pytest
@@ -270,15 +269,6 @@ def test_assisted_decoding_is_refused_as_stock_refuses_it_or_matches_stock(pairs
 
 
 # ---------------------------------------------------------------------- the engine
-@pytest.mark.parametrize("name", MODELS)
-def test_llm_engine_refuses_hybrid_models(pairs, name):
-    stock, _ = pairs[name]
-    model_type = stock.config.model_type
-    with pytest.raises(ValueError, match=rf"{re.escape(type(stock).__name__)}.*{model_type}.*generate\(\)"):
-        hf_paged.LLMEngine(stock, block_size=4)
-    hf_paged.model_info.check_supported(stock)  # generate() accepts it
-
-
 # ---------------------------------------------------------------------- the kernel route
 @pytest.mark.parametrize("name", MODELS)
 def test_the_kernel_route_equals_stock(pairs, name):

@@ -15,7 +15,7 @@ import pytest
 from hf_paged.engine.kv_cache_manager import KVCacheManager
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.scheduler import Scheduler
-from hf_paged.engine.scheduler_output import SchedulerOutput
+from hf_paged.engine.scheduler_output import SchedulerOutput, StateMoves
 from hf_paged.engine.sequence import Request, Status
 from hf_paged.engine.step_result import FinishRequest, ForkSequence, FreeSequence, StepResult
 
@@ -140,7 +140,9 @@ def test_scheduler_output_is_immutable_plain_data():
     with pytest.raises(dataclasses.FrozenInstanceError):
         out.sequences[0].num_tokens = 99
     for f in dataclasses.fields(out):
-        assert isinstance(getattr(out, f.name), (tuple, int)), f.name
+        assert isinstance(getattr(out, f.name), (tuple, int, StateMoves)), f.name
+    for f in dataclasses.fields(out.states):
+        assert isinstance(getattr(out.states, f.name), tuple), f.name
     hash(out.sequences)  # tuples of frozen records all the way down: nothing can be changed in place
 
 

@@ -54,7 +54,10 @@ class KVCacheManager:
         self.groups = list(groups)
         self._device = GroupedBlockManager(block_size, num_blocks, self.groups,
                                            enable_prefix_caching=self.enable_prefix_caching)
-        self._swap = GroupedBlockManager(block_size, swap_space_blocks, self.groups) if swap_space_blocks else None
+        if swap_state_slots and all(g.spec == NO_KV for g in self.groups):
+            swap_space_blocks = None  # no K/V: the swap space's bookkeeping grows as the device's does
+        swap_space = swap_space_blocks is None or swap_space_blocks
+        self._swap = GroupedBlockManager(block_size, swap_space_blocks, self.groups) if swap_space else None
         self.prefix = PrefixIndex(self._device)
         self._inflight: dict[Hashable, int] = {}  # key -> seq computing that block right now
         self._states = StateSlotManager(num_state_slots) if num_state_slots else None

@@ -100,7 +100,7 @@ class ModelRunner:
     def _run_state_moves(self, step: SchedulerOutput) -> None:
         """Fork copies (one simultaneous copy), then swaps out, then swaps in."""
         moves = step.states
-        if moves is None or self.states is None:
+        if self.states is None:
             return
         self.states.copy_slots(moves.copies)
         if moves.swap_out:

@@ -282,7 +282,7 @@ class Scheduler:
                         swap_in=tuple(plan.swap_in[g]))
             for g in range(num_groups)
         )
-        states = None
+        states = StateMoves()
         if self.kv.has_states:
             states = StateMoves(slots=tuple(state_slots), copies=tuple(self._state_copies),
                                 swap_out=tuple(plan.state_swap_out), swap_in=tuple(plan.state_swap_in))

@@ -71,7 +71,7 @@ class SchedulerOutput:
     positions: tuple[int, ...] = ()
     groups: tuple[GroupBlocks, ...] = (GroupBlocks(),)
     rejected: tuple[tuple[str, str], ...] = ()  # (request_id, why): requests that can never fit
-    states: StateMoves | None = None  # models with recurrent layers
+    states: StateMoves = StateMoves()  # models with recurrent layers (empty otherwise)
 
     def part(self, lo: int, hi: int) -> SchedulerOutput:
         """The forward of sequences ``lo .. hi - 1`` alone (no block or state moves: those run once,
@@ -81,7 +81,7 @@ class SchedulerOutput:
         t0, t1 = sum(counts[:lo]), sum(counts[:hi])
         groups = tuple(GroupBlocks(slot_mapping=g.slot_mapping[t0:t1], block_tables=g.block_tables[lo:hi],
                                    num_blocks=g.num_blocks) for g in self.groups)
-        states = None if self.states is None else StateMoves(slots=self.states.slots[lo:hi])
+        states = StateMoves(slots=self.states.slots[lo:hi])
         return SchedulerOutput(sequences=self.sequences[lo:hi], input_ids=self.input_ids[t0:t1],
                                positions=self.positions[t0:t1], groups=groups, states=states)
 

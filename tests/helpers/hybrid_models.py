@@ -48,6 +48,11 @@ HYBRIDS = list(CONFIGS)
 def build_hybrid(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> transformers.PreTrainedModel:
     """A tiny model of ``name`` (a key of :data:`CONFIGS`) in ``dtype``, eval mode, EOS off."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=dtype).eval()
+    options = {"experts_implementation": "eager"} if dtype == torch.float64 else {}  # grouped_mm has no float64
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=dtype, **options).eval()
+    if name == "jamba":  # a slowly decaying state, so that what a chunk inherits matters at test lengths
+        for module in model.modules():
+            if hasattr(module, "A_log"):
+                module.A_log.data.fill_(-4.0)
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = PAD, None
     return model
