@@ -10,9 +10,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -113,6 +115,18 @@ def _model_name(model, args) -> str:
     from hf_paged.demo import describe_model
 
     return args.model if args.model else describe_model(model)
+
+
+def engine_memory_line(engine) -> str:
+    """What the engine keeps per sequence, and what bounds it (the server's startup line)."""
+    stats = engine.stats()
+    line = (f"KV blocks of {engine.kv.block_size} tokens" if engine.kv.stats()["groups"] else
+            "no K/V (a pure state-space model: --num-blocks and --block-size do not apply)")
+    if stats["state_slots_total"]:
+        line += (f"; recurrent state: {stats['state_slots_total']} slots of {_human(stats['state_bytes_per_slot'])}, "
+                 f"so at most {stats['state_slots_total']} sequences run at once (--num-state-slots)")
+    caching = "on" if stats["prefix_caching"] else (engine.prefix_caching_note or "off")
+    return f"{line}; prefix caching {caching}"
 
 
 def _human(n: float) -> str:
@@ -238,6 +252,15 @@ def bench(args) -> int:
     """Side-by-side benchmarks on the same model and requests (see hf_paged/bench)."""
     from hf_paged import bench as suite
 
+    if args.section == "hybrid":  # its own models (a Qwen3.5-like hybrid and an attention-only twin)
+        from hf_paged.bench import hybrid
+
+        results = hybrid.run(num_requests=args.num_requests, scale=args.scale, batch_size=args.batch_size,
+                             rounds=1 if args.quick else min(args.repeats, 3))
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_hybrid.json").write_text(json.dumps(results, indent=1, default=str))
+        return 0
     model, _ = load(args)
     suite.run(model, num_requests=args.num_requests, scale=args.scale, batch_size=args.batch_size,
               out_dir=args.out, block_size=args.block_size, num_blocks=args.num_blocks or 4096, quick=args.quick,
@@ -265,7 +288,7 @@ def serve(args) -> int:
     model, tokenizer = load_split(args) if "RANK" in os.environ else load(args)
     engine = LLMEngine(model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_consecutive_failures=args.max_consecutive_failures)
+                       max_consecutive_failures=args.max_consecutive_failures, num_state_slots=args.num_state_slots)
     if engine.tp and not engine.tp.is_driver:
         engine.run_worker()  # until rank 0's server stops
         return 0
@@ -276,6 +299,7 @@ def serve(args) -> int:
     model_kind = _model_name(model, args)
     print(f"hf-paged serve: {model_kind} as '{settings.model_name}' on http://{args.host}:{args.port}/v1 "
           f"(API key {'required' if api_key else 'not required'})", flush=True)
+    print(f"hf-paged serve: {engine_memory_line(engine)}", flush=True)
     try:
         return server.run(build_app(engine, settings), args.host, args.port, api_key)
     finally:
@@ -304,12 +328,16 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="benchmarks/out", help="where JSON and plots go")
     b.add_argument("--quick", action="store_true", help="skip the Poisson-rate sweep; one round offline")
     b.add_argument("--repeats", type=int, default=5, help="offline rounds (median reported)")
+    b.add_argument("--section", choices=("all", "hybrid"), default="all",
+                   help="all: the suite on --model; hybrid: hybrid models in the engine (hf_paged/bench/hybrid.py)")
     s = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/...)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N processes on this machine (tp_plan='auto', gloo/NCCL)")
     s.add_argument("--max-num-seqs", type=int, default=256, help="sequences per engine step")
+    s.add_argument("--num-state-slots", type=int, default=None,
+                   help="models with recurrent layers: sequences whose state is held at once (default: --max-num-seqs)")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
     s.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond which new ones get 503")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $HF_PAGED_API_KEY)")

@@ -129,6 +129,11 @@ def test_every_architecture_is_tested_or_refused_with_a_reason(model_type):
             assert engine.kind in str(refused.value) and entry.generate_only
         else:
             assert _engine_tokens(model, inputs) == _stock_tokens(model, inputs), f"{model_type}: LLMEngine differs"
+    elif entry.engine_tested and entry.engine_only:  # a pure state-space model: the engine serves it
+        model, _, inputs = _varied_model(entry)
+        with pytest.raises(NotImplementedError, match=re.escape(type(model).__name__)):
+            hf_paged.enable(model)
+        assert _engine_tokens(model, inputs) == _stock_tokens(model, inputs), f"{model_type}: LLMEngine differs"
     elif entry.support.supported:
         assert entry.note, f"{model_type} is supported but not tested, and the table does not say why"
     else:
@@ -159,10 +164,13 @@ def test_the_classification_covers_the_mapping_and_the_known_cases():
     for composite in ("gemma3", "gemma4", "fuyu"):  # text-only through a composite class
         assert found[composite].tested, found[composite].support
     assert found["gemma3n"].support.supported if state_layers.STATE_API else found["gemma3n"].support.kind == model_support.KV_SHARING
-    if state_layers.STATE_API:  # hybrid models: generate() pages them, LLMEngine refuses them
-        for hybrid in ("qwen3_next", "qwen3_5_text", "falcon_h1", "bamba", "jamba", "nemotron_h", "zamba2"):
-            assert found[hybrid].tested and found[hybrid].generate_only, found[hybrid]
-        assert found["mamba"].support.kind == model_support.NO_KV_CACHE  # state layers only: nothing to page
+    if state_layers.STATE_API:  # hybrid models: generate() pages them, LLMEngine serves them too
+        for hybrid in ("qwen3_next", "qwen3_5_text", "falcon_h1", "bamba", "jamba", "nemotron_h", "zamba2",
+                       "granitemoehybrid", "lfm2"):
+            assert found[hybrid].tested and found[hybrid].engine_support.supported, found[hybrid]
+        for pure in ("mamba", "mamba2", "falcon_mamba"):  # state layers only: nothing to page; the engine serves them
+            assert found[pure].support.kind == model_support.NO_KV_CACHE and found[pure].engine_only, found[pure]
+            assert found[pure].engine_tested, found[pure]
     else:
         assert found["qwen3_next"].support.kind == model_support.STATE_LAYERS
     assert found["bart"].support.kind == model_support.CROSS_ATTENTION

@@ -152,11 +152,14 @@ def workload_is_online(workload: Workload) -> bool:
 
 
 @torch.inference_mode()
-def engine_run(model, workload: Workload, **engine_kwargs) -> RunResult:
-    """``LLMEngine`` with requests added as they arrive (simulated clock, see the module doc)."""
+def engine_run(model, workload: Workload, per_sequence: bool = False, **engine_kwargs) -> RunResult:
+    """``LLMEngine`` with requests added as they arrive (simulated clock, see the module doc).
+    ``per_sequence``: run the steps in the row layout of models with recurrent layers (each
+    sequence its own batch row, :mod:`hf_paged.engine.model_runner`), to measure what it costs."""
     from hf_paged import LLMEngine, SamplingParams
 
     engine = LLMEngine(model, **engine_kwargs)
+    engine.runner.per_sequence = engine.runner.per_sequence or per_sequence
     reqs = sorted(enumerate(workload.requests), key=lambda x: x[1].arrival)
     clock, start_wall, nxt = 0.0, time.perf_counter(), 0
     ids: dict[str, int] = {}

@@ -23,6 +23,7 @@ from hf_paged.attention import paged_call
 from hf_paged.channel import clear_active_cache, packed_forward
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.step_cache import PackedStepCache
+from hf_paged.kinds import MLAAttentionSpec
 from hf_paged.layer_groups import LayerGroup, layer_groups
 from hf_paged.model_info import cache_kwarg, layer_kinds, takes_logits_to_keep
 from hf_paged.state_pool import StatePool
@@ -40,6 +41,9 @@ class ModelRunner:
         self.per_sequence = states is not None
         _, self.specs = layer_kinds(model.config.get_text_config(decoder=True))  # derived once: configs are slow
         self.groups = groups if groups is not None else layer_groups(self.specs)  # the KV cache manager's, in order
+        # MLA layers return each sequence's whole latent context from update: rows of unequal
+        # contexts cannot share a batch, so such models run every sequence alone in this layout
+        self._batch_rows = not any(isinstance(spec, MLAAttentionSpec) for spec in self.specs)
         self.swap_space_blocks = (list(swap_space_blocks) if isinstance(swap_space_blocks, (list, tuple))
                                   else [swap_space_blocks] * len(self.groups))  # per group
         self.device = model.device
@@ -56,7 +60,7 @@ class ModelRunner:
             return None
         if not self.per_sequence:
             return self._forward(step, rows=False)
-        return torch.cat([self._forward(part, rows) for part, rows in _row_parts(step)])
+        return torch.cat([self._forward(part, rows) for part, rows in _row_parts(step, self._batch_rows)])
 
     def _forward(self, step: SchedulerOutput, rows: bool) -> torch.Tensor:
         """One forward: the packed row ``[1, tokens]``, or (``rows``) one decode token per batch row."""
@@ -86,16 +90,17 @@ class ModelRunner:
         step_cache.check_no_pending()
         if state_layers is not None:
             self.states.store(state_layers, slots)
-        if rows:
-            logits = logits[:, -1]
-            if len(step.logits_indices) < len(step.sequences):  # a 1-token chunk of a recompute needs none
-                keep = [i for i, s in enumerate(step.sequences) if s.needs_logits]
-                logits = logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))
-        else:
-            logits = logits[0]
-            if not self._logits_to_keep:
-                logits = logits.index_select(0, keep_index)
-        return logits.float()
+        return self._kept(logits, step, rows, keep_index).float()
+
+    def _kept(self, logits: torch.Tensor, step: SchedulerOutput, rows: bool, keep_index: torch.Tensor) -> torch.Tensor:
+        """The logits of the sequences with ``needs_logits``, one row each."""
+        if not rows:
+            return logits[0] if self._logits_to_keep else logits[0].index_select(0, keep_index)
+        logits = logits[:, -1]
+        if len(step.logits_indices) < len(step.sequences):  # a 1-token chunk of a recompute needs none
+            keep = [i for i, s in enumerate(step.sequences) if s.needs_logits]
+            logits = logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))
+        return logits
 
     def _run_state_moves(self, step: SchedulerOutput) -> None:
         """Fork copies (one simultaneous copy), then swaps out, then swaps in."""
@@ -120,11 +125,11 @@ class ModelRunner:
             self.storage.copy_blocks(list(blocks.block_copies), group.layers)
 
 
-
-def _row_parts(step: SchedulerOutput) -> list[tuple[SchedulerOutput, bool]]:
+def _row_parts(step: SchedulerOutput, batch_rows: bool = True) -> list[tuple[SchedulerOutput, bool]]:
     """A step as forwards that give each sequence a batch row of its own: the decoding sequences
-    (one token each, after a first one) together as rows, then each other sequence alone."""
-    continuing = next((i for i, s in enumerate(step.sequences) if s.num_tokens != 1 or s.start == 0),
+    (one token each, after a first one) together as rows (unless not ``batch_rows``), then each
+    other sequence alone."""
+    continuing = next((i for i, s in enumerate(step.sequences) if s.num_tokens != 1 or s.start == 0 or not batch_rows),
                       len(step.sequences))
     parts = [(step.part(0, continuing), True)] if continuing else []
     return parts + [(step.part(i, i + 1), False) for i in range(continuing, len(step.sequences))]

@@ -1,6 +1,6 @@
 """Prometheus text for ``/metrics``: the engine's own counters plus latencies the server measures.
 
-The engine reports its queues, KV blocks, prefix-cache hits, preemptions and tokens
+The engine reports its queues, KV blocks, state slots, prefix-cache hits, preemptions and tokens
 (``LLMEngine.stats()``); time to first token and inter-token latency are measured by the engine
 loop as outputs come out of each step, so they include scheduling but not HTTP. Written by hand
 (the format is a few lines) to keep ``prometheus_client`` out of the dependencies.
@@ -25,6 +25,9 @@ _ENGINE_METRICS = {
     "blocks_free": ("kv_blocks_free", "gauge", "KV blocks that can be handed out (free or evictable cached)."),
     "blocks_cached": ("kv_blocks_cached", "gauge", "KV blocks registered in the prefix cache (held or evictable)."),
     "swap_blocks_used": ("kv_swap_blocks_used", "gauge", "CPU swap blocks in use."),
+    "state_slots_total": ("state_slots_total", "gauge", "Recurrent-state slots (models with recurrent layers; 0 else)."),
+    "state_slots_used": ("state_slots_used", "gauge", "Recurrent-state slots held by sequences."),
+    "state_slots_free": ("state_slots_free", "gauge", "Recurrent-state slots that can be handed out."),
     "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "gauge", "Prompt tokens found in the prefix cache / looked up."),
     "prefix_cache_queried_tokens": ("prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up."),
     "prefix_cache_hit_tokens": ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens found cached."),
