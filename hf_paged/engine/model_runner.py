@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 
 from hf_paged.attention import paged_call
 from hf_paged.channel import clear_active_cache, packed_forward
+from hf_paged.engine.cpu_linear import onednn_linears
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.step_cache import PackedStepCache
 from hf_paged.kinds import MLAAttentionSpec
@@ -49,6 +50,7 @@ class ModelRunner:
         self.device = model.device
         self._cache_kwarg = cache_kwarg(model)
         self._logits_to_keep = takes_logits_to_keep(model)
+        self.onednn_linears = True  # float32 CPU linears through oneDNN (hf_paged.engine.cpu_linear)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor | None:
@@ -84,7 +86,7 @@ class ModelRunner:
             state_layers = self.states.layers_for(slots, has_previous=step.sequences[0].start > 0)
             for layer, held in state_layers.items():
                 step_cache.layers[layer] = held
-        with packed_forward(), paged_call(self.model):
+        with packed_forward(), paged_call(self.model), onednn_linears(self.model, self.onednn_linears):
             logits = self.model(**forward).logits
         clear_active_cache()
         step_cache.check_no_pending()

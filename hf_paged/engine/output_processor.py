@@ -186,17 +186,18 @@ class OutputProcessor:
 
     def _advance_plain_greedy(self, plain: list[tuple[Request, Sequence, int]], logits: torch.Tensor,
                               outcome: _Outcome) -> None:
-        """All plain greedy rows of a step at once: one argmax and one log-softmax for the batch."""
+        """All plain greedy rows of a step at once: one argmax for the batch (no log-softmax: these
+        requests asked for no log-probabilities)."""
         if not plain:
             return
-        rows = logits[torch.tensor([r for _, _, r in plain], device=logits.device)]
-        tokens = rows.argmax(-1)
-        chosen = torch.log_softmax(rows, -1).gather(1, tokens[:, None])[:, 0]
-        for (request, seq, _), token, logprob in zip(plain, tokens.tolist(), chosen.tolist()):
-            self._guarded(request, outcome, self._append_plain, request, seq, token, logprob, outcome)
+        rows = [r for _, _, r in plain]
+        if rows != list(range(len(logits))):
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        for (request, seq, _), token in zip(plain, sampler.argmax_rows(logits).tolist()):
+            self._guarded(request, outcome, self._append_plain, request, seq, token, outcome)
 
-    def _append_plain(self, request: Request, seq: Sequence, token: int, logprob: float, outcome: _Outcome) -> None:
-        self._append(request, seq, token, logprob, outcome)
+    def _append_plain(self, request: Request, seq: Sequence, token: int, outcome: _Outcome) -> None:
+        self._append(request, seq, token, None, outcome)
         if not request.live_seqs:
             outcome.add(request, FinishRequest(request))
 
@@ -216,7 +217,7 @@ class OutputProcessor:
         processed = sampler.process(logits, params, seq.token_ids, len(seq.output_token_ids), self.eos_token_ids)
         width = params.n if not request.forked else 1
         tokens = sampler.choose(processed, params, request.generator, width)
-        raw = torch.log_softmax(logits, -1)
+        raw = torch.log_softmax(logits, -1) if params.logprobs is not None else None
         if not request.forked:  # the prompt's one sequence becomes n samples sharing its blocks
             request.forked = True
             children = [seq] + [seq.fork(i) for i in range(1, width)]
@@ -226,14 +227,15 @@ class OutputProcessor:
         else:
             children = [seq]
         for child, token in zip(children, tokens):
-            self._append(request, child, token, float(raw[token]), outcome, raw)
+            self._append(request, child, token, None if raw is None else float(raw[token]), outcome, raw)
 
-    def _append(self, request: Request, seq: Sequence, token: int, logprob: float, outcome: _Outcome,
+    def _append(self, request: Request, seq: Sequence, token: int, logprob: float | None, outcome: _Outcome,
                 raw_logprobs: torch.Tensor | None = None) -> None:
+        """``logprob`` (and ``raw_logprobs``) only for requests that asked for log-probabilities."""
         params = request.params
         seq.token_ids.append(token)
-        seq.cumulative_logprob += logprob
-        if params.logprobs is not None:
+        if logprob is not None:
+            seq.cumulative_logprob += logprob
             seq.logprobs = (seq.logprobs or []) + [sampler.top_logprobs(raw_logprobs, token, params.logprobs)]
         outcome.generated[request.request_id] += 1
         generated = len(seq.output_token_ids)
@@ -303,11 +305,12 @@ class OutputProcessor:
         """What ``request`` has produced so far (all of it, not a delta). ``with_text=False``: no
         decoding (for a request whose decoding failed)."""
         seqs = sorted(request.seqs + request.finished_seqs, key=lambda s: s.index)
+        scored = request.params.logprobs is not None or request.params.beam_search  # else None, as in vLLM
         outputs = [
             CompletionOutput(
                 index=s.index, token_ids=s.output_token_ids, text=self._text(s) if with_text else s.text,
                 finish_reason=s.finish_reason,
-                cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs,
+                cumulative_logprob=s.cumulative_logprob if scored else None, logprobs=s.logprobs,
             )
             for s in seqs
         ]

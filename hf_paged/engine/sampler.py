@@ -3,7 +3,8 @@ frequency, OpenAI's, over the output only), temperature, top-k/top-p/min-p, seed
 
 Each request samples with its own ``torch.Generator`` when it has a seed, row by row in a fixed
 order, so its tokens do not depend on what else is in the batch. Greedy rows (temperature 0)
-take the argmax. Log-probabilities reported are those of the raw model distribution.
+take the argmax. Log-probabilities reported are those of the raw model distribution; they are
+computed only for requests that ask for them (as in vLLM, ``cumulative_logprob`` is None otherwise).
 """
 
 from __future__ import annotations
@@ -53,6 +54,26 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     probs = logits.softmax(-1)
     draws = torch.multinomial(probs.expand(num_samples, -1), 1, generator=generator)
     return draws[:, 0].tolist()
+
+
+ARGMAX_CHUNK = 128
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` of a 2D float tensor without NaN (first maximum on ties), in two cheap
+    passes: the max of each chunk of ``ARGMAX_CHUNK`` columns (``amax`` is vectorized on CPU, torch's
+    ``argmax`` is not: 0.1 ms against 1.8 ms for 64 x 32000 on one core), then the argmax inside the
+    first chunk holding the row's max."""
+    rows, vocab = logits.shape
+    whole = vocab // ARGMAX_CHUNK
+    if whole < 2 or not logits.is_contiguous():
+        return logits.argmax(-1)
+    coarse = logits[:, : whole * ARGMAX_CHUNK].view(rows, whole, ARGMAX_CHUNK).amax(-1)
+    if vocab % ARGMAX_CHUNK:
+        coarse = torch.cat([coarse, logits[:, whole * ARGMAX_CHUNK:].amax(-1, keepdim=True)], dim=1)
+    first = coarse.argmax(-1)  # the first chunk whose max is the row's max holds the first maximum
+    columns = (first[:, None] * ARGMAX_CHUNK + torch.arange(ARGMAX_CHUNK, device=logits.device)).clamp_(max=vocab - 1)
+    return columns.gather(1, logits.gather(1, columns).argmax(-1, keepdim=True))[:, 0]
 
 
 def top_logprobs(raw_logprobs: torch.Tensor, token: int, k: int) -> dict[int, float]:

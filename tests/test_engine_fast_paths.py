@@ -1,0 +1,94 @@
+"""The engine's fast paths (issue 22): the two-pass argmax, log-probabilities only when asked for,
+and oneDNN linears switched on for engine forwards only."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_paged import LLMEngine, SamplingParams
+from hf_paged.engine import cpu_linear, sampler
+from tests.helpers.tiny_models import VOCAB, build
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build("llama")
+
+
+PROMPTS = [[5, 6, 7, 8, 9], list(range(3, 40)), [11] * 20]
+
+
+@pytest.mark.parametrize("vocab", [32000, 32001, 259, 256, 200, 50])
+def test_argmax_rows_equals_torch_argmax_with_ties_and_tails(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(40, vocab, generator=g)
+    logits[1] = 1.0  # every column ties: the first wins
+    logits[2, vocab - 1] = 99.0  # the maximum in the last (partial) chunk
+    logits[3, 5] = logits[3, vocab - 2] = 99.0  # a tie across chunks
+    logits[4] = float("-inf")
+    logits[4, vocab // 2] = 0.0
+    logits[5] = torch.randint(0, 3, (vocab,), generator=g).float()  # many ties in many chunks
+    assert torch.equal(sampler.argmax_rows(logits), logits.argmax(-1))
+
+
+def test_argmax_rows_negative_control_the_last_maximum_is_not_the_first():
+    logits = torch.zeros(1, 1000)
+    logits[0, 10] = logits[0, 900] = 1.0
+    assert int(sampler.argmax_rows(logits)) == 10
+    assert int(logits.flip(-1).argmax(-1)) != 989, "a wrong tie rule would have been caught above"
+
+
+def test_log_probabilities_only_when_asked_for(model):
+    engine = LLMEngine(model, block_size=4)
+    plain, sampled, scored, beams = engine.generate(PROMPTS[:1] * 4, [
+        SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True),
+        SamplingParams(max_new_tokens=5, temperature=0.8, seed=1, ignore_eos=True),
+        SamplingParams(max_new_tokens=5, temperature=0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_new_tokens=5, num_beams=2, temperature=0, ignore_eos=True),
+    ], use_tqdm=False)
+    assert plain.outputs[0].cumulative_logprob is None and sampled.outputs[0].cumulative_logprob is None
+    lp = scored.outputs[0]
+    assert lp.cumulative_logprob == pytest.approx(sum(d[t] for d, t in zip(lp.logprobs, lp.token_ids)))
+    assert beams.outputs[0].cumulative_logprob is not None  # the beam score
+    assert plain.outputs[0].token_ids == lp.token_ids
+    assert engine.kv.num_used_blocks() == 0
+
+
+def test_onednn_linears_run_in_engine_steps_only(model):
+    """Inside an engine forward the float32 linears are oneDNN's; afterwards the model is stock
+    again, bit for bit (generate()'s scores equal a stock copy's)."""
+    if not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN linear")
+    stock = copy.deepcopy(model)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    seen = []
+    hook = linears[-1].register_forward_pre_hook(lambda m, args: seen.append("forward" in m.__dict__))
+    try:
+        engine = LLMEngine(model, block_size=4)
+        outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True),
+                               use_tqdm=False)
+    finally:
+        hook.remove()
+    assert seen and all(seen), "engine forwards did not switch to oneDNN"
+    assert not any("forward" in m.__dict__ for m in linears), "a linear stayed switched after the step"
+    ids = torch.tensor([PROMPTS[1]])
+    kwargs = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    ours, theirs = model.generate(ids, **kwargs), stock.generate(ids, **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(ours.scores, theirs.scores))
+    assert [o.outputs[0].token_ids for o in outs] == [
+        stock.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
+
+
+def test_negative_control_onednn_changes_bits_so_a_leftover_switch_would_be_seen():
+    if not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN linear")
+    g = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(256, VOCAB * 8, bias=False)
+    x = torch.randn(64, 256, generator=g)
+    with cpu_linear.onednn_linears(layer):
+        switched = layer(x)
+    assert not torch.equal(switched, layer(x)), "oneDNN gave sgemm's bits: the test above could not see a leftover"
+    torch.testing.assert_close(switched, layer(x))
