@@ -274,11 +274,62 @@ def _packed_attention(step: PackedStep, layer_idx: int, query, key, value, store
     elif nd:
         parts.append(kernels.paged_attention_decode(
             q[:nd].contiguous(), k_pool, v_pool, tables[:nd], lens[:nd], scale, **options))
-    if q.shape[0] > nd:
+    if q.shape[0] > nd and stores and not q.is_cuda and not triton and not _has_span_options(options):
+        parts.append(_prefill_by_sdpa(query[0, :, nd:], key[0, :, nd:], value[0, :, nd:], k_pool, v_pool,
+                                      tables[nd:], meta.cu_seqlens_q, lens[nd:], scale, options.get("sliding_window")))
+    elif q.shape[0] > nd:
         parts.append(kernels.paged_attention_prefill(
             q[nd:].contiguous(), k_pool, v_pool, tables[nd:], meta.cu_seqlens_q, lens[nd:], scale, **options))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    out = parts[0] if len(parts) == 1 else torch.cat([p.to(query.dtype) for p in parts])
     return out.to(query.dtype)[None], None
+
+
+def _has_span_options(options: dict) -> bool:
+    """Whether a read needs more than causal attention in a sliding window (a chunk, softcap or sinks)."""
+    return any(options.get(name) is not None for name in ("chunk_size", "softcap", "sinks"))
+
+
+def _prefill_by_sdpa(query, key, value, k_pool, v_pool, tables, cu_seqlens_q, context_lens, scale,
+                     sliding_window: int | None = None):
+    """CPU prefill for an engine step, one SDPA call per sequence in the model's dtype, made as stock
+    transformers' ``sdpa_attention_forward`` makes it for one unpadded prompt: a chunk with no past
+    attends over its own new keys (no gather) with ``is_causal`` and grouped heads, or, when a
+    sliding window shorter than the prompt needs a mask, with the causal window mask and repeated
+    K/V heads; a chunk after a past attends over its gathered context with a causal (window) mask.
+    So a prompt's attention has stock's bits whatever else the step holds: in bfloat16 and float16
+    the float32 reference's rounding differs from SDPA's in the last bit, which flips greedy tokens.
+
+    ``query`` ``[heads, tokens, head_dim]``, ``key``/``value`` ``[kv_heads, tokens, head_dim]`` (the
+    packed row's prefill part); returns ``[tokens, heads, head_dim]``."""
+    cu, lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    heads, tokens, _ = query.shape
+    out = query.new_empty(tokens, heads, value.shape[-1])
+    block_size = k_pool.shape[1]
+    for i, ctx in enumerate(lens):
+        q0, q1 = cu[i], cu[i + 1]
+        n = q1 - q0
+        if n == 0:
+            continue
+        if n == ctx:  # the whole sequence is new: its keys are this step's
+            k, v = key[None, :, q0:q1], value[None, :, q0:q1]
+        else:
+            blocks = tables[i, : -(-ctx // block_size)].long()
+            k = k_pool[blocks].flatten(0, 1)[:ctx].transpose(0, 1)[None].to(query.dtype)
+            v = v_pool[blocks].flatten(0, 1)[:ctx].transpose(0, 1)[None].to(query.dtype)
+        mask = None
+        if n != ctx or (sliding_window and ctx >= sliding_window):  # stock skips the mask only below the window
+            q_pos = torch.arange(ctx - n, ctx, device=query.device)[:, None]
+            k_pos = torch.arange(ctx, device=query.device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window:
+                mask &= k_pos > q_pos - sliding_window
+        groups = heads // k.shape[1]
+        if mask is not None and groups > 1:  # with a mask stock repeats K/V heads rather than grouping
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out[q0:q1] = torch.nn.functional.scaled_dot_product_attention(
+            query[None, :, q0:q1], k, v, attn_mask=mask, is_causal=mask is None and n > 1, scale=scale,
+            enable_gqa=k.shape[1] != heads)[0].transpose(0, 1)
+    return out
 
 
 def _latent_context_attention(step: PackedStep, layer_idx: int, query, key, value, **kwargs):

@@ -92,3 +92,33 @@ def test_negative_control_onednn_changes_bits_so_a_leftover_switch_would_be_seen
         switched = layer(x)
     assert not torch.equal(switched, layer(x)), "oneDNN gave sgemm's bits: the test above could not see a leftover"
     torch.testing.assert_close(switched, layer(x))
+
+
+class _CountingTokenizer:
+    """The demo tokenizer, counting decodes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decodes = tokenizer, 0
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def decode(self, *args, **kwargs):
+        self.decodes += 1
+        return self.tokenizer.decode(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_unfinished_outputs_are_decoded_by_their_reader_not_by_the_step(model):
+    from hf_paged.demo import byte_tokenizer
+
+    counting = _CountingTokenizer(byte_tokenizer())
+    engine = LLMEngine(model, counting, block_size=4)
+    engine.add_request(PROMPTS[1], SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))
+    partial = []
+    while engine.has_unfinished_requests():
+        partial += [o for o in engine.step() if not o.finished]
+    assert len(partial) == 5 and counting.decodes == 1, "the steps decoded unfinished outputs"  # the final text only
+    texts = [o.outputs[0].text for o in partial]
+    assert counting.decodes == 6 and texts == [counting.tokenizer.decode(o.outputs[0].token_ids) for o in partial]
+    assert [o.outputs[0].text for o in partial] == texts and counting.decodes == 6, "decoded again on a second read"

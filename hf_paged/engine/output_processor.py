@@ -296,24 +296,29 @@ class OutputProcessor:
                 request.finished_seqs.append(seq)
 
     # ------------------------------------------------------------------ outputs
-    def _text(self, seq: Sequence) -> str:
-        if seq.text or self.tokenizer is None:
-            return seq.text
-        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+    def _decoder(self, token_ids: list[int]) -> Callable[[], str]:
+        tokenizer = self.tokenizer
+        return lambda: tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def request_output(self, request: Request, with_text: bool = True) -> RequestOutput:
         """What ``request`` has produced so far (all of it, not a delta). ``with_text=False``: no
         decoding (for a request whose decoding failed)."""
         seqs = sorted(request.seqs + request.finished_seqs, key=lambda s: s.index)
         scored = request.params.logprobs is not None or request.params.beam_search  # else None, as in vLLM
-        outputs = [
-            CompletionOutput(
-                index=s.index, token_ids=s.output_token_ids, text=self._text(s) if with_text else s.text,
-                finish_reason=s.finish_reason,
+        outputs = []
+        for s in seqs:
+            token_ids = s.output_token_ids
+            text, decode = s.text, None
+            if with_text and not text and self.tokenizer is not None and token_ids:
+                if s.is_finished:  # decoded here, once, so that a tokenizer fault fails this request
+                    text = s.text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+                else:  # decoded by whoever reads it (the server never does), not on the engine thread
+                    decode = self._decoder(token_ids)
+            outputs.append(CompletionOutput(
+                index=s.index, token_ids=token_ids, text=text, finish_reason=s.finish_reason,
                 cumulative_logprob=s.cumulative_logprob if scored else None, logprobs=s.logprobs,
-            )
-            for s in seqs
-        ]
+                decode=decode,
+            ))
         return RequestOutput(
             request.request_id, request.prompt_token_ids, outputs, finished=request.is_finished,
             prompt=request.prompt, error=request.error, error_kind=request.error_kind,

@@ -2,26 +2,54 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 REJECTED = "rejected"  # RequestOutput.error_kind: the request can never be served by this engine
 FAULT = "fault"  # RequestOutput.error_kind: the engine failed while serving the request
 
 
-@dataclass
 class CompletionOutput:
-    """One completion of a request (one of its ``n`` samples or beams)."""
+    """One completion of a request (one of its ``n`` samples or beams).
 
-    index: int
-    token_ids: list[int]
-    text: str = ""
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    ``text`` may be given as a function that decodes it (``decode``): the engine hands outputs out
+    every step, and decoding every running sequence's whole text there would cost the engine thread
+    O(length) per token for text most readers never look at (the server detokenizes incrementally on
+    its own threads). The first read of ``text`` decodes, on the reader's thread, once."""
+
+    __slots__ = ("index", "token_ids", "_text", "_decode", "finish_reason", "cumulative_logprob", "logprobs")
+
+    def __init__(self, index: int, token_ids: list[int], text: str = "", finish_reason: str | None = None,
+                 cumulative_logprob: float | None = None, logprobs: list[dict[int, float]] | None = None, *,
+                 decode: Callable[[], str] | None = None):
+        self.index, self.token_ids, self.finish_reason = index, token_ids, finish_reason
+        self.cumulative_logprob, self.logprobs = cumulative_logprob, logprobs
+        self._text, self._decode = text, decode
+
+    @property
+    def text(self) -> str:
+        if self._decode is not None:
+            self._text, self._decode = self._decode(), None
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text, self._decode = value, None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def _fields(self) -> tuple:
+        return (self.index, self.token_ids, self.text, self.finish_reason, self.cumulative_logprob, self.logprobs)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CompletionOutput) and self._fields() == other._fields()
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index}, token_ids={self.token_ids}, text={self.text!r}, "
+                f"finish_reason={self.finish_reason!r}, cumulative_logprob={self.cumulative_logprob}, "
+                f"logprobs={self.logprobs})")
 
 
 @dataclass

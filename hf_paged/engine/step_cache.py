@@ -64,14 +64,17 @@ class PackedStepCache(PackedStep):
 
         Built once per step and shared by all layers: on CPU one gather and one fused SDPA call per
         group replace a per-sequence loop, and groups keep short sequences from paying for the
-        longest one's padding."""
+        longest one's padding. In float16 and bfloat16 a group holds sequences of one length only:
+        SDPA's rounding there depends on how far a row is padded (masked keys change its blocking),
+        so padding would make a sequence's tokens depend on the batch it ran in."""
         key = (self._group_of[layer_idx], window, dtype, chunk_size)
         if key not in self._decode_groups:
             meta = self._group_metadata(key[0])
             lens = meta.context_lens[: meta.num_decode].long()
             bs = self.storage.block_size
             groups = []
-            for lo, hi in split_by_length(lens.tolist()):
+            exact = dtype in (torch.float16, torch.bfloat16)
+            for lo, hi in (equal_runs if exact else split_by_length)(lens.tolist()):
                 longest = int(lens[lo])
                 first = max(0, int(lens[hi - 1]) - window) if window else 0
                 if chunk_size:
@@ -154,6 +157,16 @@ def split_by_length(lengths: list[int], overhead: int = GROUP_OVERHEAD_SLOTS) ->
         return [(0, len(lengths))]
     head = split_by_length(lengths[:cut], overhead)
     return head + [(lo + cut, hi + cut) for lo, hi in split_by_length(lengths[cut:], overhead)]
+
+
+def equal_runs(lengths: list[int]) -> list[tuple[int, int]]:
+    """``lengths`` (sorted) as contiguous groups ``[lo, hi)`` of equal values: no padding at all."""
+    runs, lo = [], 0
+    for i in range(1, len(lengths) + 1):
+        if i == len(lengths) or lengths[i] != lengths[lo]:
+            runs.append((lo, i))
+            lo = i
+    return runs
 
 
 def step_metadata(step: SchedulerOutput, group: int) -> AttentionMetadata:
