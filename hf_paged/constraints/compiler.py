@@ -30,7 +30,7 @@ from typing import Any
 
 from hf_paged.constraints.params import MAX_JSON_WHITESPACE, StructuredOutputsParams
 from hf_paged.constraints.schema import ENFORCED
-from hf_paged.constraints.utf8 import SurrogateGuard
+from hf_paged.constraints.utf8 import Utf8Guard
 
 DEFAULT_TIMEOUT_S = 10.0
 MAX_GRAMMAR_BYTES = 64 * 2**20
@@ -88,7 +88,7 @@ class ConstraintCompiler:
         self.timeout_s, self.cache_size, self.max_grammar_bytes = timeout_s, cache_size, max_grammar_bytes
         self._lock = threading.Lock()
         self._backend = None  # xgrammar.GrammarCompiler, built on the first compile (off the caller's thread)
-        self._guard: SurrogateGuard | None = None
+        self._guard: Utf8Guard | None = None
         self._cache: OrderedDict[tuple, Any] = OrderedDict()  # key -> CompiledGrammar or ConstraintError
         self._pending: dict[tuple, Future] = {}
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="hf-paged-grammar")
@@ -172,11 +172,11 @@ class ConstraintCompiler:
                 info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
                 self._backend = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
                 width = xgr.get_bitmask_shape(1, self.vocab_size)[1]
-                self._guard = SurrogateGuard(list(info.decoded_vocab), width)
+                self._guard = Utf8Guard(list(info.decoded_vocab), width)
             return self._backend
 
     @property
-    def guard(self) -> SurrogateGuard:
+    def guard(self) -> Utf8Guard:
         """What a filled bitmask must still clear (valid only once something compiled)."""
         if self._guard is None:
             self._compiler()
@@ -234,7 +234,7 @@ def json_safe(schema: dict) -> dict:
         is_string = types == "string" or (isinstance(types, list) and "string" in types)
         bounded = "minLength" in node or "maxLength" in node
         if is_string and bounded and "pattern" not in node and "format" not in node:
-            low, high = node.get("minLength", 0), node.get("maxLength", "")
+            low, high = node.pop("minLength", 0), node.pop("maxLength", "")  # a pattern wins over them anyway
             node["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{low},{high}}}$'
         for keyword, kind in ENFORCED.items():
             value = node.get(keyword)

@@ -106,6 +106,9 @@ def _check_keyword(node: dict, keyword: str, value: Any, path: str) -> None:
         raise UnsupportedSchemaError("$ref", path, f"only references inside the schema ('#/...') resolve, got {value!r}")
     elif keyword == "required":
         _check_required(node, value, path)
+    elif keyword in ("minLength", "maxLength") and ("pattern" in node or "format" in node):
+        raise UnsupportedSchemaError(keyword, path, "not enforced beside pattern or format (the pattern alone "
+                                                    "is); write the length into the pattern")
 
 
 def _check_required(node: dict, required: Any, path: str) -> None:
