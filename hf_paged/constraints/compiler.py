@@ -114,7 +114,7 @@ class ConstraintCompiler:
                 self.stats["cache_hits"] += 1
                 return _done(found)
             future = self._pending.get(params.key)
-            if future is None:
+            if future is None or future.cancelled():
                 future = self._pending[params.key] = self._pool.submit(self._compile_and_keep, params)
             return future
 
