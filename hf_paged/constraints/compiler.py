@@ -29,7 +29,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from hf_paged.constraints.params import MAX_JSON_WHITESPACE, StructuredOutputsParams
-from hf_paged.constraints.schema import ENFORCED
 from hf_paged.constraints.utf8 import Utf8Guard
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -145,10 +144,8 @@ class ConstraintCompiler:
         backend = self._compiler()
         kind = params.kind
         if kind in ("json", "json_object"):
-            schema = json_safe(params.json) if kind == "json" else {"type": "object"}
-            compact = params.disable_any_whitespace
-            grammar = backend.compile_json_schema(schema, any_whitespace=not compact, strict_mode=True,
-                                                  max_whitespace_cnt=None if compact else MAX_JSON_WHITESPACE)
+            schema = params.json if kind == "json" else {"type": "object"}
+            grammar = backend.compile_grammar(json_grammar(schema, params.disable_any_whitespace))
         elif kind == "regex":
             grammar = backend.compile_regex(params.regex)
         elif kind == "choice":
@@ -214,47 +211,38 @@ def _clean(err: Exception) -> str:
     return " ".join(line for line in lines if line) or type(err).__name__
 
 
-def json_safe(schema: dict) -> dict:
-    """``schema`` with every length-bounded string given a pattern of plain characters.
+_LOOSE_CHARACTERS = r'[^\"\\\r\n]'  # what xgrammar 0.2.8 writes for a length-bounded string's characters
+_JSON_CHARACTERS = r'[^\0-\x1f\"\\]'  # what a JSON string may hold unescaped
 
-    xgrammar 0.2.8 matches a string with ``minLength``/``maxLength`` (and no ``pattern`` or
-    ``format``) as any characters but ``"``, ``\\`` and newlines: raw control characters (a tab,
-    U+0001) pass, which is not valid JSON. The same bounds as a pattern over characters that
-    need no escaping keep the length limits and produce valid JSON."""
-    schema = copy.deepcopy(schema)
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack += node
-            continue
-        if not isinstance(node, dict):
-            continue
-        types = node.get("type")
-        is_string = types == "string" or (isinstance(types, list) and "string" in types)
-        bounded = "minLength" in node or "maxLength" in node
-        if is_string and bounded and "pattern" not in node and "format" not in node:
-            low, high = node.pop("minLength", 0), node.pop("maxLength", "")  # a pattern wins over them anyway
-            node["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{low},{high}}}$'
-        for keyword, kind in ENFORCED.items():
-            value = node.get(keyword)
-            if kind == "map" and isinstance(value, dict):
-                stack += list(value.values())
-            elif kind is not None and isinstance(value, (dict, list)):
-                stack.append(value)
-    return schema
+
+def json_grammar(schema: dict, compact: bool = True) -> str:
+    """The EBNF grammar of a JSON schema (xgrammar's conversion, strict mode), fixed up.
+
+    ``compact``: one space after ``:`` and ``,``, none elsewhere; else up to
+    ``MAX_JSON_WHITESPACE`` whitespace characters between tokens. xgrammar 0.2.8 matches a string
+    with ``minLength``/``maxLength`` as any characters but ``"``, ``\\`` and newlines: raw control
+    characters (a tab, U+0001) pass, which is not valid JSON. Its grammar text is rewritten to
+    exclude them (a ``pattern`` would too, but bounded repetitions of a regex compile slowly:
+    0.6 s for ``{0,1000}``, while the grammar's own repetition is bounded at no cost)."""
+    grammar = xgrammar().Grammar.from_json_schema(schema, any_whitespace=not compact, strict_mode=True,
+                                                  max_whitespace_cnt=None if compact else MAX_JSON_WHITESPACE)
+    return str(grammar).replace(_LOOSE_CHARACTERS, _JSON_CHARACTERS)
 
 
 def structural_tag(tag: dict) -> dict:
-    """A structural tag as xgrammar takes it (a bare format is wrapped), embedded schemas made
-    JSON-safe (:func:`json_safe`)."""
+    """A structural tag as xgrammar takes it (a bare format is wrapped), embedded JSON schemas (of
+    the plain ``json`` style) turned into grammars by :func:`json_grammar`, with bounded whitespace."""
     tag = copy.deepcopy(tag if "format" in tag else {"type": "structural_tag", "format": tag})
     stack = [tag]
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
-            if node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict):
-                node["json_schema"] = json_safe(node["json_schema"])
+            if (node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict)
+                    and node.get("style", "json") == "json"):
+                schema = node["json_schema"]
+                node.clear()
+                node.update(type="grammar", grammar=json_grammar(schema, compact=False))
+                continue
             stack += list(node.values())
         elif isinstance(node, list):
             stack += node

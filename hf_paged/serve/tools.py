@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_paged.constraints.compiler import json_safe, xgrammar
+from hf_paged.constraints.compiler import json_grammar
 from hf_paged.constraints.params import StructuredOutputsParams
 from hf_paged.constraints.schema import check_schema
 
@@ -111,8 +111,7 @@ def _call_tag(tool: Tool, index: int) -> dict:
     where = f"tools[{index}].function.parameters"
     try:
         check_schema(tool.parameters)
-        grammar = str(xgrammar().Grammar.from_json_schema(json_safe(tool.parameters), any_whitespace=False,
-                                                          strict_mode=True))
+        grammar = json_grammar(tool.parameters, compact=True)
     except ValueError as err:
         raise ToolError(where, f"{where}: {err}") from None
     except Exception as err:  # noqa: BLE001 - xgrammar's own schema errors
