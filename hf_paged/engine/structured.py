@@ -68,8 +68,10 @@ class StructuredRequest:
         entry = self.matchers.get(seq.seq_id)
         if entry is None:
             entry = self.matchers[seq.seq_id] = _Matcher(xgrammar().GrammarMatcher(self.grammar))
-        output = seq.token_ids[seq.num_prompt_tokens:]
-        for token in output[entry.accepted:]:
+        start = seq.num_prompt_tokens + entry.accepted
+        if start == len(seq.token_ids):  # caught up (the common case: nothing to slice)
+            return entry.matcher
+        for token in seq.token_ids[start:]:
             if not entry.matcher.accept_token(token):
                 raise RuntimeError(f"token {token} is not allowed by the request's constraint")
             entry.accepted += 1
@@ -225,16 +227,18 @@ class StructuredOutputManager:
                 continue
             live = request.live_seqs
             if state.grammar is not None:
-                self._fork_children(state, live, parent_of)
+                if parent_of:
+                    self._fork_children(state, live, parent_of)
                 try:
                     for seq in live:
                         state.matcher(seq)
                 except RuntimeError as err:
                     fail(request, f"the engine broke the request's constraint: {err}")
                     live = []
-                kept = {seq.seq_id for seq in live}
-                for seq_id in [s for s in state.matchers if s not in kept]:
-                    del state.matchers[seq_id]
+                if len(state.matchers) != len(live):  # finished or replaced sequences
+                    kept = {seq.seq_id for seq in live}
+                    for seq_id in [s for s in state.matchers if s not in kept]:
+                        del state.matchers[seq_id]
             if not live:
                 self.forget(request)
 
