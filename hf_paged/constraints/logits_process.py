@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
+from hf_paged.constraints.bitmask import apply_bitmask
 from hf_paged.constraints.compiler import compiler_for, xgrammar
 from hf_paged.constraints.params import StructuredOutputsParams
 
@@ -81,7 +82,7 @@ class StructuredLogitsProcessor(LogitsProcessor):
             bitmask = xgr.allocate_token_bitmask(len(scores), scores.shape[-1])
             self._batch(xgr).batch_fill_next_token_bitmask(matchers, bitmask, rows)
             compiler_for(self.tokenizer, scores.shape[-1], self.stop_token_ids).guard.apply(bitmask, rows, last)
-            xgr.apply_token_bitmask_inplace(scores, bitmask.to(scores.device), indices=rows)
+            apply_bitmask(scores, bitmask, rows)
         return scores
 
 

@@ -8,9 +8,9 @@ request whose grammar is not compiled yet, and each step takes the ones that are
 compile, or takes longer than the compiler's ``timeout_s``, fails its request alone.
 
 Every step, before sampling, :meth:`mask` fills the bitmasks of all the step's constrained rows
-together (one ``BatchGrammarMatcher`` call) and applies them to the logits in place with
-xgrammar's kernel, and adds each biased row's ``logit_bias``. After tokens are appended,
-:meth:`advance` moves each sequence's matcher over its new tokens. Matchers are kept per sequence
+together (one ``BatchGrammarMatcher`` call), applies them to the logits in place
+(:func:`~hf_paged.constraints.bitmask.apply_bitmask`) and adds each biased row's ``logit_bias``.
+After tokens are appended, :meth:`advance` moves each sequence's matcher over its new tokens. Matchers are kept per sequence
 and counted by the output tokens they have accepted, which makes every engine feature fall out:
 
 * a sample or beam forked from a sequence starts from a fork of its parent's matcher (the step's
@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from hf_paged.constraints.bitmask import apply_bitmask
 from hf_paged.constraints.compiler import ConstraintCompiler, ConstraintError, compiler_for, too_slow, xgrammar
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.sequence import Request, Sequence
@@ -205,15 +206,14 @@ class StructuredOutputManager:
             self._apply(logits, rows, matchers, last)
 
     def _apply(self, logits: torch.Tensor, rows: list[int], matchers: list, last: list[int | None]) -> None:
-        """One batched bitmask fill for the rows, one in-place apply (xgrammar's kernels)."""
+        """One batched bitmask fill for the rows (xgrammar), one in-place apply (:mod:`.bitmask`)."""
         xgr = xgrammar()
         if self._bitmask is None or len(self._bitmask) < len(logits):
             self._bitmask = xgr.allocate_token_bitmask(max(len(logits), 64), logits.shape[-1])
             self._filler = xgr.BatchGrammarMatcher(1)
         self._filler.batch_fill_next_token_bitmask(matchers, self._bitmask, rows)
         self.compiler.guard.apply(self._bitmask, rows, last)
-        bitmask = self._bitmask if logits.device.type == "cpu" else self._bitmask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+        apply_bitmask(logits, self._bitmask, rows)
 
     def advance(self, changed: Iterable[Request], forks: Iterable[ForkSequence],
                 fail: Callable[[Request, str], None]) -> None:

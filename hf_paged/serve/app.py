@@ -9,7 +9,9 @@ Statuses: 400 bad parameter (named), 401 bad key, 404 unknown model or route, 40
 ``server_overloaded`` (the waiting queue is full), ``server_shutting_down`` (:mod:`.shutdown`),
 ``engine_unhealthy`` (steps keep failing; ``/health`` says 503 too) or ``engine_error`` (the
 engine failed this request's step). The POST routes publish their request models in
-``/openapi.json``.
+``/openapi.json``. A request's constraint (structured outputs, a forced tool call) is compiled
+before the request is queued, so that a bad one is a 400 even for a stream; chat choices with
+tools are parsed for tool calls (:mod:`.tools`), streamed as tool-call deltas.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class _Job:
     ticket: Ticket
     stream: RequestStream | None = None
     tools: bool = False  # chat with tools: <tool_call> blocks become tool_calls (serve/tools.py)
-    parsers: dict = None  # streaming with tools: a HermesToolParser per choice
+    parsers: dict[int, HermesToolParser] | None = None  # streaming with tools: a parser per choice
 
     def tool_parser(self, index: int) -> HermesToolParser:
         if self.parsers is None:
@@ -345,7 +347,7 @@ class _OpenAIServing:
         any stream starts (the engine then finds it in the compiler's cache). The compile runs on
         the compiler's threads; the wait is shielded, so a client that leaves cancels nothing
         another request waits for."""
-        constraint, param = params.structured_outputs, req._constraint_param
+        constraint, param = params.structured_outputs, req.constraint_field
         if constraint is None:
             return
         compiler = self.loop.engine.structured.compiler

@@ -270,6 +270,11 @@ class _GenerationRequest(_Strict):
         elif self.best_of is not None and self.best_of != self.n:
             raise invalid("best_of", "best_of other than n needs use_beam_search (sampled best_of is not built)")
 
+    @property
+    def constraint_field(self) -> str | None:
+        """The request field that holds its constraint (what a 400 about it names)."""
+        return self._constraint_param
+
     def _check_logit_bias(self, limits: Limits) -> None:
         low, high = LOGIT_BIAS_RANGE
         for key, value in (self.logit_bias or {}).items():
