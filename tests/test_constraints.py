@@ -23,7 +23,7 @@ from tests.helpers.serving import tiny_model
 
 TOKENIZER = byte_tokenizer()
 VOCAB, EOS = 259, 2
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
           "required": ["name", "n", "tags"]}
@@ -68,8 +68,9 @@ def test_the_processor_through_the_flag_equals_it_without(model, options):
             jsonschema.validate(json.loads(text), SCHEMA)
             finished += 1
     assert finished >= len(paged) - 1
-    unconstrained, _ = generate(model, lambda: lambda ids, scores: scores, flag=True, **options)  # negative control
-    assert not torch.equal(unconstrained, paged)
+    if options.get("num_beams", 1) == 1 and not options.get("do_sample"):  # the negative control
+        unconstrained, _ = generate(model, lambda: lambda ids, scores: scores, flag=True, **options)
+        assert not torch.equal(unconstrained[:, prompt_len:], paged[:, prompt_len:])
 
 
 @pytest.mark.parametrize("factory, valid", [
