@@ -29,8 +29,11 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", padding_side="left"
     )
-    tokenizer.chat_template = (
-        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    tokenizer.chat_template = (  # tools and tool calls in the Hermes syntax (hf_paged.serve.tools)
+        "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n{% endif %}"
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+        "{% for c in m['tool_calls'] or [] %}<tool_call>\n{{ {'name': c['function']['name'], "
+        "'arguments': c['function']['arguments']} | tojson }}\n</tool_call>{% endfor %}{{ '\\n' }}{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
     return tokenizer

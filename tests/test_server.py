@@ -348,7 +348,7 @@ BAD = {  # name -> (path, body or raw bytes, headers, status, param)
     "negative temperature": ("/v1/completions", completion(temperature=-1), {}, 400, "temperature"),
     "max_tokens not a number": ("/v1/completions", completion(max_tokens="many"), {}, 400, "max_tokens"),
     "unknown parameter": ("/v1/completions", completion(frobnicate=1), {}, 400, "frobnicate"),
-    "logit_bias": ("/v1/completions", completion(logit_bias={"5": 1.0}), {}, 400, "logit_bias"),
+    "logit_bias out of range": ("/v1/completions", completion(logit_bias={"5": 101.0}), {}, 400, "logit_bias"),
     "not an object": ("/v1/completions", b"[1, 2]", {}, 400, None),
     "n over the limit": ("/v1/completions", completion(n=5), {}, 400, "n"),
     "max_tokens over the limit": ("/v1/completions", completion(max_tokens=65), {}, 400, "max_tokens"),
@@ -373,7 +373,7 @@ BAD = {  # name -> (path, body or raw bytes, headers, status, param)
     "top_logprobs without logprobs": (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                                              "top_logprobs": 2}, {}, 400, "top_logprobs"),
     "chat tools": (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                          "tools": [{"type": "function"}]}, {}, 400, "tools"),
+                          "tools": [{"type": "function"}]}, {}, 400, "tools[0]"),
 }
 
 

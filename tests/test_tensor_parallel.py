@@ -70,7 +70,12 @@ def single() -> dict:
             for mode in ("recompute", "swap")}
     prompt = torch.tensor([tp_worker.PROMPTS[1]])
     flagged = model.generate(input_ids=prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1]:].tolist()
+    from hf_paged.demo import byte_tokenizer
+
+    constrained = LLMEngine(model, byte_tokenizer(), block_size=4, num_blocks=64)
     return {"greedy": ids(engine.generate(tp_worker.PROMPTS, greedy, use_tqdm=False)),
+            "constrained": ids(constrained.generate(tp_worker.PROMPTS[:3], tp_worker.constrained_requests(),
+                                                    use_tqdm=False)),
             "sampled": ids(engine.generate(tp_worker.PROMPTS[:2], sampled, use_tqdm=False)),
             "tiny": tiny, "generate": flagged}
 
@@ -81,6 +86,19 @@ def test_engine_greedy_and_seeded_sampling_equal_one_process(report, single):
     assert report["sampled"] == single["sampled"]
     follower = report["ranks"][1]
     assert follower["greedy"] == report["greedy"] and follower["sampled"] == report["sampled"]  # rank 0's outputs
+
+
+def test_structured_outputs_and_logit_bias_equal_one_process(report, single):
+    """Rank 0 masks and samples; the other ranks only compute: the tokens are one process's."""
+    import re
+
+    from hf_paged.demo import byte_tokenizer
+
+    assert report["constrained"] == single["constrained"]
+    tokenizer = byte_tokenizer()
+    for completion in report["constrained"][0] + report["constrained"][1]:
+        assert re.fullmatch(tp_worker.CONSTRAINED_REGEX, tokenizer.decode(completion, skip_special_tokens=True))
+    assert report["constrained"][2] == [[40] * 4]
 
 
 def test_requests_arriving_online_at_rank_0_only(report, single):

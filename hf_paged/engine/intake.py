@@ -35,6 +35,11 @@ class RequestIntake:
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"SamplingParams.logprobs must be at most the vocabulary size {self.vocab_size}, "
                              f"got {params.logprobs!r}")
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise ValueError(f"SamplingParams.logit_bias token ids must be below the vocabulary size {self.vocab_size}, "
+                             f"got {max(params.logit_bias)}")
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError("SamplingParams.structured_outputs needs a tokenizer (pass tokenizer= to LLMEngine)")
 
     def tokens(self, prompt) -> tuple[str | None, list[int]]:
         """``(text, token ids)`` of a string, a list of ids or a 1-D tensor of ids."""

@@ -33,6 +33,7 @@ from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.sequence import Request
+from hf_paged.engine.structured import StructuredOutputManager
 from hf_paged.engine.tensor_parallel import TensorParallelGroup, check_kv_heads, tp_size_of
 from hf_paged import prefix_snapshot
 from hf_paged.prefix_snapshot import SnapshotError
@@ -144,7 +145,9 @@ class LLMEngine:
                                   states=states, swap_states=swap_states)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.max_positions = max_positions(self.config)
-        self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_positions)
+        # structured outputs and logit_bias: grammars compiled off this thread, masks and matchers per step
+        self.structured = StructuredOutputManager(tokenizer, self.config.vocab_size, self.eos_token_ids, model.device)
+        self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_positions, self.structured)
         self.intake = RequestIntake(tokenizer, vocab_size=self.config.vocab_size, max_positions=self.max_positions,
                                     eos_token_ids=self.eos_token_ids, kv=self.kv, device=model.device,
                                     max_num_seqs=max_num_seqs)
@@ -198,8 +201,10 @@ class LLMEngine:
         self._check_driver("add_request")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         request = self.intake.request(request_id, prompt, params, taken=self.requests)
+        ready = self.structured.admit(request)  # False: its grammar compiles off this thread (see step())
         self.requests[request_id] = request
-        self.scheduler.add(request)
+        if ready:
+            self.scheduler.add(request)
         return request_id
 
     @torch.inference_mode()
@@ -210,10 +215,11 @@ class LLMEngine:
             return
         for seq in request.live_seqs:
             seq.finish_reason = "abort"
+        self.structured.forget(request)
         self.scheduler.finish_request(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._held)
+        return self.scheduler.has_unfinished() or bool(self._held) or self.structured.has_waiting()
 
     @property
     def healthy(self) -> bool:
@@ -232,8 +238,9 @@ class LLMEngine:
         ``KeyboardInterrupt`` is re-raised after that; its failed outputs come with the next step)."""
         self._check_driver("step")
         start = time.perf_counter()
-        scheduled = self.scheduler.schedule()
         outputs, self._held = self._held, []
+        outputs += self._admit_compiled()
+        scheduled = self.scheduler.schedule()
         try:
             logits = self._execute(scheduled)
             result = self.output_processor.process(scheduled, logits, self.requests)
@@ -247,6 +254,7 @@ class LLMEngine:
         self.scheduler.update_from_output(scheduled, result)
         for request in result.finished:
             self.requests.pop(request.request_id, None)
+            self.structured.forget(request)
         if scheduled.sequences:
             self._counters["steps"] += 1
             self._count_step(failed=result.all_logits_nonfinite)
@@ -283,8 +291,17 @@ class LLMEngine:
         self._count_step(failed=True)
         return failed
 
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar compiled since the last step; fail those whose
+        constraint did not compile (they never reach the scheduler)."""
+        ready, failed = self.structured.ready(idle=not self.scheduler.has_unfinished())
+        for request in ready:
+            self.scheduler.add(request)
+        return [self._fail(request, why, REJECTED) for request, why in failed]
+
     def _fail(self, request: Request, reason: str, kind: str) -> RequestOutput:
         """Fail ``request`` now, free its blocks and forget it; returns its last output."""
+        self.structured.forget(request)
         request.fail(reason, kind)
         self.scheduler.finish_request(request)
         self.requests.pop(request.request_id, None)

@@ -112,8 +112,9 @@ class _Outcome:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: list[int], max_positions: int | None):
+    def __init__(self, tokenizer, eos_token_ids: list[int], max_positions: int | None, structured=None):
         self.tokenizer, self.eos_token_ids, self.max_positions = tokenizer, eos_token_ids, max_positions
+        self.structured = structured  # StructuredOutputManager (hf_paged.engine.structured): masks and matchers
 
     def process(self, step: SchedulerOutput, logits: torch.Tensor | None,
                 requests: Mapping[str, Request]) -> StepResult:
@@ -124,12 +125,19 @@ class OutputProcessor:
         outcome = _Outcome()
         for request_id, reason in step.rejected:
             outcome.fail(requests[request_id], reason, REJECTED)
+        constrained = self.structured is not None and self.structured.active  # structured outputs, logit_bias
         try:
+            if constrained:  # their rows masked and biased in place, before anything reads the logits
+                self.structured.mask(step, logits, requests)
             plain, ready = self._rows(step, logits, requests, outcome)
             self._advance_plain_greedy(plain, logits, outcome)
             for request_id, got in ready.items():
                 request = requests[request_id]
                 self._guarded(request, outcome, self._advance, request, got, outcome)
+            if constrained:  # their matchers follow the new tokens (forks start from their parents')
+                forks = [u for _, u in outcome.updates if isinstance(u, ForkSequence)]
+                self.structured.advance(list(outcome.changed.values()), forks,
+                                        lambda request, why: outcome.fail(request, why, FAULT))
         except BaseException:
             outcome.restore_all()
             raise
@@ -181,6 +189,7 @@ class OutputProcessor:
     @staticmethod
     def _is_plain_greedy(request: Request, seq: Sequence) -> bool:
         params = request.params
+        # a constrained request qualifies: its row was masked and biased in place before this
         return (request.beam is None and request.forked and params.greedy and not params.penalized
                 and params.logprobs is None and len(seq.output_token_ids) >= params.min_new_tokens)
 

@@ -13,6 +13,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from hf_paged.constraints.params import StructuredOutputsParams
+
 logger = logging.getLogger("hf_paged")
 
 # temperature: 0 is greedy; a positive value below TEMPERATURE_MIN is raised to it (as vLLM does),
@@ -29,6 +31,7 @@ PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty (OpenAI's 
 # <= ln(LENGTH_SCALE_MAX).
 LENGTH_SCALE_MAX = 1e30
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [-(2**63), 2**64)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 
 
 def _is_int(value) -> bool:
@@ -73,7 +76,15 @@ class SamplingParams:
     * ``early_stopping``: True, False or ``"never"``; ``ignore_eos``: a bool;
     * ``seed``: None or an int in ``[-(2**63), 2**64)`` (what ``torch.Generator`` takes);
     * ``stop_token_ids``: a list of ints >= 0; ``stop``: a string or a list of non-empty strings;
-    * ``logprobs``: None or an int >= 0 (the engine also bounds it by the vocabulary size).
+    * ``logprobs``: None or an int >= 0 (the engine also bounds it by the vocabulary size);
+    * ``structured_outputs``: None or a :class:`~hf_paged.constraints.StructuredOutputsParams`
+      (one constraint; it checks itself). Not with beam search, ``min_new_tokens`` or
+      ``ignore_eos``: the constraint decides where the output may end (EOS is allowed exactly
+      when the constraint can end), which those would override. Stop strings still cut the text
+      (the result is then a prefix of a valid output, like a ``"length"`` one);
+    * ``logit_bias``: None or ``{token id: bias}`` with ids >= 0 and biases in ``[-100, 100]``
+      (added to the logits before penalties and sampling; the engine bounds ids by the
+      vocabulary). Not with beam search.
 
     Every float must be a finite number (bools, NaN and inf are refused).
     """
@@ -96,6 +107,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     min_new_tokens: int = 0
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self._check_lengths()
@@ -103,6 +116,7 @@ class SamplingParams:
         self._check_penalties()
         self._check_width()
         self._check_stops()
+        self._check_constraints()
 
     def _bad(self, name: str, rule: str) -> ValueError:
         return ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
@@ -171,6 +185,35 @@ class SamplingParams:
         self.stop = list(self.stop)
         if not isinstance(self.ignore_eos, bool):
             raise self._bad("ignore_eos", "must be a bool")
+
+    def _check_constraints(self) -> None:
+        """One constraint and a bias, and nothing that would override where the constraint ends."""
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise self._bad("structured_outputs", "must be None or a StructuredOutputsParams")
+        if self.logit_bias is not None:
+            low, high = LOGIT_BIAS_RANGE
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _is_int(t) and t >= 0 and _is_real(b) and low <= b <= high for t, b in self.logit_bias.items()):
+                raise self._bad("logit_bias", f"must map token ids (ints >= 0) to numbers in [{low:g}, {high:g}]")
+            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()}
+        if self.constrained and self.beam_search:
+            name = "structured_outputs" if self.structured_outputs is not None else "logit_bias"
+            raise ValueError(f"SamplingParams.{name} cannot be combined with beam search (num_beams > 1): the engine "
+                             "gives beams no grammar state of their own; use sampling or greedy decoding, or "
+                             "generate() with an hf_paged.constraints processor (which supports beams)")
+        if self.structured_outputs is not None:
+            if self.min_new_tokens:
+                raise self._bad("min_new_tokens", "must be 0 with structured_outputs (the constraint decides "
+                                                  "where the output may end)")
+            if self.ignore_eos:
+                raise self._bad("ignore_eos", "must be False with structured_outputs (the constraint decides "
+                                              "where the output may end)")
+
+    @property
+    def constrained(self) -> bool:
+        """Whether its logits change before sampling (a constraint's mask, ``logit_bias``): such a
+        request never takes the plain-greedy fast path."""
+        return self.structured_outputs is not None or bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:

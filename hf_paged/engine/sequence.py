@@ -78,6 +78,7 @@ class Request:
     first_token_time: float | None = None
     error: str | None = None
     error_kind: str | None = None  # "rejected" or "fault" (see RequestOutput.error_kind)
+    structured: Any = None  # a constrained request's StructuredRequest (hf_paged.engine.structured)
 
     def __post_init__(self) -> None:
         if not self.seqs:

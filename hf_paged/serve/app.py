@@ -9,7 +9,9 @@ Statuses: 400 bad parameter (named), 401 bad key, 404 unknown model or route, 40
 ``server_overloaded`` (the waiting queue is full), ``server_shutting_down`` (:mod:`.shutdown`),
 ``engine_unhealthy`` (steps keep failing; ``/health`` says 503 too) or ``engine_error`` (the
 engine failed this request's step). The POST routes publish their request models in
-``/openapi.json``.
+``/openapi.json``. A request's constraint (structured outputs, a forced tool call) is compiled
+before the request is queued, so that a bad one is a 400 even for a stream; chat choices with
+tools are parsed for tool calls (:mod:`.tools`), streamed as tool-call deltas.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hf_paged.constraints.compiler import ConstraintError, too_slow
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import FAULT, RequestOutput
 from hf_paged.engine.params import SamplingParams
@@ -42,6 +45,7 @@ from hf_paged.serve.protocol import (APIError, ChatCompletionRequest, Completion
 from hf_paged.serve.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, Ticket
 from hf_paged.serve.streaming import BoundedStreamingResponse
 from hf_paged.serve.tokenizer_pool import TokenizerPool
+from hf_paged.serve.tools import HermesToolParser, parse_tool_calls
 
 logger = logging.getLogger("hf_paged.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -71,6 +75,13 @@ class _Job:
     prompt_texts: list[str]
     ticket: Ticket
     stream: RequestStream | None = None
+    tools: bool = False  # chat with tools: <tool_call> blocks become tool_calls (serve/tools.py)
+    parsers: dict[int, HermesToolParser] | None = None  # streaming with tools: a parser per choice
+
+    def tool_parser(self, index: int) -> HermesToolParser:
+        if self.parsers is None:
+            self.parsers = {}
+        return self.parsers.setdefault(index, HermesToolParser())
 
     @property
     def n(self) -> int:
@@ -201,10 +212,10 @@ class _BodyLimit:
         return APIError(413, f"request body over {self.limit} bytes", code="request_too_large")
 
 
-def _chat_ids(tokenizer, conversation: list[dict[str, str]]) -> list[int]:
+def _chat_ids(tokenizer, conversation: list[dict], tools: list[dict] | None = None) -> list[int]:
     """A conversation's prompt token ids through the chat template (on a tokenizer worker thread)."""
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as err:  # noqa: BLE001 - a template's own error (e.g. raise_exception in Jinja)
         raise invalid("messages", f"the chat template refused the messages: {err}") from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -316,16 +327,37 @@ class _OpenAIServing:
         for ids in encoded:
             resolve_max_tokens(max_tokens, max_tokens, len(ids), self.limits, "prompt")
         job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", req, texts, ticket)
-        return job, encoded, req.sampling_params(max_tokens)
+        params = req.sampling_params(max_tokens)
+        await self._compile_constraint(req, params)
+        return job, encoded, params
 
     async def _chat_job(self, request: Request, ticket: Ticket):
         req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         if not getattr(self.tokenizer, "chat_template", None):
             raise invalid("messages", "this model's tokenizer has no chat template")
-        ids = await self.tokenizers.run(_chat_ids, req.conversation())
+        ids = await self.tokenizers.run(_chat_ids, req.conversation(), req.template_tools())
         max_tokens = resolve_max_tokens(req.max_tokens, None, len(ids), self.limits, "messages")
-        job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req, [], ticket)
-        return job, [ids], req.sampling_params(max_tokens)
+        job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req, [], ticket, tools=req.tool_mode != "none")
+        params = req.sampling_params(max_tokens)
+        await self._compile_constraint(req, params)
+        return job, [ids], params
+
+    async def _compile_constraint(self, req, params: SamplingParams) -> None:
+        """Compile the request's constraint before it is queued, so that a bad one is a 400 before
+        any stream starts (the engine then finds it in the compiler's cache). The compile runs on
+        the compiler's threads; the wait is shielded, so a client that leaves cancels nothing
+        another request waits for."""
+        constraint, param = params.structured_outputs, req.constraint_field
+        if constraint is None:
+            return
+        compiler = self.loop.engine.structured.compiler
+        try:
+            future = asyncio.wrap_future(compiler.submit(constraint))
+            await asyncio.wait_for(asyncio.shield(future), compiler.timeout_s)
+        except asyncio.TimeoutError:
+            raise invalid(param, f"{param}: {too_slow(constraint, compiler.timeout_s)}") from None
+        except ConstraintError as err:
+            raise invalid(param, f"{param}: {err}") from None
 
     def _encode_prompts(self, tokenizer, prompts: list[str | list[int]], echo: bool):
         """(token ids, echoed texts) of the prompts: on a tokenizer worker thread."""
@@ -377,9 +409,15 @@ class _OpenAIServing:
         for i, out in enumerate(outputs):
             for c in out.outputs:
                 prefix = job.prompt_texts[i] if job.prompt_texts else ""
+                text, calls, finish = prefix + c.text, None, c.finish_reason
+                if job.tools:  # the model's <tool_call> blocks as tool_calls (serve/tools.py)
+                    text, found = parse_tool_calls(c.text)
+                    calls = [call.body() for call in found]
+                    finish = "tool_calls" if found and finish == "stop" else finish
                 choices.append(responses.choice(
-                    job.kind, i * job.n + c.index, prefix + c.text, c.finish_reason,
-                    self._logprobs(job, c.token_ids, c.logprobs), c.token_ids if req.return_token_ids else None))
+                    job.kind, i * job.n + c.index, text, finish,
+                    self._logprobs(job, c.token_ids, c.logprobs), c.token_ids if req.return_token_ids else None,
+                    tool_calls=calls))
         choices.sort(key=lambda ch: ch["index"])
         return responses.envelope(job.kind, job.response_id, self.settings.model_name, choices,
                                   responses.usage(outputs))
@@ -434,6 +472,12 @@ class _OpenAIServing:
             return None
         start = text_stream.num_tokens
         delta, new_ids = text_stream.update(c)
+        calls, finish = None, c.finish_reason if text_stream.finished else None
+        if job.tools:  # tool calling: <tool_call> blocks become tool-call deltas (serve/tools.py)
+            parser = job.tool_parser(index)
+            delta, found = parser.feed(delta, final=text_stream.finished)
+            calls = [d.body() for d in found]
+            finish = "tool_calls" if finish == "stop" and parser.calls else finish
         if first and job.prompt_texts:
             delta = job.prompt_texts[prompt_index] + delta
         logprobs = self._logprobs(job, new_ids, c.logprobs[start: start + len(new_ids)] if c.logprobs else None,
@@ -441,7 +485,8 @@ class _OpenAIServing:
         if logprobs and job.kind == "completion":
             offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
         wants_tokens = bool(new_ids) and (logprobs is not None or job.request.return_token_ids)
-        if not (delta or text_stream.finished or wants_tokens or (first and job.kind == "chat")):
+        if not (delta or calls or text_stream.finished or wants_tokens or (first and job.kind == "chat")):
             return None
-        return responses.choice(job.kind, index, delta, c.finish_reason if text_stream.finished else None, logprobs,
-                                new_ids if job.request.return_token_ids else None, delta=True, first=first)
+        return responses.choice(job.kind, index, delta, finish, logprobs,
+                                new_ids if job.request.return_token_ids else None, delta=True, first=first,
+                                tool_calls=calls)

@@ -6,6 +6,14 @@ OpenAI's fields the requests take vLLM's extensions: ``top_k``, ``min_p``,
 (``use_beam_search`` with ``best_of`` beams, ``length_penalty``, ``early_stopping``) and
 ``return_token_ids`` (token ids in every choice or chunk).
 
+Structured outputs: OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``),
+vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
+``structural_tag``, ``disable_any_whitespace``) and its older ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar`` (at most one of them per request), ``logit_bias`` and, in
+chat, ``tools`` with ``tool_choice`` and ``parallel_tool_calls`` (:mod:`hf_paged.serve.tools`). A
+constraint is built and checked here (a 400 names the field that holds it); it compiles in the
+handler before the request is queued.
+
 A body is checked before the models see it (:func:`decode_body`): JSON nested deeper than
 ``MAX_JSON_DEPTH`` and strings that are not valid Unicode (a lone surrogate, from ``"\ud800"`` or
 the raw bytes ``ED A0 80``) are a 400 naming where they are. ``null`` means "not set" for every
@@ -22,9 +30,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from hf_paged.engine.params import SamplingParams
+from hf_paged.constraints.params import StructuredOutputsParams
+from hf_paged.engine.params import LOGIT_BIAS_RANGE, SamplingParams
+from hf_paged.serve import tools as tool_calling
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -36,8 +46,7 @@ OPENAI_UNSUPPORTED = {
     "completion": frozenset(),
     "chat": frozenset({"audio", "metadata", "modalities", "moderation", "prediction", "prompt_cache_key",
                        "prompt_cache_options", "prompt_cache_retention", "reasoning_effort", "safety_identifier",
-                       "service_tier", "store", "verbosity", "web_search_options", "functions", "function_call",
-                       "parallel_tool_calls"}),
+                       "service_tier", "store", "verbosity", "web_search_options", "functions", "function_call"}),
     "message": frozenset({"refusal", "audio", "function_call"}),
 }
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -142,8 +151,9 @@ def _param(loc: tuple, unknown: bool) -> str | None:
 
 @functools.cache
 def _field_names() -> set[str]:
-    models = (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)
-    return {name for model in models for name in model.model_fields}
+    models = (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions, ResponseFormat,
+              JSONSchemaFormat, StructuredOutputsRequest, ChatToolCall, FunctionCall)
+    return {key for model in models for name, f in model.model_fields.items() for key in (name, f.alias) if key}
 
 
 class _Strict(BaseModel):
@@ -164,6 +174,34 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+
+
+class JSONSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` is always how it is enforced)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's ``structured_outputs``: one of its constraint fields."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict | str | None = None
+    disable_any_whitespace: bool | None = None
 
 
 class _GenerationRequest(_Strict):
@@ -195,6 +233,16 @@ class _GenerationRequest(_Strict):
     length_penalty: float | None = 1.0
     early_stopping: bool | None = False
     return_token_ids: bool | None = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict | str | None = None  # vLLM's names before structured_outputs (removed upstream in 0.12)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    _constraint: StructuredOutputsParams | None = PrivateAttr(None)  # set by check()
+    _constraint_param: str | None = PrivateAttr(None)
 
     def stop_strings(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -210,8 +258,8 @@ class _GenerationRequest(_Strict):
         if self.max_tokens is not None and self.max_tokens > limits.max_tokens:
             raise invalid("max_tokens", f"max_tokens must be at most {limits.max_tokens} on this server, "
                                         f"got {self.max_tokens}")
-        if self.logit_bias:
-            raise invalid("logit_bias", "logit_bias is not supported by this server")
+        self._check_logit_bias(limits)
+        self._constraint, self._constraint_param = self._requested_constraint()
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options", "stream_options is only allowed when stream is true")
         if limits.vocab_size is not None and any(not 0 <= t < limits.vocab_size for t in self.stop_token_ids or []):
@@ -222,6 +270,64 @@ class _GenerationRequest(_Strict):
         elif self.best_of is not None and self.best_of != self.n:
             raise invalid("best_of", "best_of other than n needs use_beam_search (sampled best_of is not built)")
 
+    @property
+    def constraint_field(self) -> str | None:
+        """The request field that holds its constraint (what a 400 about it names)."""
+        return self._constraint_param
+
+    def _check_logit_bias(self, limits: Limits) -> None:
+        low, high = LOGIT_BIAS_RANGE
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or (limits.vocab_size is not None and int(key) >= limits.vocab_size):
+                raise invalid("logit_bias", f"logit_bias keys must be token ids below the vocabulary size "
+                                            f"{limits.vocab_size}, got {key!r}")
+            if not low <= value <= high:
+                raise invalid("logit_bias", f"logit_bias values must be in [{low:g}, {high:g}], got {value!r} "
+                                            f"for token {key}")
+
+    def _requested_constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The one constraint the request asks for (a 400 names the field when it is invalid)."""
+        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
+            raise invalid("guided_decoding_backend", "guided_decoding_backend: this server uses 'xgrammar'")
+        if self.guided_whitespace_pattern is not None:
+            raise invalid("guided_whitespace_pattern", "guided_whitespace_pattern is not supported (JSON "
+                                                       "whitespace is bounded: see disable_any_whitespace)")
+        sources = [source for source in self._constraint_sources() if source is not None]
+        if len(sources) > 1:
+            names = ", ".join(param for param, _ in sources)
+            raise invalid(sources[1][0], f"one constraint per request, got {names}")
+        if not sources:
+            return None, None
+        param, build = sources[0]
+        try:
+            return build(), param
+        except ValueError as err:
+            raise invalid(param, f"{param}: {str(err).replace('StructuredOutputsParams.', '')}") from None
+
+    def _constraint_sources(self):
+        """``(param, builder)`` per field that asks for a constraint (None where it does not)."""
+        fmt, so = self.response_format, self.structured_outputs
+        yield None if fmt is None or fmt.type == "text" else self._response_format_source(fmt)
+        if so is not None:
+            fields = {name: getattr(so, "json_" if name == "json" else name) for name in
+                      ("json", "regex", "choice", "grammar", "json_object", "structural_tag")}
+            whitespace = {} if so.disable_any_whitespace is None else {"disable_any_whitespace":
+                                                                           so.disable_any_whitespace}
+            yield "structured_outputs", lambda: StructuredOutputsParams(**fields, **whitespace)
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                yield f"guided_{name}", lambda name=name, value=value: StructuredOutputsParams(**{name: value})
+
+    @staticmethod
+    def _response_format_source(fmt: ResponseFormat):
+        if fmt.type == "json_object":
+            return "response_format", lambda: StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise invalid("response_format.json_schema", "response_format of type json_schema needs "
+                                                         "json_schema.schema")
+        return "response_format.json_schema.schema", lambda: StructuredOutputsParams(json=fmt.json_schema.schema_)
+
     def _check_beam_search(self) -> None:
         if self.stream:
             raise invalid("stream", "use_beam_search cannot stream (beams change until the search ends)")
@@ -231,7 +337,8 @@ class _GenerationRequest(_Strict):
                   "frequency_penalty": self.frequency_penalty not in (None, 0),
                   "repetition_penalty": self.repetition_penalty not in (None, 1), "seed": self.seed is not None,
                   "stop": bool(self.stop), "stop_token_ids": bool(self.stop_token_ids),
-                  "logprobs": self.num_logprobs() is not None}
+                  "logprobs": self.num_logprobs() is not None, "logit_bias": bool(self.logit_bias),
+                  self._constraint_param or "": self._constraint is not None}
         for name, is_set in unused.items():
             if is_set:
                 raise invalid(name, f"{name} does not apply to beam search (use_beam_search)")
@@ -256,9 +363,13 @@ class _GenerationRequest(_Strict):
                 else self.repetition_penalty, presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0, seed=self.seed,
                 stop_token_ids=list(self.stop_token_ids or []), stop=self.stop_strings(), logprobs=self.num_logprobs(),
+                structured_outputs=self._constraint,
+                logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             )
         except ValueError as err:  # "SamplingParams.<field> ...": name the request's field
             field = str(err).split(" ", 1)[0].removeprefix("SamplingParams.")
+            if field == "structured_outputs":
+                field = self._constraint_param or field
             raise invalid(_API_NAME.get(field, field), str(err).replace("SamplingParams.", "")) from None
 
 
@@ -299,6 +410,19 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ChatToolCall(_Strict):
+    """A tool call in an assistant message sent back (the conversation goes on after it)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     unsupported_fields: ClassVar[frozenset[str]] = OPENAI_UNSUPPORTED["message"]
 
@@ -306,13 +430,20 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None  # a tool message's answer to an assistant's tool call
+    tool_calls: list[ChatToolCall] | None = None  # an assistant's calls
 
-    def template_entry(self) -> dict[str, str]:
+    def template_entry(self) -> dict[str, Any]:
         """What the chat template sees: OpenAI's ``developer`` role is its ``system`` role (templates
-        know only the latter)."""
-        entry = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        know only the latter); a call's arguments as an object (what templates render, as vLLM
+        gives them)."""
+        entry: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
         if self.tool_call_id is not None:
             entry["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            entry["tool_calls"] = [{"id": call.id, "type": "function",
+                                    "function": {"name": call.function.name,
+                                                 "arguments": json.loads(call.function.arguments)}}
+                                   for call in self.tool_calls]
         return entry
 
     def text(self) -> str:
@@ -330,9 +461,11 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0)
-    tools: list | None = None
-    tool_choice: Any = None
-    response_format: dict | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    _tools: list[tool_calling.Tool] = PrivateAttr(default_factory=list)  # set by check()
+    _tool_mode: Any = PrivateAttr("none")
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -345,11 +478,49 @@ class ChatCompletionRequest(_GenerationRequest):
             raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
         if (self.top_logprobs or 0) > limits.max_logprobs:
             raise invalid("top_logprobs", f"top_logprobs must be at most {limits.max_logprobs}")
-        for name in ("tools", "tool_choice", "response_format"):
-            if getattr(self, name) not in (None, [], "none"):
-                raise invalid(name, f"{name} is not supported by this server")
+        self._check_messages()
+        try:
+            self._tools = tool_calling.read_tools(self.tools or [])
+            self._tool_mode = tool_calling.tool_choice_mode(self.tool_choice, self._tools)
+            if self._tool_mode not in ("none", "auto"):
+                if self._constraint is not None:
+                    raise invalid("tool_choice", f"tool_choice {self.tool_choice!r} constrains the output itself; "
+                                                 f"{self._constraint_param} cannot be added")
+                self._constraint = tool_calling.call_constraint(self._tool_mode, self._tools,
+                                                                self.parallel_tool_calls is not False)
+                self._constraint_param = "tool_choice"
+        except tool_calling.ToolError as err:
+            raise invalid(err.param, str(err)) from None
+        if self._constraint is not None and self.use_beam_search:
+            raise invalid(self._constraint_param, f"{self._constraint_param} does not apply to beam search "
+                                                  "(use_beam_search)")
 
-    def conversation(self) -> list[dict[str, str]]:
+    def _check_messages(self) -> None:
+        """Tool calls sent back carry JSON object arguments; a tool message names the call it answers."""
+        for i, message in enumerate(self.messages):
+            for j, call in enumerate(message.tool_calls or []):
+                where = f"messages[{i}].tool_calls[{j}].function.arguments"
+                if message.role != "assistant":
+                    raise invalid(f"messages[{i}].tool_calls", "only assistant messages carry tool_calls")
+                try:
+                    if not isinstance(json.loads(call.function.arguments), dict):
+                        raise ValueError("not an object")
+                except ValueError:
+                    raise invalid(where, f"{where} must be a JSON object") from None
+            if message.role == "tool" and not message.tool_call_id:
+                raise invalid(f"messages[{i}].tool_call_id", f"messages[{i}] (role tool) needs the tool_call_id of "
+                                                             "the call it answers")
+
+    @property
+    def tool_mode(self):
+        """``"none"``, ``"auto"``, ``"required"`` or the named :class:`~hf_paged.serve.tools.Tool`."""
+        return self._tool_mode
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools the chat template is given (none when ``tool_choice`` is ``"none"``)."""
+        return [tool.entry for tool in self._tools] if self._tool_mode != "none" else None
+
+    def conversation(self) -> list[dict[str, Any]]:
         return [m.template_entry() for m in self.messages]
 
 

@@ -66,15 +66,19 @@ def usage(outputs: list[RequestOutput]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def choice(kind: str, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None,
-           token_ids: list[int] | None = None, *, delta: bool = False, first: bool = False) -> dict:
-    """A completions or chat choice; ``delta``: a stream chunk's (chat: ``delta`` not ``message``)."""
+def choice(kind: str, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
+           token_ids: list[int] | None = None, *, delta: bool = False, first: bool = False,
+           tool_calls: list[dict] | None = None) -> dict:
+    """A completions or chat choice; ``delta``: a stream chunk's (chat: ``delta`` not ``message``).
+    ``tool_calls``: a chat message's calls (or a chunk's call deltas); its content may then be None."""
     if kind == "completion":
         body = {"index": index, "text": text}
     elif delta:
         body = {"index": index, "delta": {"role": "assistant", "content": text} if first else {"content": text}}
     else:
         body = {"index": index, "message": {"role": "assistant", "content": text}}
+    if tool_calls:
+        body["delta" if delta else "message"]["tool_calls"] = tool_calls
     body.update(logprobs=logprobs, finish_reason=finish_reason)
     if token_ids is not None:
         body["token_ids"] = token_ids

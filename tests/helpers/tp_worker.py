@@ -29,6 +29,20 @@ def _token_ids(outputs) -> list[list[list[int]]]:
     return [[c.token_ids for c in out.outputs] for out in outputs]
 
 
+CONSTRAINED_REGEX = r"[A-Z]{2}-[0-9]{1,3}"
+
+
+def constrained_requests():
+    """Structured outputs and logit_bias under tensor parallelism (rank 0 samples; the tiny
+    model's 96 tokens are the byte tokenizer's first ones: '!' to '}')."""
+    from hf_paged.constraints import StructuredOutputsParams
+
+    regex = StructuredOutputsParams(regex=CONSTRAINED_REGEX)
+    return [SamplingParams(max_new_tokens=8, temperature=0, structured_outputs=regex),
+            SamplingParams(max_new_tokens=8, temperature=1.0, seed=3, n=2, structured_outputs=regex),
+            SamplingParams(max_new_tokens=4, temperature=0, logit_bias={40: 100.0})]
+
+
 def main(checkpoint: str, bad_checkpoint: str, out_path: str) -> None:
     model = load_model(checkpoint)
     rank = dist.get_rank()
@@ -40,6 +54,10 @@ def main(checkpoint: str, bad_checkpoint: str, out_path: str) -> None:
     report["greedy"] = _token_ids(engine.generate(PROMPTS, greedy, use_tqdm=False))  # every rank calls it
     report["sampled"] = _token_ids(engine.generate(PROMPTS[:2], sampled, use_tqdm=False))
     report["stats"] = {k: v for k, v in engine.stats().items() if k in ("tensor_parallel_size", "kv_heads_per_rank")}
+    from hf_paged.demo import byte_tokenizer
+
+    constrained = LLMEngine(model, byte_tokenizer(), block_size=4, num_blocks=64)
+    report["constrained"] = _token_ids(constrained.generate(PROMPTS[:3], constrained_requests(), use_tqdm=False))
     pools = {layer: list(pool.shape) for layer, pool in engine.runner.storage.key_pools.items()}
 
     # Online: requests arrive at rank 0 only, between steps; the other ranks follow.

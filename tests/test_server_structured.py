@@ -1,0 +1,334 @@
+"""Structured outputs and tool calling over HTTP with the real ``openai`` client: response_format
+(json_schema, json_object, ``parse`` with a pydantic model), vLLM's structured_outputs and guided_*
+fields, logit_bias, tools (named, required, auto, a follow-up turn, streamed deltas), the Hermes
+parser, and 400s for every bad constraint. After every test nothing is in flight and every KV
+block is free."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+from pydantic import BaseModel, Field
+
+from hf_paged import LLMEngine, SamplingParams
+from hf_paged.constraints import ConstraintCompiler, StructuredOutputsParams
+from hf_paged.demo import byte_tokenizer
+from hf_paged.serve.tools import HermesToolParser, parse_tool_calls
+from tests.helpers.serving import MODEL, assert_all_free, serving, single_threaded_torch, tiny_model
+
+NUM_BLOCKS = 256
+TOKENIZER = byte_tokenizer()
+USER = [{"role": "user", "content": "Give me a record"}]
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"]}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12,
+                                                                                 "maximum": 12}},
+                                       "required": ["zone"]}}}
+TOOLS = [WEATHER, TIME]
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def served():
+    with single_threaded_torch(), serving({"num_blocks": NUM_BLOCKS}) as (server, loop):
+        yield server, loop
+
+
+@pytest.fixture
+def client(served):
+    server, loop = served
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+    assert_all_free(loop)
+
+
+@pytest.fixture(scope="module")
+def engine(served):
+    """The truth: an in-process LLMEngine on an identical model, same budget."""
+    return LLMEngine(tiny_model(), byte_tokenizer(), num_blocks=NUM_BLOCKS)
+
+
+def chat_ids(messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    text = TOKENIZER.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    return TOKENIZER(text, add_special_tokens=False).input_ids
+
+
+def schema_of(function: dict) -> dict:
+    return function["function"]["parameters"]
+
+
+# ---------------------------------------------------------------------------- response_format
+def test_json_schema_response_format_equals_the_engine(client, engine):
+    resp = client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=80, temperature=0, extra_body={"return_token_ids": True},
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    choice = resp.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+    ref = engine.generate([chat_ids(USER)], SamplingParams(max_new_tokens=80, temperature=0, structured_outputs=
+                                                           StructuredOutputsParams(json=PERSON)), use_tqdm=False)
+    assert torch.equal(torch.tensor(choice.model_extra["token_ids"]), torch.tensor(ref[0].outputs[0].token_ids))
+
+
+def test_json_object_and_seeded_samples(client):
+    resp = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=120, temperature=1.0, seed=3, n=3,
+                                          response_format={"type": "json_object"})
+    for choice in resp.choices:
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.message.content), dict)
+        else:
+            assert choice.finish_reason == "length" and choice.message.content.startswith("{")
+    assert sum(c.finish_reason == "stop" for c in resp.choices) >= 1
+
+
+def test_parse_with_a_pydantic_model(client):
+    class Person(BaseModel):
+        name: str = Field(max_length=8)
+        age: int = Field(ge=0, le=120)
+        tags: list[Literal["a", "b"]] = Field(max_length=3)
+
+    completion = client.chat.completions.parse(model=MODEL, messages=USER, max_tokens=120, temperature=0,
+                                               response_format=Person)
+    person = completion.choices[0].message.parsed
+    assert isinstance(person, Person) and 0 <= person.age <= 120 and len(person.name) <= 8
+
+
+def test_structured_outputs_and_guided_fields(client):
+    cases = [({"structured_outputs": {"regex": r"[a-c]{2}-\d{3}"}}, r"[a-c]{2}-\d{3}"),
+             ({"structured_outputs": {"choice": ["alpha", "beta"]}}, r"alpha|beta"),
+             ({"structured_outputs": {"grammar": 'root ::= "<" [0-9]+ ">"'}}, r"<[0-9]+>"),
+             ({"guided_regex": r"x[yz]{1,4}"}, r"x[yz]{1,4}"),
+             ({"guided_choice": ["one", "two"]}, r"one|two"),
+             ({"guided_grammar": 'start: "A" | "B"'}, r"A|B")]
+    for extra, pattern in cases:
+        text = client.completions.create(model=MODEL, prompt="Hi", max_tokens=30, temperature=0,
+                                         extra_body=extra).choices[0].text
+        assert __import__("re").fullmatch(pattern, text), (extra, text)
+    for extra in ({"structured_outputs": {"json": PERSON}}, {"guided_json": PERSON},
+                  {"structured_outputs": {"json": PERSON, "disable_any_whitespace": False}}):
+        content = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=80, temperature=0,
+                                                 extra_body=extra).choices[0].message.content
+        jsonschema.validate(json.loads(content), PERSON)
+
+
+def test_streamed_json_equals_the_non_streamed(client):
+    args = dict(model=MODEL, messages=USER, max_tokens=80, temperature=0,
+                response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
+    whole = client.chat.completions.create(**args).choices[0].message.content
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in
+                       client.chat.completions.create(**args, stream=True) if chunk.choices)
+    assert streamed == whole
+
+
+def test_logit_bias_forces_a_token(client):
+    resp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0, logit_bias={"72": 100},
+                                     extra_body={"return_token_ids": True})
+    assert torch.equal(torch.tensor(resp.choices[0].model_extra["token_ids"]), torch.full((5,), 72))
+    chat = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=5, temperature=0,
+                                          logit_bias={"80": 100}, extra_body={"return_token_ids": True})
+    assert chat.choices[0].model_extra["token_ids"] == [80] * 5
+
+
+# ---------------------------------------------------------------------------- tools
+def check_call(call, tools=TOOLS):
+    tool = next(t for t in tools if t["function"]["name"] == call.function.name)
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), schema_of(tool))
+
+
+def test_named_tool_call(client, engine):
+    resp = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=120, temperature=0, tools=TOOLS,
+                                          tool_choice={"type": "function", "function": {"name": "get_time"}})
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_time"
+    check_call(call)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_required_tool_calls(client, parallel):
+    resp = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=240, temperature=1.0, seed=5, n=2,
+                                          tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel)
+    for choice in resp.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        calls = choice.message.tool_calls
+        assert len(calls) >= 1 and (parallel or len(calls) == 1)
+        for call in calls:
+            check_call(call)
+
+
+def test_a_follow_up_turn_sends_the_tool_result_back(client, engine):
+    first = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=120, temperature=0, tools=TOOLS,
+                                           tool_choice="required")
+    call = first.choices[0].message.tool_calls[0]
+    messages = USER + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                       {"role": "tool", "tool_call_id": call.id, "content": "22 degrees"}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                            tools=TOOLS, extra_body={"return_token_ids": True})
+    template = [USER[0], {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": call.id, "type": "function",
+                     "function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)}}]},
+                {"role": "tool", "content": "22 degrees", "tool_call_id": call.id}]
+    ids = chat_ids(template, TOOLS)
+    assert second.usage.prompt_tokens == len(ids)
+    assert TOKENIZER.decode(ids).count("<tool_call>") == 1 and "22 degrees" in TOKENIZER.decode(ids)
+    ref = engine.generate([ids], SamplingParams(max_new_tokens=8, temperature=0), use_tqdm=False)[0].outputs[0]
+    assert second.choices[0].model_extra["token_ids"] == ref.token_ids
+
+
+def test_auto_parses_the_hermes_syntax_end_to_end(client):
+    """A tiny model never writes a tool call by itself: a choice constraint makes it write one."""
+    resp = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=120, temperature=0, tools=TOOLS,
+                                          tool_choice="auto", extra_body={"structured_outputs": {
+                                              "choice": ["Checking. " + HERMES_CALL]}})
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris", "unit": "C"})
+    plain = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=10, temperature=0, tools=TOOLS)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "length"
+
+
+def _streamed(client, **args):
+    """(content, [(name, arguments)], finish reason) from a stream's deltas."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(**args, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for piece in delta.tool_calls or []:
+            entry = calls.setdefault(piece.index, ["", ""])
+            if piece.function.name:
+                assert piece.id and not entry[0]
+                entry[0] = piece.function.name
+            entry[1] += piece.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return content or None, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("choice", ["named", "required", "auto"])
+def test_streamed_tool_call_deltas_concatenate_to_the_call(client, choice):
+    args = dict(model=MODEL, messages=USER, max_tokens=240, temperature=1.0, seed=2, tools=TOOLS)
+    if choice == "named":
+        args["tool_choice"] = {"type": "function", "function": {"name": "get_weather"}}
+    elif choice == "required":
+        args.update(tool_choice="required", parallel_tool_calls=True)
+    else:
+        args["extra_body"] = {"structured_outputs": {"choice": ["Sure. " + HERMES_CALL + "\n" + HERMES_CALL]}}
+    whole = client.chat.completions.create(**args).choices[0]
+    content, calls, finish = _streamed(client, **args)
+    assert finish == whole.finish_reason == "tool_calls"
+    assert content == whole.message.content
+    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] and calls
+
+
+def test_hermes_parser_on_text():
+    text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris\\"", "unit": "C"}}\n'
+            '</tool_call>\n<tool_call>{"arguments": {"zone": 2}, "name": "get_time"}</tool_call>\n'
+            '<tool_call>not a call</tool_call> bye')
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me look.<tool_call>not a call</tool_call> bye"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": 'Pa}ris"', "unit": "C"}),
+                                                                   ("get_time", {"zone": 2})]
+    assert parse_tool_calls("no calls <tool_ here") == ("no calls <tool_ here", [])
+    assert parse_tool_calls(HERMES_CALL)[0] is None
+    for size in (1, 2, 3, 7):  # any split of the text streams the same calls and content
+        parser, streamed, arguments = HermesToolParser(), "", {}
+        for start in range(0, len(text), size):
+            piece, deltas = parser.feed(text[start:start + size], final=start + size >= len(text))
+            streamed += piece
+            for d in deltas:
+                arguments[d.index] = arguments.get(d.index, "") + d.arguments
+        assert streamed == content and [arguments[i] for i in sorted(arguments)] == [c.arguments for c in calls]
+
+
+# ---------------------------------------------------------------------------- 400s, and serving afterwards
+BAD = [
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"ids": {"type": "array", "uniqueItems": True}}}}}),
+     "response_format.json_schema.schema", "uniqueItems"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}),
+     "response_format.json_schema.schema", "unknown type"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.json_schema",
+     "schema"),
+    (dict(response_format={"type": "xml"}), "response_format.type", None),
+    (dict(extra_body={"structured_outputs": {"regex": "(unclosed"}}), "structured_outputs", "invalid regex"),
+    (dict(extra_body={"structured_outputs": {"grammar": 'root ::= "a" |'}}), "structured_outputs", "invalid grammar"),
+    (dict(extra_body={"structured_outputs": {"choice": []}}), "structured_outputs", "choice"),
+    (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}), "structured_outputs", "exactly one"),
+    (dict(extra_body={"structured_outputs": {"whitespace_pattern": " "}}), "structured_outputs.whitespace_pattern",
+     None),
+    (dict(extra_body={"guided_regex": "a", "guided_choice": ["b"]}), "guided_choice", "one constraint"),
+    (dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a"}), "guided_regex",
+     "one constraint"),
+    (dict(extra_body={"guided_whitespace_pattern": " "}), "guided_whitespace_pattern", None),
+    (dict(extra_body={"guided_json": {"type": "object", "properties": {f"p{i}": {} for i in range(600)}}}),
+     "guided_json", "more than 512 properties"),
+    (dict(extra_body={"guided_regex": "a" * 70000}), "guided_regex", "larger than"),
+    (dict(logit_bias={"abc": 1}), "logit_bias", "token ids"),
+    (dict(logit_bias={"999": 1}), "logit_bias", "vocabulary"),
+    (dict(logit_bias={"5": 150}), "logit_bias", "[-100, 100]"),
+    (dict(response_format={"type": "json_object"}, extra_body={"min_tokens": 3}), "min_tokens", "structured_outputs"),
+    (dict(response_format={"type": "json_object"}, n=2, extra_body={"use_beam_search": True}), "response_format",
+     "beam search"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice", "nope"),
+    (dict(tool_choice="required"), "tool_choice", "needs tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"not": {}}}}}}], tool_choice="required"), "tools[0].function.parameters", "'not'"),
+    (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools[0].function.name", None),
+    (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice",
+     "cannot be added"),
+    (dict(messages=USER + [{"role": "tool", "content": "?"}]), "messages[1].tool_call_id", "tool_call_id"),
+    (dict(messages=USER + [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": "{not json"}}]}]), "messages[1].tool_calls[0].function.arguments", "JSON object"),
+]
+
+
+@pytest.mark.parametrize("args, param, fragment", BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])
+def test_bad_constraints_are_400s_naming_the_problem(client, args, param, fragment):
+    args = {"messages": USER, **args}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, max_tokens=8, **args)
+    error = caught.value.body
+    assert error["param"] == param, error
+    assert fragment is None or fragment in error["message"], error
+
+
+def test_a_slow_compile_is_a_400_and_others_are_served(client, served, monkeypatch):
+    """A pathological schema (here: a compile made slow) times out with a 400; meanwhile and
+    afterwards the server answers other requests."""
+    _, loop = served
+    compiler = loop.engine.structured.compiler
+    original = ConstraintCompiler._compile
+    monkeypatch.setattr(ConstraintCompiler, "_compile", lambda self, p: time.sleep(1.5) or original(self, p))
+    monkeypatch.setattr(compiler, "timeout_s", 0.5)
+    slow = {"type": "object", "properties": {"slow": {"type": "integer"}}, "required": ["slow"]}
+    with pytest.raises(openai.BadRequestError, match="did not compile within 0.5 s"):
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, extra_body={"guided_json": slow})
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=4).choices[0].finish_reason == "length"
+
+
+def test_the_server_serves_normally_after_bad_requests(client, served):
+    server, _ = served
+    for args, _, _ in BAD[:5]:
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, **args)
+    resp = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0)
+    assert resp.choices[0].finish_reason == "length"
+    assert httpx.get(server.url + "/health").status_code == 200
