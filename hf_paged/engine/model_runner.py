@@ -23,7 +23,7 @@ from hf_paged.attention import paged_call
 from hf_paged.channel import clear_active_cache, packed_forward
 from hf_paged.engine.cpu_linear import onednn_linears
 from hf_paged.engine.scheduler_output import SchedulerOutput
-from hf_paged.engine.step_cache import PackedStepCache
+from hf_paged.engine.step_cache import PackedStepCache, host_tensor
 from hf_paged.kinds import MLAAttentionSpec
 from hf_paged.layer_groups import LayerGroup, layer_groups
 from hf_paged.model_info import cache_kwarg, layer_kinds, takes_logits_to_keep
@@ -67,15 +67,15 @@ class ModelRunner:
     def _forward(self, step: SchedulerOutput, rows: bool) -> torch.Tensor:
         """One forward: the packed row ``[1, tokens]``, or (``rows``) one decode token per batch row."""
         shape = (-1, 1) if rows else (1, -1)
-        positions = torch.tensor(step.positions, device=self.device).view(shape)
+        positions = host_tensor(step.positions).to(self.device).view(shape)
         step_cache = PackedStepCache(self.specs, self.groups, self.storage, step, positions.view(-1))
         forward = {
-            "input_ids": torch.tensor(step.input_ids, device=self.device).view(shape),
+            "input_ids": host_tensor(step.input_ids).to(self.device).view(shape),
             "position_ids": positions,
             self._cache_kwarg: step_cache,
             "use_cache": True,
         }
-        keep_index = torch.tensor(step.logits_indices, dtype=torch.long, device=self.device)
+        keep_index = host_tensor(step.logits_indices).to(self.device)
         if rows:  # every row is one decode token that needs its logits
             keep_index = torch.zeros(1, dtype=torch.long, device=self.device)
         if self._logits_to_keep:
