@@ -77,6 +77,9 @@ def test_settings_reach_both_systems_alike():
     env = vs_vllm.system_env(vs_vllm.Config("vllm", "equal"), equal)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert vs_vllm.system_env(vs_vllm.Config("hf_paged", "equal"), equal)["OMP_NUM_THREADS"] == "2"
+    hf = vs_vllm.system_env(vs_vllm.Config("hf_paged", "defaults"), equal, {"OMP_WAIT_POLICY": "PASSIVE"})
+    assert hf["OMP_WAIT_POLICY"] == "PASSIVE" and "OMP_NUM_THREADS" not in hf  # defaults: torch picks
+    assert "OMP_WAIT_POLICY" not in vs_vllm.system_env(vs_vllm.Config("vllm", "equal"), equal, {"OMP_WAIT_POLICY": "x"})
 
 
 def test_process_tree_cpu_time_sees_live_children():
@@ -95,8 +98,8 @@ def test_process_tree_cpu_time_sees_live_children():
         child.wait()
 
 
-@pytest.mark.parametrize("argv", [["--settings", "equal,nope"]])
+@pytest.mark.parametrize("argv", [["--settings", "equal,nope"], ["--hf-env", "OMP_WAIT_POLICY"]])
 def test_bad_settings_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         vs_vllm.main(argv)
-    assert "--settings" in capsys.readouterr().err
+    assert argv[0] in capsys.readouterr().err

@@ -138,6 +138,7 @@ class Options:
     section: str = "all"  # offline | online | profile | all
     rounds: int = 3
     settings: tuple[str, ...] = ("equal", "defaults")
+    hf_env: dict = field(default_factory=dict)  # extra environment of the hf_paged processes
     sizes: Sizes = field(default_factory=Sizes)
     shape: str = "issue"
     equal: Equal = field(default_factory=Equal)
@@ -239,17 +240,20 @@ def _threads(config: Config, equal: Equal) -> int:
     return equal.threads if config.setting == "equal" else (os.cpu_count() or 1)
 
 
-def system_env(config: Config, equal: Equal) -> dict:
+def system_env(config: Config, equal: Equal, hf_env: dict | None = None) -> dict:
     """The process environment: vLLM's KV space and core binding (its default binds one core);
-    torch's thread count for hf_paged at "equal" (its default is every core)."""
+    torch's thread count for hf_paged at "equal" (its default is every core), and ``hf_env``
+    (``--hf-env``: e.g. OpenMP settings to try on the hf_paged side)."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND",
                                                               "VLLM_CPU_KVCACHE_SPACE")}
     threads = _threads(config, equal)
     if config.system == "vllm":
         env.update(VLLM_CPU_KVCACHE_SPACE=str(equal.kv_cache_gib),
                    VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else f"0-{threads - 1}")
-    elif config.setting == "equal":
-        env["OMP_NUM_THREADS"] = str(threads)
+    else:
+        if config.setting == "equal":
+            env["OMP_NUM_THREADS"] = str(threads)
+        env.update(hf_env or {})
     return env
 
 
@@ -311,7 +315,7 @@ def run_offline(config: Config, requests: list[dict], warmup: list[dict], opts: 
                 "engine": hf_engine_kwargs(config, opts.equal, ctx["kv_bytes_per_token"]), "profile": profile}
         cmd = [sys.executable, "-m", "hf_paged.bench.vs_vllm", "--worker"]
     spec.update(requests=requests, warmup=warmup)
-    result = _subprocess_json(cmd, spec, config.name, system_env(config, opts.equal), opts, ctx)
+    result = _subprocess_json(cmd, spec, config.name, system_env(config, opts.equal, opts.hf_env), opts, ctx)
     generated = sum(map(len, result["tokens"]))
     return {**result, "generated_tokens": generated, "tokens_per_s": generated / result["wall_s"],
             "cpu_s_per_token": result["cpu_s"] / generated}
@@ -350,7 +354,7 @@ class Server:
         self.url, self.name = f"http://127.0.0.1:{self.port}", config.name
         self.log_path = Path(ctx["work_dir"]) / f"server-{config.name.replace(' ', '_')}-{next(ctx['ids'])}.log"
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.command(config, opts, ctx), env=system_env(config, opts.equal),
+        self.proc = subprocess.Popen(self.command(config, opts, ctx), env=system_env(config, opts.equal, opts.hf_env),
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def command(self, config: Config, opts: Options, ctx: dict) -> list[str]:
@@ -669,6 +673,7 @@ def _header(opts: Options, model: dict, vllm: dict | None) -> dict:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_before": os.getloadavg()},
         "versions": {"hf_paged_side": versions("hf_paged", "torch", "transformers", "openai"), "vllm_side": vllm},
         "model": model, "rounds": opts.rounds, "sizes": asdict(opts.sizes), "equal_settings": asdict(opts.equal),
+        "hf_env": opts.hf_env,
         "notes": ["each run in a fresh process; rounds interleaved in alternating order; medians of rounds",
                   "offline: only the generate call is timed (after an untimed warm-up call on other prompts)",
                   "CPU time: the whole process tree (/proc utime + stime), around the same call",
@@ -765,6 +770,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="equal settings: token budget per step")
     parser.add_argument("--max-num-seqs", type=int, default=Equal.max_num_seqs, help="equal settings: sequences")
     parser.add_argument("--threads", type=int, default=Equal.threads, help="equal settings: threads (cores bound)")
+    parser.add_argument("--hf-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra environment for the hf_paged processes (repeatable), e.g. OMP_WAIT_POLICY=PASSIVE")
     parser.add_argument("--out", default="benchmarks/out", help="where vs_vllm.json (and the profile) go")
     parser.add_argument("--report", metavar="JSON", help="print the tables of a saved vs_vllm.json and exit")
     parser.add_argument("--work-dir", help="keep the checkpoint, specs and logs here (default: a temporary dir)")
@@ -775,8 +782,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = tuple(s.strip() for s in args.settings.split(",") if s.strip())
     if not settings or set(settings) - {"equal", "defaults"}:
         parser.error(f"--settings {args.settings!r}: a comma-separated list of equal, defaults")
+    if any("=" not in kv for kv in args.hf_env):
+        parser.error("--hf-env takes KEY=VALUE")
     opts = Options(vllm_python=args.vllm_python, section=args.section, rounds=1 if args.quick else args.rounds,
-                   settings=settings,
+                   settings=settings, hf_env=dict(kv.split("=", 1) for kv in args.hf_env),
                    sizes=SIZES["tiny" if args.tiny else "quick" if args.quick else "full"],
                    shape="tiny" if args.tiny else "issue", out=args.out, work_dir=args.work_dir,
                    equal=Equal(args.block_size, args.max_num_batched_tokens, args.max_num_seqs, args.threads))
