@@ -18,7 +18,8 @@ from hf_paged.bench import vllm_worker, vs_vllm
 def test_without_vllm_it_says_how_to_make_the_venv_and_runs_hf_paged(tmp_path):
     logged = []
     opts = vs_vllm.Options(vllm_python=str(tmp_path / "no-such-python"), rounds=1, settings=("equal",),
-                           sizes=vs_vllm.SIZES["tiny"], shape="tiny", out=str(tmp_path), log=logged.append)
+                           sizes=vs_vllm.SIZES["tiny"], shape="tiny", out=str(tmp_path), log=logged.append,
+                           max_other_load=None)
     results = vs_vllm.run(opts)
 
     message = logged[0]
@@ -33,6 +34,7 @@ def test_without_vllm_it_says_how_to_make_the_venv_and_runs_hf_paged(tmp_path):
         assert set(section["runs"]) == {"hf_paged equal"} and section["ratios"] == {}
         run = section["runs"]["hf_paged equal"]
         assert run["rounds"] == 1 and run["tokens_per_s"] > 0 and run["cpu_s_per_token"] > 0
+        assert run["other_load_cores"] >= 0 and run["attempt"] == 1
         assert run["resolved"]["block_size"] == 32 and run["resolved"]["max_num_batched_tokens"] == 2048
         assert run["generated_tokens"] == section["workload"]["output_total"]  # EOS ignored: every token asked for
     long = results["offline"]["long_prompts"]["workload"]
@@ -96,6 +98,17 @@ def test_process_tree_cpu_time_sees_live_children():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_disturbed_run_is_repeated_and_the_least_disturbed_kept():
+    loads = iter([1.5, 0.9, 1.2])
+    opts = vs_vllm.Options(max_other_load=0.5, retries=2, quiet_wait_s=0, log=lambda *a: None)
+    kept = vs_vllm.cleanest(lambda: {"other_load_cores": next(loads)}, opts, "x")
+    assert kept == {"other_load_cores": 0.9, "attempt": 2, "waited_for_quiet_s": 0.0}
+    quiet = iter([0.1, 2.0])
+    assert vs_vllm.cleanest(lambda: {"other_load_cores": next(quiet)}, opts, "x")["attempt"] == 1
+    once = vs_vllm.Options(max_other_load=None, retries=2)
+    assert vs_vllm.cleanest(lambda: {"other_load_cores": 3.0}, once, "x")["attempt"] == 1
 
 
 @pytest.mark.parametrize("argv", [["--settings", "equal,nope"], ["--hf-env", "OMP_WAIT_POLICY"]])

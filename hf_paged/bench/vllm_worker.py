@@ -7,7 +7,8 @@ spawns an engine-core and a worker process of its own, hence the ``__main__`` gu
 
 It also holds the helpers both sides need without hf_paged: the CPU time of a process tree read
 from /proc (vLLM's work happens in child processes, which ``os.times()`` does not see while they
-live) and the versions record.
+live), the CPU time everything else on the machine took meanwhile (on a shared machine, what a run
+competed with), and the versions record.
 """
 
 from __future__ import annotations
@@ -55,6 +56,32 @@ def tree_cpu_seconds(root: int | None = None) -> float:
     return total / ticks
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy since boot (/proc/stat; idle and iowait excluded)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class Meter:
+    """Around a block: its wall time, the CPU time of the process trees ``roots`` (default: this
+    process), and ``other_load_cores``, the CPU the rest of the machine used per wall second."""
+
+    def __init__(self, *roots: int):
+        self.roots = roots or (os.getpid(),)
+
+    def __enter__(self) -> Meter:
+        self._busy, self._cpu = machine_busy_seconds(), [tree_cpu_seconds(r) for r in self.roots]
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall_s = time.perf_counter() - self._t0
+        self.cpu_s = [tree_cpu_seconds(r) - c for r, c in zip(self.roots, self._cpu)]
+        others = machine_busy_seconds() - self._busy - sum(self.cpu_s)
+        self.other_load_cores = max(0.0, others / self.wall_s)
+
+
 def versions(*modules: str) -> dict:
     """Python and each module's ``__version__`` (None where it does not import)."""
     out = {"python": platform.python_version()}
@@ -84,19 +111,18 @@ def run_offline(spec: dict) -> dict:
 
     llm = LLM(**spec["engine"])
 
-    def call(requests: list[dict]) -> tuple[list[list[int]], float, float]:
+    def call(requests: list[dict]) -> tuple[list[list[int]], Meter]:
         prompts = [{"prompt_token_ids": r["prompt"]} for r in requests]
         params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
                   for r in requests]
-        cpu0, t0 = tree_cpu_seconds(), time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        wall, cpu = time.perf_counter() - t0, tree_cpu_seconds() - cpu0
-        return [list(o.outputs[0].token_ids) for o in outs], wall, cpu
+        with Meter() as meter:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], meter
 
     call(spec["warmup"])
-    tokens, wall, cpu = call(spec["requests"])
-    return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "resolved": _resolved(llm),
-            "versions": versions("vllm", "torch", "transformers")}
+    tokens, meter = call(spec["requests"])
+    return {"wall_s": meter.wall_s, "cpu_s": meter.cpu_s[0], "other_load_cores": meter.other_load_cores,
+            "tokens": tokens, "resolved": _resolved(llm), "versions": versions("vllm", "torch", "transformers")}
 
 
 def main(argv: list[str]) -> int:

@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from hf_paged.bench import workloads
-from hf_paged.bench.vllm_worker import tree_cpu_seconds, versions
+from hf_paged.bench.vllm_worker import Meter, machine_busy_seconds, versions
 
 VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")
 VLLM_VERSION = "0.32.0"
@@ -145,6 +145,9 @@ class Options:
     out: str = "benchmarks/out"
     work_dir: str | None = None  # default: a temporary directory, removed afterwards
     timeout_s: float = 1800.0  # one process
+    max_other_load: float | None = 0.5  # cores other processes may use during a run (None: no check)
+    retries: int = 2  # runs repeated when other processes used more
+    quiet_wait_s: float = 300.0  # the longest wait for a quiet machine before a run
     log: object = print
 
 
@@ -271,27 +274,26 @@ def hf_offline(spec: dict) -> dict:
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, local_files_only=True).eval()
     engine = LLMEngine(model, **spec["engine"])
 
-    def call(requests: list[dict], profile: str | None = None) -> tuple[list[list[int]], float, float]:
+    def call(requests: list[dict], profile: str | None = None) -> tuple[list[list[int]], Meter]:
         params = [SamplingParams(max_new_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in requests]
         prompts = [r["prompt"] for r in requests]
-        cpu0 = tree_cpu_seconds()
-        profiler = _start_profile() if profile else None
-        t0 = time.perf_counter()
-        outs = engine.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - t0
+        with Meter() as meter:
+            profiler = _start_profile() if profile else None
+            outs = engine.generate(prompts, params, use_tqdm=False)
+            if profiler:
+                profiler.disable()
         if profiler:
-            profiler.disable()
             profiler.dump_stats(profile)
-        cpu = tree_cpu_seconds() - cpu0
-        return [list(o.outputs[0].token_ids) for o in outs], wall, cpu
+        return [list(o.outputs[0].token_ids) for o in outs], meter
 
     call(spec["warmup"])
-    tokens, wall, cpu = call(spec["requests"], spec.get("profile"))
+    tokens, meter = call(spec["requests"], spec.get("profile"))
     stats = engine.stats()
     resolved = {"block_size": engine.kv.block_size, "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
                 "max_num_seqs": engine.scheduler.max_num_seqs, "num_blocks": stats["blocks_total"],
                 "prefix_caching": stats["prefix_caching"], "torch_threads": torch.get_num_threads()}
-    return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "resolved": resolved,
+    return {"wall_s": meter.wall_s, "cpu_s": meter.cpu_s[0], "other_load_cores": meter.other_load_cores,
+            "tokens": tokens, "resolved": resolved,
             "engine": {k: stats[k] for k in ("steps", "preemptions_recompute", "preemptions_swap")},
             "versions": versions("hf_paged", "torch", "transformers")}
 
@@ -457,32 +459,61 @@ def loadgen(spec: dict) -> dict:
     """The load generator process: an untimed warm-up, then the timed closed loop, with the server's
     process-tree CPU time read around it (and this process's own)."""
     asyncio.run(closed_loop(spec["url"], spec["warmup"], spec["concurrency"]))
-    server0, own0 = tree_cpu_seconds(spec["server_pid"]), tree_cpu_seconds()
-    result = asyncio.run(closed_loop(spec["url"], spec["requests"], spec["concurrency"]))
-    return {**result, "server_cpu_s": tree_cpu_seconds(spec["server_pid"]) - server0,
-            "loadgen_cpu_s": tree_cpu_seconds() - own0, "versions": versions("openai", "httpx")}
+    with Meter(spec["server_pid"], os.getpid()) as meter:
+        result = asyncio.run(closed_loop(spec["url"], spec["requests"], spec["concurrency"]))
+    return {**result, "server_cpu_s": meter.cpu_s[0], "loadgen_cpu_s": meter.cpu_s[1],
+            "other_load_cores": meter.other_load_cores, "versions": versions("openai", "httpx")}
 
 
 # ---------------------------------------------------------------------------- rounds and summaries
-def interleaved(configs: list[Config], rounds: int, run_one, log, label: str) -> dict[str, list[dict]]:
+def interleaved(configs: list[Config], run_one, opts: Options, label: str) -> dict[str, list[dict]]:
     """Every config once per round, in alternating order; a config that fails is dropped (logged)."""
     runs: dict[str, list[dict]] = {}
     failed: set[str] = set()
-    for r in range(rounds):
+    for r in range(opts.rounds):
         for config in configs if r % 2 == 0 else configs[::-1]:
             if config.name in failed:
                 continue
             try:
-                result = run_one(config)
+                result = cleanest(lambda: run_one(config), opts, f"{label}, {config.name}")
             except Exception as err:  # noqa: BLE001 - one system failing must not hide the others
                 failed.add(config.name)
                 runs.pop(config.name, None)
-                log(f"  {label}: {config.name} failed: {err}")
+                opts.log(f"  {label}: {config.name} failed: {err}")
                 continue
             runs.setdefault(config.name, []).append(result)
-            log(f"  {label}, round {r + 1}: {config.name:<24} {result['tokens_per_s']:8.1f} tok/s "
-                f"(load avg {result['load_avg_1min_before']:.2f} before)")
+            opts.log(f"  {label}, round {r + 1}: {config.name:<24} {result['tokens_per_s']:8.1f} tok/s "
+                     f"(other processes: {result['other_load_cores']:.2f} cores)")
     return runs
+
+
+def cleanest(run_once, opts: Options, label: str) -> dict:
+    """On a shared machine: wait (up to ``opts.quiet_wait_s``) until other processes use less than
+    ``opts.max_other_load`` cores, run, and run again (up to ``opts.retries`` times) when they used
+    more during the run; the attempt with the least competition is kept. ``max_other_load=None``:
+    one attempt, no waiting."""
+    best = None
+    for attempt in range(1 + (opts.retries if opts.max_other_load is not None else 0)):
+        waiting = opts.max_other_load is not None and opts.quiet_wait_s > 0
+        waited = wait_for_quiet(opts.max_other_load, opts.quiet_wait_s) if waiting else 0.0
+        result = {**run_once(), "attempt": attempt + 1, "waited_for_quiet_s": waited}
+        if best is None or result["other_load_cores"] < best["other_load_cores"]:
+            best = result
+        if opts.max_other_load is None or result["other_load_cores"] <= opts.max_other_load:
+            break
+        opts.log(f"    {label}: other processes used {result['other_load_cores']:.2f} cores during the run")
+    return best
+
+
+def wait_for_quiet(max_cores: float, max_wait_s: float, sample_s: float = 3.0) -> float:
+    """Seconds waited until the machine's other processes use at most ``max_cores`` (sampled over
+    ``sample_s`` while this benchmark runs nothing), or ``max_wait_s`` passed."""
+    start = time.monotonic()
+    while True:
+        busy = machine_busy_seconds()
+        time.sleep(sample_s)
+        if (machine_busy_seconds() - busy) / sample_s <= max_cores or time.monotonic() - start >= max_wait_s:
+            return time.monotonic() - start
 
 
 def median_run(runs: list[dict], keys: tuple[str, ...]) -> dict:
@@ -529,9 +560,10 @@ def _ratios(runs: dict[str, list[dict]], pairs) -> dict:
     return out
 
 
-OFFLINE_KEYS = ("tokens_per_s", "generated_tokens", "wall_s", "cpu_s_per_token", "load_avg_1min_before")
+OFFLINE_KEYS = ("tokens_per_s", "generated_tokens", "wall_s", "cpu_s_per_token", "other_load_cores", "attempt",
+                "load_avg_1min_before")
 ONLINE_KEYS = ("tokens_per_s", "generated_tokens", "wall_s", "latency_s_p50", "latency_s_p99", "ttft_s_p50", "ttft_s_p99",
-               "server_cpu_s_per_token", "loadgen_cpu_s", "load_avg_1min_before")
+               "server_cpu_s_per_token", "loadgen_cpu_s", "other_load_cores", "attempt", "load_avg_1min_before")
 
 
 def _configs(configs: tuple[Config, ...], opts: Options, ctx: dict) -> list[Config]:
@@ -547,8 +579,7 @@ def offline_section(opts: Options, ctx: dict) -> dict:
     for name, requests in (("sharegpt", sharegpt_requests(sizes.requests, sizes, vocab)),
                            ("long_prompts", long_requests(sizes.long_requests, sizes, vocab, seed=7))):
         opts.log(f"offline, {name}: {describe(requests)}")
-        runs = interleaved(configs, opts.rounds, lambda c: run_offline(c, requests, warmup, opts, ctx), opts.log,
-                           f"offline {name}")
+        runs = interleaved(configs, lambda c: run_offline(c, requests, warmup, opts, ctx), opts, f"offline {name}")
         out[name] = {"workload": describe(requests), "ratios": _ratios(runs, OFFLINE_PAIRS),
                      "agreement": _agreements(runs),
                      "runs": {k: {**median_run(v, OFFLINE_KEYS), "resolved": v[0]["resolved"],
@@ -565,10 +596,9 @@ def online_section(opts: Options, ctx: dict) -> dict:
     warmup = sharegpt_requests(sizes.warmup, replace(sizes, output=(sizes.output[0], sizes.output[0])), vocab, seed=98)
     configs = _configs(ONLINE_CONFIGS, opts, ctx)
     opts.log(f"online: {describe(requests)}, {sizes.concurrency} streaming clients")
-    served = interleaved(configs, opts.rounds, lambda c: run_online(c, requests, warmup, opts, ctx), opts.log,
-                         "online server")
+    served = interleaved(configs, lambda c: run_online(c, requests, warmup, opts, ctx), opts, "online server")
     twins = [replace(c, max_num_seqs=sizes.concurrency) for c in configs]
-    in_process = interleaved(twins, opts.rounds, lambda c: run_offline(c, requests, warmup, opts, ctx), opts.log,
+    in_process = interleaved(twins, lambda c: run_offline(c, requests, warmup, opts, ctx), opts,
                              f"in-process, {sizes.concurrency} sequences")
     pairs = [(f"{s}, servers", f"hf_paged {s}", f"vllm {s} compiled") for s in ("equal", "defaults")]
     return {"workload": {**describe(requests), "concurrency": sizes.concurrency, "streaming": True},
@@ -673,7 +703,7 @@ def _header(opts: Options, model: dict, vllm: dict | None) -> dict:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_before": os.getloadavg()},
         "versions": {"hf_paged_side": versions("hf_paged", "torch", "transformers", "openai"), "vllm_side": vllm},
         "model": model, "rounds": opts.rounds, "sizes": asdict(opts.sizes), "equal_settings": asdict(opts.equal),
-        "hf_env": opts.hf_env,
+        "hf_env": opts.hf_env, "max_other_load_cores": opts.max_other_load, "retries": opts.retries,
         "notes": ["each run in a fresh process; rounds interleaved in alternating order; medians of rounds",
                   "offline: only the generate call is timed (after an untimed warm-up call on other prompts)",
                   "CPU time: the whole process tree (/proc utime + stime), around the same call",
@@ -691,13 +721,13 @@ def report(results: dict) -> str:
         lines += [f"**Offline, {name}** ({w['requests']} requests, prompts {w['prompt_min']}-{w['prompt_max']} "
                   f"(mean {w['prompt_mean']:.0f}), outputs {w['output_min']}-{w['output_max']} "
                   f"(mean {w['output_mean']:.0f})):", "",
-                  "| run | block | budget | max seqs | output tok/s (median) | per round | CPU ms/token | load avg |",
+                  "| run | block | budget | max seqs | output tok/s (median) | per round | CPU ms/token | other processes (cores) |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for run_name, r in sec["runs"].items():
             res = r["resolved"]
             lines.append(f"| {run_name} | {res['block_size']} | {res['max_num_batched_tokens']} | {res['max_num_seqs']} | "
                          f"{r['tokens_per_s']:.0f} | {_fmt(r['tokens_per_s_per_round'], 0)} | "
-                         f"{1e3 * r['cpu_s_per_token']:.2f} | {_fmt(r['load_avg_1min_before_per_round'], 1)} |")
+                         f"{1e3 * r['cpu_s_per_token']:.2f} | {_fmt(r['other_load_cores_per_round'], 2)} |")
         lines += ["", *_ratio_lines(sec["ratios"]), "", *_agreement_lines(sec["agreement"]), ""]
     online = results.get("online")
     if online:
@@ -705,12 +735,12 @@ def report(results: dict) -> str:
         lines += [f"**Online** ({w['requests']} requests, {w['concurrency']} streaming clients, prompts "
                   f"{w['prompt_min']}-{w['prompt_max']}, outputs {w['output_min']}-{w['output_max']}):", "",
                   "| server | tok/s (median) | per round | latency p50 / p99 | TTFT p50 / p99 | server CPU ms/token "
-                  "| load avg |", "| --- | --- | --- | --- | --- | --- | --- |"]
+                  "| other processes (cores) |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for name, r in online["servers"].items():
             lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {_fmt(r['tokens_per_s_per_round'], 0)} | "
                          f"{r['latency_s_p50']:.2f} / {r['latency_s_p99']:.2f} s | "
                          f"{r['ttft_s_p50']:.3f} / {r['ttft_s_p99']:.3f} s | {1e3 * r['server_cpu_s_per_token']:.2f} | "
-                         f"{_fmt(r['load_avg_1min_before_per_round'], 1)} |")
+                         f"{_fmt(r['other_load_cores_per_round'], 2)} |")
         lines += ["", "| system | server / in-process throughput | server CPU ms/token | in-process CPU ms/token | "
                       "CPU ratio |", "| --- | --- | --- | --- | --- |"]
         for name, r in online["server_vs_in_process"].items():
@@ -770,6 +800,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="equal settings: token budget per step")
     parser.add_argument("--max-num-seqs", type=int, default=Equal.max_num_seqs, help="equal settings: sequences")
     parser.add_argument("--threads", type=int, default=Equal.threads, help="equal settings: threads (cores bound)")
+    parser.add_argument("--max-other-load", type=float, default=0.5,
+                        help="cores other processes may use during a run before it is repeated (negative: no check)")
+    parser.add_argument("--retries", type=int, default=2, help="repeats of a run that other processes disturbed")
+    parser.add_argument("--quiet-wait", type=float, default=300, help="longest wait (s) for a quiet machine per run")
     parser.add_argument("--hf-env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment for the hf_paged processes (repeatable), e.g. OMP_WAIT_POLICY=PASSIVE")
     parser.add_argument("--out", default="benchmarks/out", help="where vs_vllm.json (and the profile) go")
@@ -785,7 +819,8 @@ def main(argv: list[str] | None = None) -> int:
     if any("=" not in kv for kv in args.hf_env):
         parser.error("--hf-env takes KEY=VALUE")
     opts = Options(vllm_python=args.vllm_python, section=args.section, rounds=1 if args.quick else args.rounds,
-                   settings=settings, hf_env=dict(kv.split("=", 1) for kv in args.hf_env),
+                   max_other_load=None if args.max_other_load < 0 else args.max_other_load,
+                   retries=args.retries, quiet_wait_s=args.quiet_wait, settings=settings, hf_env=dict(kv.split("=", 1) for kv in args.hf_env),
                    sizes=SIZES["tiny" if args.tiny else "quick" if args.quick else "full"],
                    shape="tiny" if args.tiny else "issue", out=args.out, work_dir=args.work_dir,
                    equal=Equal(args.block_size, args.max_num_batched_tokens, args.max_num_seqs, args.threads))
