@@ -38,6 +38,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from hf_paged import kernels
 from hf_paged.cache import new_columns_valid
 from hf_paged.channel import PackedStep, active_cache, in_packed_forward
+from hf_paged.kernels import flex_decode
 
 ATTN_IMPLEMENTATION = "hf_paged"
 _fallbacks: dict[int, str] = {}  # id(config) -> implementation; not an attribute, so never saved
@@ -360,9 +361,17 @@ def _decode_by_sdpa(step: PackedStep, layer_idx: int, q, k_pool, v_pool, scale, 
     """CPU decode for an engine step: per group of similar-length sequences, one gather of their
     keys and values (slot indices built once per step, shared by all layers) and one fused SDPA
     call with a key-padding mask. Attention sinks join as one more key of zeros whose additive
-    mask is the head's sink logit: its score is the sink, its value adds nothing."""
+    mask is the head's sink logit: its score is the sink, its value adds nothing.
+
+    In float32, for plain causal layers, once the step's contexts are long (``flex_decode_mask``),
+    the read is instead one compiled FlexAttention call over the pools themselves
+    (:mod:`hf_paged.kernels.flex_decode`): no gathered copy."""
     num_seqs, heads, head_dim = q.shape
     kv_heads, group = k_pool.shape[2], heads // k_pool.shape[2]
+    if q.dtype == torch.float32 and not _has_span_options(options) and not options.get("sliding_window"):
+        block_mask = step.flex_decode_mask(layer_idx, group, k_pool.shape[0])
+        if block_mask is not None:
+            return flex_decode.paged_decode_flex(q, k_pool, v_pool, block_mask, scale)
     k_rows, v_rows = k_pool.view(-1, kv_heads * head_dim), v_pool.view(-1, kv_heads * head_dim)
     sinks = options.get("sinks")
     parts = []

@@ -255,3 +255,8 @@ class PackedStep(StashingCache, abc.ABC):
         """The decoding sequences in groups of similar length, each with its slots (in the
         layer's group) and mask (``window``: the layer's sliding window; ``chunk_size``: its
         chunked local attention)."""
+
+    def flex_decode_mask(self, layer_idx: int, heads_per_kv: int, num_pool_blocks: int):
+        """The block mask of the compiled CPU decode read (:mod:`hf_paged.kernels.flex_decode`)
+        for the layer's decoding sequences, or None where the step keeps the gather read."""
+        return None

@@ -23,8 +23,9 @@ from hf_paged.attention import paged_call
 from hf_paged.channel import clear_active_cache, packed_forward
 from hf_paged.engine.cpu_linear import onednn_linears
 from hf_paged.engine.scheduler_output import SchedulerOutput
-from hf_paged.engine.step_cache import PackedStepCache, host_tensor
-from hf_paged.kinds import MLAAttentionSpec
+from hf_paged.engine.step_cache import FLEX_MIN_BLOCK_SIZE, PackedStepCache, host_tensor
+from hf_paged.kernels import flex_decode
+from hf_paged.kinds import FullAttentionSpec, MLAAttentionSpec
 from hf_paged.layer_groups import LayerGroup, layer_groups
 from hf_paged.model_info import cache_kwarg, layer_kinds, takes_logits_to_keep
 from hf_paged.state_pool import StatePool
@@ -51,6 +52,22 @@ class ModelRunner:
         self._cache_kwarg = cache_kwarg(model)
         self._logits_to_keep = takes_logits_to_keep(model)
         self.onednn_linears = True  # float32 CPU linears through oneDNN (hf_paged.engine.cpu_linear)
+        # the compiled CPU decode read (hf_paged.kernels.flex_decode): "auto" at long contexts, "always", "never"
+        self.flex_decode = "auto"
+        self._warm_flex_decode()
+
+    def _warm_flex_decode(self) -> None:
+        """Start compiling the compiled CPU decode read in the background where steps may use it
+        (CPU, float32, blocks of at least ``FLEX_MIN_BLOCK_SIZE``, full-attention layers), so the
+        first long step does not wait for it and a benchmark's timed run does not pay for it."""
+        config = self.model.config.get_text_config(decoder=True)
+        if (self.device.type != "cpu" or self.model.dtype != torch.float32 or self.storage.block_size < FLEX_MIN_BLOCK_SIZE
+                or not any(type(spec) is FullAttentionSpec for spec in self.specs)):
+            return
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        flex_decode.ready(kv_heads, heads // kv_heads, head_dim, self.storage.block_size)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor | None:
@@ -68,7 +85,8 @@ class ModelRunner:
         """One forward: the packed row ``[1, tokens]``, or (``rows``) one decode token per batch row."""
         shape = (-1, 1) if rows else (1, -1)
         positions = host_tensor(step.positions).to(self.device).view(shape)
-        step_cache = PackedStepCache(self.specs, self.groups, self.storage, step, positions.view(-1))
+        step_cache = PackedStepCache(self.specs, self.groups, self.storage, step, positions.view(-1),
+                                     flex_decode=self.flex_decode)
         forward = {
             "input_ids": host_tensor(step.input_ids).to(self.device).view(shape),
             "position_ids": positions,
