@@ -19,8 +19,8 @@ from hf_paged.layer_groups import LayerGroup, group_of_layers
 from hf_paged.storage import PagedKVStorage
 
 # The compiled decode read (kernels.flex_decode) pays off where copying the decoding sequences'
-# contexts out of the blocks costs more than its fixed per-sequence work: long contexts (measured
-# on 2 cores: +13% engine throughput at ~1,100-token contexts, -25% at ~250) and blocks of at
+# contexts out of the blocks costs more than its fixed per-call work: long contexts (measured on
+# 2 cores: ~10% less decode time at ~1,100-token contexts, 25% more at ~250) and blocks of at
 # least 32 slots (at 16 its inner loop is too short to beat the copy).
 FLEX_MIN_MEAN_CONTEXT = 768
 FLEX_MIN_DECODE_SLOTS = 4096
