@@ -26,6 +26,7 @@ import torch
 _compiled = None
 _layouts: dict[tuple, str] = {}  # layout -> "compiling" | "ready" | "failed"
 _failure: str | None = None
+_threads: list[threading.Thread] = []
 _lock = threading.Lock()
 
 
@@ -43,10 +44,19 @@ def ready(kv_heads: int, heads_per_kv: int, head_dim: int, block_size: int, *, w
         if state is None and _failure is None:
             _layouts[layout] = state = "compiling"
             if not wait:
-                threading.Thread(target=_warm_up, args=(layout,), name="hf_paged-flex-compile", daemon=True).start()
+                thread = threading.Thread(target=_warm_up, args=(layout,), name="hf_paged-flex-compile", daemon=True)
+                _threads.append(thread)
+                thread.start()
     if state == "compiling" and wait:
         _warm_up(layout)
     return _layouts.get(layout) == "ready"
+
+
+def wait_for_compiles(timeout: float | None = None) -> None:
+    """Wait for the background compiles started so far (a benchmark does, before its timed run,
+    as vLLM compiles before it serves)."""
+    for thread in list(_threads):
+        thread.join(timeout)
 
 
 def _warm_up(layout: tuple) -> None:

@@ -22,31 +22,10 @@ from hf_paged.demo import byte_tokenizer
 from hf_paged.engine.outputs import CompletionOutput
 from hf_paged.serve.detokenize import IncrementalDetokenizer, TextStream
 from hf_paged.serve.server import exposure_warning
-from tests.helpers.serving import (MODEL, assert_all_free, free_port, serving, single_threaded_torch, tiny_model,
-                                   wait_idle, wait_until_healthy)
+from tests.helpers.serving import (MODEL, assert_all_free, client, engine, free_port, served,  # noqa: F401 - fixtures
+                                   serving, single_threaded_torch, tiny_model, wait_idle, wait_until_healthy)
 
-NUM_BLOCKS = 256
 TOKENIZER = byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def served():
-    with single_threaded_torch(), serving({"num_blocks": NUM_BLOCKS}) as (server, loop):
-        yield server, loop
-
-
-@pytest.fixture
-def client(served):
-    server, loop = served
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
-        yield c
-    assert_all_free(loop)
-
-
-@pytest.fixture(scope="module")
-def engine(served):
-    """The truth: an in-process LLMEngine on an identical model (same seed), same budget."""
-    return LLMEngine(tiny_model(), byte_tokenizer(), num_blocks=NUM_BLOCKS)
 
 
 def truth(engine: LLMEngine, prompt, **params) -> CompletionOutput:

@@ -17,13 +17,12 @@ import pytest
 import torch
 from pydantic import BaseModel, Field
 
-from hf_paged import LLMEngine, SamplingParams
+from hf_paged import SamplingParams
 from hf_paged.constraints import ConstraintCompiler, StructuredOutputsParams
 from hf_paged.demo import byte_tokenizer
 from hf_paged.serve.tools import HermesToolParser, parse_tool_calls
-from tests.helpers.serving import MODEL, assert_all_free, serving, single_threaded_torch, tiny_model
+from tests.helpers.serving import MODEL, client, engine, served  # noqa: F401 - fixtures
 
-NUM_BLOCKS = 256
 TOKENIZER = byte_tokenizer()
 USER = [{"role": "user", "content": "Give me a record"}]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -40,26 +39,6 @@ TIME = {"type": "function", "function": {
                                        "required": ["zone"]}}}
 TOOLS = [WEATHER, TIME]
 HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def served():
-    with single_threaded_torch(), serving({"num_blocks": NUM_BLOCKS}) as (server, loop):
-        yield server, loop
-
-
-@pytest.fixture
-def client(served):
-    server, loop = served
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
-        yield c
-    assert_all_free(loop)
-
-
-@pytest.fixture(scope="module")
-def engine(served):
-    """The truth: an in-process LLMEngine on an identical model, same budget."""
-    return LLMEngine(tiny_model(), byte_tokenizer(), num_blocks=NUM_BLOCKS)
 
 
 def chat_ids(messages: list[dict], tools: list[dict] | None = None) -> list[int]:

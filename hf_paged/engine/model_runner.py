@@ -23,7 +23,7 @@ from hf_paged.attention import paged_call
 from hf_paged.channel import clear_active_cache, packed_forward
 from hf_paged.engine.cpu_linear import onednn_linears
 from hf_paged.engine.scheduler_output import SchedulerOutput
-from hf_paged.engine.step_cache import FLEX_MIN_BLOCK_SIZE, PackedStepCache, host_tensor
+from hf_paged.engine.step_cache import FLEX_MIN_BLOCK_SIZE, FLEX_MIN_MEAN_CONTEXT, PackedStepCache, host_tensor
 from hf_paged.kernels import flex_decode
 from hf_paged.kinds import FullAttentionSpec, MLAAttentionSpec
 from hf_paged.layer_groups import LayerGroup, layer_groups
@@ -58,10 +58,12 @@ class ModelRunner:
 
     def _warm_flex_decode(self) -> None:
         """Start compiling the compiled CPU decode read in the background where steps may use it
-        (CPU, float32, blocks of at least ``FLEX_MIN_BLOCK_SIZE``, full-attention layers), so the
-        first long step does not wait for it and a benchmark's timed run does not pay for it."""
+        (CPU, float32, blocks of at least ``FLEX_MIN_BLOCK_SIZE``, full-attention layers, positions
+        reaching ``FLEX_MIN_MEAN_CONTEXT``), so the first long step does not wait for it. Elsewhere
+        the first step that qualifies starts it."""
         config = self.model.config.get_text_config(decoder=True)
         if (self.device.type != "cpu" or self.model.dtype != torch.float32 or self.storage.block_size < FLEX_MIN_BLOCK_SIZE
+                or (getattr(config, "max_position_embeddings", None) or 0) < FLEX_MIN_MEAN_CONTEXT
                 or not any(type(spec) is FullAttentionSpec for spec in self.specs)):
             return
         heads = config.num_attention_heads

@@ -8,6 +8,8 @@ import subprocess
 import time
 
 import httpx
+import openai
+import pytest
 
 import torch
 
@@ -92,3 +94,28 @@ def same_or_near_tie(got: list[int], ref: list[int], ref_logprobs: list[dict[int
         return False  # one is a prefix of the other: a length difference is never a tie
     entry = ref_logprobs[step]
     return got[step] in entry and abs(entry[got[step]] - entry[ref[step]]) < gap
+
+
+# Fixtures of the server test modules (imported by them): the demo server with ``NUM_BLOCKS``
+# blocks, an ``openai`` client that checks every block is free after each test, and the truth, an
+# in-process engine on an identical model (same seed) and budget.
+NUM_BLOCKS = 256
+
+
+@pytest.fixture(scope="module")
+def served():
+    with single_threaded_torch(), serving({"num_blocks": NUM_BLOCKS}) as (server, loop):
+        yield server, loop
+
+
+@pytest.fixture
+def client(served):
+    server, loop = served
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+    assert_all_free(loop)
+
+
+@pytest.fixture(scope="module")
+def engine(served):
+    return LLMEngine(tiny_model(), byte_tokenizer(), num_blocks=NUM_BLOCKS)
