@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,3 +91,50 @@ def test_negative_control_the_check_finds_private_imports(tmp_path, source, expe
     path.write_text(source)
     module = "hf_paged.kernels.probe" if inside_kernels else "hf_paged.probe"
     assert len(_violations(module, path)) == expected
+
+
+# --- the top-level name ``kernels`` is Hugging Face's package, even from a checkout's root ---------
+
+def _python_at_root(code: str, path: list[str], isolated: bool = False) -> subprocess.CompletedProcess:
+    """Run ``code`` from the checkout's root with ``sys.path`` = the root, then ``path``."""
+    setup = f"import sys; sys.path[:] = [{str(ROOT)!r}] + {path!r}\n"
+    flags = ["-S"] if isolated else []
+    return subprocess.run([sys.executable, *flags, "-c", setup + code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_import_kernels_at_the_root_gets_the_installed_package(tmp_path):
+    fake = tmp_path / "site" / "kernels"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("INSTALLED = True\n")
+    (fake / "layer.py").write_text("from kernels import INSTALLED\n")
+    result = _python_at_root(
+        "import kernels, kernels.layer\n"
+        "print(kernels.INSTALLED, kernels.layer.INSTALLED, sorted(n for n in sys.modules if n.startswith('kernels')))\n",
+        [str(tmp_path / "site"), *sys.path])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True", "['kernels',", "'kernels.layer']"]
+
+
+def test_import_kernels_at_the_root_without_the_package_is_not_found(tmp_path):
+    site = tmp_path / "site"  # this environment's packages, less Hugging Face's kernels
+    site.mkdir()
+    for entry in sys.path:
+        if entry.endswith("site-packages") and Path(entry).is_dir():
+            for item in Path(entry).iterdir():
+                if item.name != "kernels" and not item.name.startswith("kernels-") and not (site / item.name).exists():
+                    (site / item.name).symlink_to(item)
+    stdlib = [p for p in sys.path if p and "site-packages" not in p and Path(p).exists() and p != str(ROOT)]
+    result = _python_at_root("import kernels\n", [str(site), *stdlib], isolated=True)
+    assert result.returncode == 1
+    assert "ModuleNotFoundError: No module named 'kernels' (this checkout's kernels/ folder is hf_paged.kernels" in result.stderr
+    assert "kernels" not in result.stdout
+
+
+def test_transformers_models_load_at_the_root():
+    # transformers >= 5.25 imports Hugging Face's kernels package from modeling_utils
+    result = _python_at_root(
+        "import transformers.modeling_utils, hf_paged, kernels\n"
+        "print(kernels is not hf_paged.kernels, not kernels.__name__.startswith('hf_paged'))\n", sys.path[1:])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True"]
