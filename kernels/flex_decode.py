@@ -89,9 +89,11 @@ def decode_block_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, nu
     lens = context_lens.to(torch.int32)
     used = (lens + block_size - 1) // block_size  # blocks per sequence (>= 1)
     tables = block_tables.to(torch.int32).clamp(min=0)  # padding entries are never read
-    full_indices = torch.zeros(seqs, 1, 1, num_blocks, dtype=torch.int32)  # as wide as the pool: flex checks
+    # As wide as the pool (flex checks), but only the first ``used`` entries of a row are ever read:
+    # the rest stay unwritten, so a step's mask costs the same in a pool of 1,000 or 100,000 blocks.
+    full_indices = torch.empty(seqs, 1, 1, num_blocks, dtype=torch.int32)
     full_indices[:, 0, 0, :width] = tables
-    partial_indices = torch.zeros(seqs, 1, 1, num_blocks, dtype=torch.int32)
+    partial_indices = torch.empty(seqs, 1, 1, num_blocks, dtype=torch.int32)
     partial_indices[:, 0, 0, :1] = tables.gather(1, (used - 1).long()[:, None])
     last_fill = (lens - (used - 1) * block_size).long()  # visible slots of the last block (int64: see below)
 

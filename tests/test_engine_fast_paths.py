@@ -1,5 +1,5 @@
 """The engine's fast paths (issue 22): the two-pass argmax, log-probabilities only when asked for,
-and oneDNN linears switched on for engine forwards only."""
+and oneDNN linears switched on for engine forwards only (the LM head on a prepacked copy)."""
 
 from __future__ import annotations
 
@@ -92,6 +92,61 @@ def test_negative_control_onednn_changes_bits_so_a_leftover_switch_would_be_seen
         switched = layer(x)
     assert not torch.equal(switched, layer(x)), "oneDNN gave sgemm's bits: the test above could not see a leftover"
     torch.testing.assert_close(switched, layer(x))
+
+
+def test_lm_head_runs_on_its_prepacked_copy_in_engine_steps(model, monkeypatch):
+    """By default the engine packs a small float32 LM head once and every step's head uses it;
+    tokens stay those of stock generate()."""
+    if not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN linear")
+    packs = []
+    real_get = cpu_linear.PrepackedWeight.get
+    monkeypatch.setattr(cpu_linear.PrepackedWeight, "get", lambda self: packs.append(self.module) or real_get(self))
+    engine = LLMEngine(model, block_size=4)
+    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert packs and all(m is model.get_output_embeddings() for m in packs)
+    assert [o.outputs[0].token_ids for o in outs] == [
+        model.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
+    assert not LLMEngine(model, block_size=4, prepack_lm_head=False).runner._prepacked
+
+
+def test_prepacked_lm_head_follows_the_size_limit_and_the_option(model, monkeypatch):
+    if not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN linear")
+    head = model.get_output_embeddings()
+    assert cpu_linear.prepacked_lm_head(model).module is head
+    assert cpu_linear.prepacked_lm_head(model, False) is None
+    monkeypatch.setattr(cpu_linear, "PREPACK_LM_HEAD_MAX_BYTES", head.weight.nbytes - 1)
+    assert cpu_linear.prepacked_lm_head(model) is None, "a head over the limit was packed by default"
+    assert cpu_linear.prepacked_lm_head(model, True).module is head
+    assert cpu_linear.prepacked_lm_head(copy.deepcopy(model).to(torch.bfloat16), True) is None
+
+
+def test_prepacked_weight_is_packed_again_when_the_weight_changes():
+    """A changed or replaced weight is never run from a stale packed copy (negative control: the
+    old copy gives other numbers)."""
+    if not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN linear")
+    g = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(64, 300, bias=True)
+    x = torch.randn(48, 64, generator=g)
+    packed = cpu_linear.PrepackedWeight(layer)
+    with cpu_linear.onednn_linears(layer, prepacked=(packed,)):
+        before = layer(x)
+    torch.testing.assert_close(before, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    stale = packed.get()
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    with cpu_linear.onednn_linears(layer, prepacked=(packed,)):
+        changed = layer(x)
+    torch.testing.assert_close(changed, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert packed.get() is not stale
+    stale_out = torch.ops.mkldnn._linear_pointwise(x, stale, layer.bias, "none", [], "")
+    assert not torch.allclose(stale_out, changed), "the stale copy gives the same numbers: the test could not fail"
+    layer.weight = torch.nn.Parameter(torch.randn(300, 64, generator=g))
+    with cpu_linear.onednn_linears(layer, prepacked=(packed,)):
+        replaced = layer(x)
+    torch.testing.assert_close(replaced, torch.nn.functional.linear(x, layer.weight, layer.bias))
 
 
 class _CountingTokenizer:

@@ -64,6 +64,9 @@ class LLMEngine:
         num_state_slots: models with recurrent layers (Mamba, linear attention, convolutions): the
             sequences whose states fit at once (default ``max_num_seqs``, fewer when a byte budget
             cannot hold that many beside one block per slot). Running sequences never exceed it.
+        prepack_lm_head: float32 models on CPU: the engine's forwards run the LM head on a
+            oneDNN-prepacked copy of its weight (faster decode steps, a second copy of that weight in
+            memory). ``None`` (default): when the copy is at most 1 GiB; True / False: always / never.
         preemption_mode: ``"recompute"`` or ``"swap"`` (to ``swap_space_blocks`` CPU blocks).
         max_consecutive_failures: failed steps in a row after which :attr:`healthy` is False (a
             step fails when its forward, block moves or processing raise, or when every logits
@@ -84,7 +87,7 @@ class LLMEngine:
         max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool | None = None,
         preemption_mode: str = "recompute", swap_space_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None, max_consecutive_failures: int = 3,
-        num_state_slots: int | None = None,
+        num_state_slots: int | None = None, prepack_lm_head: bool | None = None,
     ):
         check_engine_supported(model)  # generate()-only models are refused here, naming why
         check_block_options(block_size, num_blocks)
@@ -142,7 +145,7 @@ class LLMEngine:
                                    split_prompts=all(s.continues_chunks for s in self.state_specs if s))
         swap_storage = PagedKVStorage(block_size, device="cpu", pin_memory=model.device.type == "cuda")
         self.runner = ModelRunner(model, PagedKVStorage(block_size), swap_storage, swap_space_blocks, groups=groups,
-                                  states=states, swap_states=swap_states)
+                                  states=states, swap_states=swap_states, prepack_lm_head=prepack_lm_head)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.max_positions = max_positions(self.config)
         # structured outputs and logit_bias: grammars compiled off this thread, masks and matchers per step
