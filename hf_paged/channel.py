@@ -114,8 +114,9 @@ class PagedLayerView:
         self.is_sliding = sliding_window is not None
         self.record_past = False  # transformers sets it (assisted decoding): keep what a crop may need
 
-    def activate_past_recording(self) -> None:
-        """As ``DynamicSlidingWindowLayer``: until the next ``crop``, keep what a rollback needs."""
+    def activate_past_recording(self, **kwargs) -> None:
+        """As ``DynamicSlidingWindowLayer``: until the next ``crop``, keep what a rollback needs
+        (``recurrent_states_to_keep``, transformers >= 5.25, concerns recurrent layers only)."""
         self.record_past = True
 
     @property

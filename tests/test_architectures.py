@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from packaging import version
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.llama import modeling_llama
 
@@ -151,9 +153,13 @@ def test_every_architecture_is_tested_or_refused_with_a_reason(model_type):
 def test_the_classification_covers_the_mapping_and_the_known_cases():
     found = entries()
     assert list(found) == list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-    for inline in ("bloom", "falcon", "gpt_neo", "mpt"):  # generate()'s reference route pages them; the rest refuse
+    for inline in ("bloom", "gpt_neo", "mpt"):  # generate()'s reference route pages them; the rest refuse
         assert found[inline].tested and found[inline].engine_support.kind == INLINE, found[inline]
         assert found[inline].kernels_support.kind == INLINE
+    # falcon attended inline until transformers 5.25 moved it to the AttentionInterface: every route since
+    falcon_inline = version.parse(transformers.__version__) < version.parse("5.25")
+    assert found["falcon"].tested and (found["falcon"].engine_support.kind == INLINE) == falcon_inline
+    assert found["falcon"].engine_support.supported != falcon_inline and found["falcon"].engine_tested != falcon_inline
     for variant in ("gpt_oss", "deepseek_v3", "glm4_moe_lite", "llama4_text", "gemma3n_text"):  # issue 20's kinds
         assert found[variant].tested and found[variant].engine_support.supported, found[variant]
     assert found["deepseek_v3"].kernels_support.kind == model_support.MLA_LATENT

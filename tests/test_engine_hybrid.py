@@ -226,6 +226,23 @@ def test_prefix_caching_is_refused_with_the_reason():
         hf_paged.LLMEngine(build("llama"), num_state_slots=4)
 
 
+@pytest.mark.parametrize("name", ["qwen3_5_text", "mamba2"])
+def test_tensor_parallelism_refuses_recurrent_layers_with_the_reason(name):
+    from hf_paged.engine.tensor_parallel import check_kv_heads
+
+    model = build_hybrid(name, torch.float32)  # not the shared instance: tp_size is set on it below
+    with pytest.raises(ValueError, match="tensor parallelism is not supported for models with recurrent layers"):
+        check_kv_heads(model.config, 2)
+    check_kv_heads(model.config, 1)  # one rank: served
+    model._tp_size = 2  # as a tp_plan load sets it: the engine refuses before it looks for the ranks
+    with pytest.raises(ValueError, match="recurrent layers.*run them on one rank"):
+        hf_paged.LLMEngine(model, block_size=BLOCK)
+    plain = build("llama")
+    plain._tp_size = 2  # an attention-only model passes the check and goes on to look for its ranks
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        hf_paged.LLMEngine(plain, block_size=BLOCK)
+
+
 def test_a_pure_state_space_model_runs_in_the_engine_and_generate_refuses_it():
     model = _model("mamba2")
     with pytest.raises(NotImplementedError, match="no layer writes a KV cache"):

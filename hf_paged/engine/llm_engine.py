@@ -108,9 +108,6 @@ class LLMEngine:
         self.config = model.config.get_text_config(decoder=True)
         groups = layer_groups(layer_kinds(self.config)[1])
         self.state_specs = state_kinds(self.config)
-        if self.tp and any(self.state_specs):
-            raise ValueError(f"tensor parallelism: {type(model).__name__} has recurrent layers, whose state slots "
-                             "LLMEngine does not split across ranks; run it with tensor_parallel_size=1")
         self.prefix_caching_note: str | None = None  # why prefix caching is off, when the model rules it out
         states = swap_states = None
         if any(self.state_specs):

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from transformers import PretrainedConfig, PreTrainedModel
 
 from hf_paged import kinds
+from hf_paged.model_info import state_kinds
 
 
 def tp_size_of(model: PreTrainedModel) -> int:
@@ -45,12 +46,17 @@ def tp_size_of(model: PreTrainedModel) -> int:
 
 def check_kv_heads(config: PretrainedConfig, size: int) -> None:
     """Each rank must hold whole K/V heads: refuse a head count that does not divide by ``size``,
-    and MLA models, whose single latent head cannot be split."""
+    MLA models, whose single latent head cannot be split, and models with recurrent layers, whose
+    state slots are not split across ranks."""
     config = config.get_text_config(decoder=True)
     if size > 1 and kinds.is_mla_config(config):
         raise ValueError(
             f"tensor parallelism is not supported for MLA models ({type(config).__name__}): their cache holds one "
             "latent head per token that every rank would need whole (hf_paged.kinds.mla); run them on one rank")
+    if size > 1 and any(state_kinds(config)):
+        raise ValueError(
+            f"tensor parallelism is not supported for models with recurrent layers ({type(config).__name__}): "
+            "LLMEngine does not split their state slots across ranks (hf_paged.kinds.recurrent); run them on one rank")
     if size <= 1:
         return
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads

@@ -57,11 +57,12 @@ ARCHITECTURES = list(CONFIGS)
 # Architectures whose attention is written inline (not through AttentionInterface).
 UNSUPPORTED = {
     "bloom": lambda: transformers.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4),
-    "falcon": lambda: transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                                                num_attention_heads=4),
     "gpt_neo": lambda: transformers.GPTNeoConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
                                                  attention_types=[[["global", "local"], 1]]),
 }
+if tuple(int(p) for p in transformers.__version__.split(".")[:2]) < (5, 25):  # 5.25 moved it to AttentionInterface
+    UNSUPPORTED["falcon"] = lambda: transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                                              num_attention_heads=4)
 
 
 def build(arch: str, seed: int = 0, table: dict = CONFIGS) -> transformers.PreTrainedModel:
