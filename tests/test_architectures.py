@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
-from packaging import version
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.llama import modeling_llama
 
@@ -27,6 +25,7 @@ from tests.helpers.tiny_models import (
     build_gemma3_vision,
     image_prompts,
     left_padded,
+    transformers_at_least,
 )
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -157,7 +156,7 @@ def test_the_classification_covers_the_mapping_and_the_known_cases():
         assert found[inline].tested and found[inline].engine_support.kind == INLINE, found[inline]
         assert found[inline].kernels_support.kind == INLINE
     # falcon attended inline until transformers 5.25 moved it to the AttentionInterface: every route since
-    falcon_inline = version.parse(transformers.__version__) < version.parse("5.25")
+    falcon_inline = not transformers_at_least("5.25")
     assert found["falcon"].tested and (found["falcon"].engine_support.kind == INLINE) == falcon_inline
     assert found["falcon"].engine_support.supported != falcon_inline and found["falcon"].engine_tested != falcon_inline
     for variant in ("gpt_oss", "deepseek_v3", "glm4_moe_lite", "llama4_text", "gemma3n_text"):  # issue 20's kinds

@@ -17,14 +17,13 @@ import warnings
 import pytest
 import torch
 import transformers
-from packaging import version
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionLayer
 
 import hf_paged
 from hf_paged import state_layers
 from hf_paged.state_layers import PagedHybridLayer
-from tests.helpers.tiny_models import left_padded
+from tests.helpers.tiny_models import left_padded, transformers_at_least
 
 pytestmark = pytest.mark.skipif(not state_layers.STATE_API,
                                 reason=f"transformers {transformers.__version__} lacks the state-layer cache API")
@@ -266,7 +265,7 @@ def test_assisted_decoding_is_refused_as_stock_refuses_it_or_matches_stock(pairs
         assert got == expected
     else:  # LFM2 (conv states only: croppable), and since transformers 5.25 the recurrent models that
         # record their states (recurrent_states_to_keep): assisted decoding runs, on the paged cache
-        assert name == "lfm2" or version.parse(transformers.__version__) >= version.parse("5.25")
+        assert name == "lfm2" or transformers_at_least("5.25")
         assert torch.equal(got, expected) and crops
 
 

@@ -17,7 +17,7 @@ import transformers
 from hf_paged import LLMEngine, SamplingParams
 from hf_paged.engine.tensor_parallel import check_kv_heads
 from tests.helpers import tp_worker
-from tests.helpers.tiny_models import VOCAB, build
+from tests.helpers.tiny_models import VOCAB, build, transformers_at_least
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 420
@@ -175,7 +175,7 @@ def test_heads_that_do_not_divide_are_refused(report):
         check_kv_heads(model.config, 4)
 
 
-@pytest.mark.skipif(tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24),
+@pytest.mark.skipif(not transformers_at_least("5.24"),
                     reason="transformers before 5.24 cannot split an LM head of 259 rows (the demo's vocabulary) "
                            "over 2 ranks; the server says so and exits")
 def test_the_server_with_two_ranks_answers_like_one_process():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import transformers
+from packaging import version
 
 VOCAB = 96
 PAD, EOS, BOS = 0, 1, 2
@@ -55,12 +56,17 @@ CONFIGS = {
 ARCHITECTURES = list(CONFIGS)
 
 # Architectures whose attention is written inline (not through AttentionInterface).
+def transformers_at_least(release: str) -> bool:
+    """Whether the installed transformers is ``release`` or newer (tests whose expectations changed there)."""
+    return version.parse(transformers.__version__) >= version.parse(release)
+
+
 UNSUPPORTED = {
     "bloom": lambda: transformers.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4),
     "gpt_neo": lambda: transformers.GPTNeoConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
                                                  attention_types=[[["global", "local"], 1]]),
 }
-if tuple(int(p) for p in transformers.__version__.split(".")[:2]) < (5, 25):  # 5.25 moved it to AttentionInterface
+if not transformers_at_least("5.25"):  # 5.25 moved it to AttentionInterface
     UNSUPPORTED["falcon"] = lambda: transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                                                               num_attention_heads=4)
 
