@@ -57,22 +57,27 @@ def test_log_probabilities_only_when_asked_for(model):
     assert engine.kv.num_used_blocks() == 0
 
 
-def test_onednn_linears_run_in_engine_steps_only(model):
-    """Inside an engine forward the float32 linears are oneDNN's; afterwards the model is stock
-    again, bit for bit (generate()'s scores equal a stock copy's)."""
+def test_onednn_lm_head_runs_in_engine_steps_only(model):
+    """Inside an engine forward the float32 LM head is oneDNN's and the layers' linears stay
+    sgemm; afterwards the model is stock again, bit for bit (generate()'s scores equal a stock copy's)."""
     if not cpu_linear.available():
         pytest.skip("this torch has no oneDNN linear")
     stock = copy.deepcopy(model)
+    head = model.get_output_embeddings()
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    seen = []
-    hook = linears[-1].register_forward_pre_hook(lambda m, args: seen.append("forward" in m.__dict__))
+    seen = {}
+    hooks = [m.register_forward_pre_hook(lambda m, args: seen.setdefault(m, set()).add("forward" in m.__dict__))
+             for m in linears]
     try:
         engine = LLMEngine(model, block_size=4)
         outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True),
                                use_tqdm=False)
     finally:
-        hook.remove()
-    assert seen and all(seen), "engine forwards did not switch to oneDNN"
+        for hook in hooks:
+            hook.remove()
+    assert seen.get(head) == {True}, "engine forwards did not switch the LM head to oneDNN"
+    assert len(seen) == len(linears) and all(seen[m] == {False} for m in linears if m is not head), \
+        "a layer's linear left sgemm"
     assert not any("forward" in m.__dict__ for m in linears), "a linear stayed switched after the step"
     ids = torch.tensor([PROMPTS[1]])
     kwargs = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
@@ -88,7 +93,7 @@ def test_negative_control_onednn_changes_bits_so_a_leftover_switch_would_be_seen
     g = torch.Generator().manual_seed(0)
     layer = torch.nn.Linear(256, VOCAB * 8, bias=False)
     x = torch.randn(64, 256, generator=g)
-    with cpu_linear.onednn_linears(layer):
+    with cpu_linear.onednn_linears([layer]):
         switched = layer(x)
     assert not torch.equal(switched, layer(x)), "oneDNN gave sgemm's bits: the test above could not see a leftover"
     torch.testing.assert_close(switched, layer(x))
@@ -131,20 +136,20 @@ def test_prepacked_weight_is_packed_again_when_the_weight_changes():
     layer = torch.nn.Linear(64, 300, bias=True)
     x = torch.randn(48, 64, generator=g)
     packed = cpu_linear.PrepackedWeight(layer)
-    with cpu_linear.onednn_linears(layer, prepacked=(packed,)):
+    with cpu_linear.onednn_linears([layer], prepacked=(packed,)):
         before = layer(x)
     torch.testing.assert_close(before, torch.nn.functional.linear(x, layer.weight, layer.bias))
     stale = packed.get()
     with torch.no_grad():
         layer.weight.mul_(2)
-    with cpu_linear.onednn_linears(layer, prepacked=(packed,)):
+    with cpu_linear.onednn_linears([layer], prepacked=(packed,)):
         changed = layer(x)
     torch.testing.assert_close(changed, torch.nn.functional.linear(x, layer.weight, layer.bias))
     assert packed.get() is not stale
     stale_out = torch.ops.mkldnn._linear_pointwise(x, stale, layer.bias, "none", [], "")
     assert not torch.allclose(stale_out, changed), "the stale copy gives the same numbers: the test could not fail"
     layer.weight = torch.nn.Parameter(torch.randn(300, 64, generator=g))
-    with cpu_linear.onednn_linears(layer, prepacked=(packed,)):
+    with cpu_linear.onednn_linears([layer], prepacked=(packed,)):
         replaced = layer(x)
     torch.testing.assert_close(replaced, torch.nn.functional.linear(x, layer.weight, layer.bias))
 

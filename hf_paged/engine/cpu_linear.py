@@ -1,30 +1,31 @@
-"""oneDNN matmuls for the engine's float32 forwards on CPU.
+"""oneDNN for the LM head of the engine's float32 forwards on CPU.
 
-``nn.Linear`` on a float32 CPU tensor calls MKL's sgemm, which is slow at the shapes of an engine
-step (tens to hundreds of rows against a wide weight): on 2 cores, the 19M-parameter Llama's LM head
-(64 rows x 256 -> 32,000) takes 14.1 ms through ``F.linear`` and 8.4 ms through oneDNN's linear
-(``torch.ops.mkldnn._linear_pointwise``, what inductor uses on CPU), on the same weights, with no
-copy or repacking. Only the engine's forwards switch (:func:`onednn_linears`, a context manager):
-``generate()`` and every other use of the model stay stock, bit for bit. The results differ from
-sgemm's in the last bits (a different summation order), as a compiled step's would; the engine's
-tests compare tokens with stock ``generate()``. bfloat16 and float16 linears already run through
-oneDNN in torch and are left alone.
+``nn.Linear`` on a float32 CPU tensor calls MKL's sgemm, which is slow for the LM head at the shapes
+of an engine step (tens of rows against a 32,000-wide weight): on 2 cores, the 19M-parameter Llama's
+head at 48 rows takes 16.2 ms through ``F.linear``, 8.0-8.4 ms through oneDNN's linear
+(``torch.ops.mkldnn._linear_pointwise``, what inductor uses on CPU) and 5.0-5.9 ms on a
+oneDNN-prepacked copy of the weight (:class:`PrepackedWeight`, as vLLM's CPU linears and inductor's
+frozen graphs do; it costs a second copy of that weight, so by default only where the copy is small,
+``PREPACK_LM_HEAD_MAX_BYTES``).
 
-The LM head also gets a oneDNN-prepacked copy of its weight (:class:`PrepackedWeight`, as vLLM's CPU
-linears and inductor's frozen graphs do): 5.0 against 6.4 ms at 48 rows on the same 2 cores, the
-largest matmul of every decode step. It costs a second copy of that weight, so by default only
-where the copy is small (``PREPACK_LM_HEAD_MAX_BYTES``); the layers' own linears gain too little from
-packing (~10%) to double the model's memory.
+Only the head switches: the layers' own linears stay on sgemm. Through oneDNN they were as fast or
+faster in isolation, yet whole engine runs were 1-17% slower (in-process, interleaved, both
+ShareGPT-like and 1,000-token-prompt workloads: RESULTS.md 2026-12-04, second section), and oneDNN
+builds a primitive for every new row count (~0.8 ms per weight shape) that its default cache evicts
+when a run sees many. Only the engine's forwards switch (:func:`onednn_linears`, a context manager):
+``generate()`` and every other use of the model stay stock, bit for bit. The head's results differ
+from sgemm's in the last bits (a different summation order), as a compiled step's would; the
+engine's tests compare tokens with stock ``generate()``. bfloat16 and float16 linears already run
+through oneDNN in torch and are left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
+from collections.abc import Iterable
 
 import torch
 
-_linears: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its plain float32 nn.Linear
 PREPACK_LM_HEAD_MAX_BYTES = 1 << 30  # the largest LM head weight that gets a prepacked copy by default
 PACK_ROWS_HINT = 256  # the rows oneDNN packs for; any row count runs (48 rows gain as much as 256)
 
@@ -61,11 +62,17 @@ class PrepackedWeight:
         return self._packed
 
 
+def switchable_lm_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """``model``'s LM head where oneDNN can run it: a plain float32 CPU ``nn.Linear``, and this torch has oneDNN."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return head if head is not None and available() and _switchable(head) else None
+
+
 def prepacked_lm_head(model: torch.nn.Module, enabled: bool | None = None) -> PrepackedWeight | None:
     """The prepacked LM head of ``model``'s engine forwards: ``enabled`` None prepacks a float32 CPU
     ``nn.Linear`` head of at most ``PREPACK_LM_HEAD_MAX_BYTES``, True any such head, False none."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if enabled is False or head is None or not available() or not _switchable(head):
+    head = switchable_lm_head(model)
+    if enabled is False or head is None:
         return None
     if enabled is None and head.weight.nbytes > PREPACK_LM_HEAD_MAX_BYTES:
         return None
@@ -83,23 +90,14 @@ def _onednn_forward(module: torch.nn.Linear, prepacked: PrepackedWeight | None =
     return forward
 
 
-def _model_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    found = _linears.get(model)
-    if found is None:
-        found = [m for m in model.modules() if _switchable(m)]
-        _linears[model] = found
-    return found
-
-
 @contextlib.contextmanager
-def onednn_linears(model: torch.nn.Module, enabled: bool = True, prepacked: tuple[PrepackedWeight, ...] = ()):
-    """Run ``model``'s float32 CPU ``nn.Linear`` layers through oneDNN inside the block, those of
+def onednn_linears(modules: Iterable[torch.nn.Linear], prepacked: tuple[PrepackedWeight, ...] = ()):
+    """Run the float32 CPU ``nn.Linear`` ``modules`` through oneDNN inside the block, those of
     ``prepacked`` on their packed weights."""
-    modules = _model_linears(model) if enabled and available() else []
     packs = {id(p.module): p for p in prepacked}
     switched = []
     try:
-        for module in modules:
+        for module in modules if available() else ():
             if _switchable(module) and "forward" not in module.__dict__:
                 module.forward = _onednn_forward(module, packs.get(id(module)))
                 switched.append(module)

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 
 from hf_paged.attention import paged_call
 from hf_paged.channel import clear_active_cache, packed_forward
-from hf_paged.engine.cpu_linear import onednn_linears, prepacked_lm_head
+from hf_paged.engine.cpu_linear import onednn_linears, prepacked_lm_head, switchable_lm_head
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.step_cache import FLEX_MIN_BLOCK_SIZE, FLEX_MIN_MEAN_CONTEXT, PackedStepCache, host_tensor
 from hf_paged.kernels import flex_decode
@@ -52,7 +52,8 @@ class ModelRunner:
         self.device = model.device
         self._cache_kwarg = cache_kwarg(model)
         self._logits_to_keep = takes_logits_to_keep(model)
-        self.onednn_linears = True  # float32 CPU linears through oneDNN (hf_paged.engine.cpu_linear)
+        # the float32 CPU LM head runs through oneDNN (hf_paged.engine.cpu_linear)
+        self._onednn_linears = tuple(m for m in (switchable_lm_head(model),) if m is not None)
         self._prepacked = tuple(p for p in (prepacked_lm_head(model, prepack_lm_head),) if p is not None)
         # the compiled CPU decode read (hf_paged.kernels.flex_decode): "auto" at long contexts, "always", "never"
         self.flex_decode = "auto"
@@ -108,7 +109,7 @@ class ModelRunner:
             state_layers = self.states.layers_for(slots, has_previous=step.sequences[0].start > 0)
             for layer, held in state_layers.items():
                 step_cache.layers[layer] = held
-        with packed_forward(), paged_call(self.model), onednn_linears(self.model, self.onednn_linears, self._prepacked):
+        with packed_forward(), paged_call(self.model), onednn_linears(self._onednn_linears, self._prepacked):
             logits = self.model(**forward).logits
         clear_active_cache()
         step_cache.check_no_pending()
