@@ -1,15 +1,18 @@
 """The engine's fast paths (issue 22): the two-pass argmax, log-probabilities only when asked for,
-and oneDNN linears switched on for engine forwards only (the LM head on a prepacked copy)."""
+the LM head through oneDNN in engine forwards only (on a prepacked copy), and glibc's malloc
+thresholds set for a CPU engine's process."""
 
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from hf_paged import LLMEngine, SamplingParams
-from hf_paged.engine import cpu_linear, sampler
+from hf_paged.engine import cpu_linear, host_malloc, sampler
 from tests.helpers.tiny_models import VOCAB, build
 
 
@@ -182,3 +185,44 @@ def test_unfinished_outputs_are_decoded_by_their_reader_not_by_the_step(model):
     texts = [o.outputs[0].text for o in partial]
     assert counting.decodes == 6 and texts == [counting.tokenizer.decode(o.outputs[0].token_ids) for o in partial]
     assert [o.outputs[0].text for o in partial] == texts and counting.decodes == 6, "decoded again on a second read"
+
+
+_FAULT_PROBE = """
+import resource, sys, torch
+from hf_paged.engine import host_malloc
+if sys.argv[1] == "tuned":
+    assert host_malloc.tune_malloc()
+sizes = [((i * 7919) % 20 + 1) << 18 for i in range(60)]  # float32 buffers of 1-20 MiB, sizes changing
+def loop():
+    held = []
+    for n in sizes:
+        held = held[-3:] + [torch.empty(n).fill_(1.0)]
+loop()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+loop()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_tuned_malloc_stops_changing_buffer_sizes_from_faulting_pages_in_again():
+    """What the engine's ``tune_malloc`` is for: buffers of changing sizes, as a CPU step's, reuse
+    freed memory instead of faulting fresh pages in (negative control: the same loop with glibc's
+    defaults, in its own process)."""
+    if not host_malloc.tune_malloc():
+        pytest.skip("the C library is not glibc")
+    faults = {}
+    for mode in ("default", "tuned"):
+        result = subprocess.run([sys.executable, "-c", _FAULT_PROBE, mode], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        faults[mode] = int(result.stdout.split()[-1])
+    assert faults["default"] > 1000, f"glibc's defaults did not fault: the check below could not fail ({faults})"
+    assert faults["tuned"] < faults["default"] // 10, faults
+
+
+def test_engine_tunes_malloc_on_cpu_unless_told_not_to(model, monkeypatch):
+    calls = []
+    monkeypatch.setattr(host_malloc, "tune_malloc", lambda: calls.append(1) or True)
+    LLMEngine(model, block_size=4)
+    assert calls == [1], "a CPU engine left glibc's malloc thresholds at their defaults"
+    LLMEngine(model, block_size=4, tune_malloc=False)
+    assert calls == [1], "tune_malloc=False still set them"

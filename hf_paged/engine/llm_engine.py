@@ -24,6 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_paged.block_manager import check_block_options
+from hf_paged.engine import host_malloc
 from hf_paged.engine.intake import RequestIntake
 from hf_paged.engine.kv_cache_manager import KVCacheManager
 from hf_paged.engine.model_runner import ModelRunner
@@ -67,6 +68,9 @@ class LLMEngine:
         prepack_lm_head: float32 models on CPU: the engine's forwards run the LM head on a
             oneDNN-prepacked copy of its weight (faster decode steps, a second copy of that weight in
             memory). ``None`` (default): when the copy is at most 1 GiB; True / False: always / never.
+        tune_malloc: set glibc's malloc thresholds for this process (:mod:`hf_paged.engine.host_malloc`:
+            CPU steps then stop faulting in fresh pages for their buffers). Process-wide. ``None``
+            (default): when the model is on CPU; True / False: always / never.
         preemption_mode: ``"recompute"`` or ``"swap"`` (to ``swap_space_blocks`` CPU blocks).
         max_consecutive_failures: failed steps in a row after which :attr:`healthy` is False (a
             step fails when its forward, block moves or processing raise, or when every logits
@@ -87,7 +91,7 @@ class LLMEngine:
         max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool | None = None,
         preemption_mode: str = "recompute", swap_space_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None, max_consecutive_failures: int = 3,
-        num_state_slots: int | None = None, prepack_lm_head: bool | None = None,
+        num_state_slots: int | None = None, prepack_lm_head: bool | None = None, tune_malloc: bool | None = None,
     ):
         check_engine_supported(model)  # generate()-only models are refused here, naming why
         check_block_options(block_size, num_blocks)
@@ -105,6 +109,8 @@ class LLMEngine:
         self._stopped: str | None = None  # tensor parallelism: why the group was stopped after a failure
         self.model = model.eval()
         self.tokenizer = tokenizer
+        if tune_malloc or (tune_malloc is None and model.device.type == "cpu"):
+            host_malloc.tune_malloc()
         self.config = model.config.get_text_config(decoder=True)
         groups = layer_groups(layer_kinds(self.config)[1])
         self.state_specs = state_kinds(self.config)
