@@ -280,6 +280,7 @@ def serve(args) -> int:
         raise CliError("--shutdown-timeout must be >= 0 and --stream-timeout > 0")
     from hf_paged import LLMEngine
     from hf_paged.engine import tensor_parallel
+    from hf_paged.kernels import flex_decode
     from hf_paged.serve import ServerSettings, build_app, server
 
     if args.tensor_parallel_size > 1 and "RANK" not in os.environ:  # start the ranks, each running this command
@@ -300,6 +301,12 @@ def serve(args) -> int:
     print(f"hf-paged serve: {model_kind} as '{settings.model_name}' on http://{args.host}:{args.port}/v1 "
           f"(API key {'required' if api_key else 'not required'})", flush=True)
     print(f"hf-paged serve: {engine_memory_line(engine)}", flush=True)
+    if flex_decode.compiling():  # the engine started compiling its CPU decode read: done before serving, as vLLM's
+        print("hf-paged serve: compiling the CPU decode read before serving (seconds; cached on disk after)", flush=True)
+        flex_decode.wait_for_compiles()
+        why_not = flex_decode.failure()
+        print(f"hf-paged serve: {'the gather read serves: ' + why_not if why_not else 'the CPU decode read is compiled'}",
+              flush=True)
     try:
         return server.run(build_app(engine, settings), args.host, args.port, api_key)
     finally:

@@ -52,6 +52,11 @@ def ready(kv_heads: int, heads_per_kv: int, head_dim: int, block_size: int, *, w
     return _layouts.get(layout) == "ready"
 
 
+def compiling() -> bool:
+    """Whether a background compile is still running."""
+    return any(thread.is_alive() for thread in _threads)
+
+
 def wait_for_compiles(timeout: float | None = None) -> None:
     """Wait for the background compiles started so far (a benchmark does, before its timed run,
     as vLLM compiles before it serves)."""
