@@ -5,7 +5,7 @@ gathered keys and values) whose sizes change from step to step. With glibc's def
 get fresh ``mmap``s, or grow a heap that is trimmed back as soon as they are freed, so each step
 faults its buffers' pages in again: 0.7-1.0 M minor page faults and 2-2.5 s of system time in
 the first 32-request, 1,000-token-prompt run of a process on 2 cores, 20% of its wall time
-(RESULTS.md, 2026-12-04, second section). Fixed thresholds keep freed memory for the next step:
+(RESULTS.md, "Against vLLM's CPU build — 2026-12-04, second run"). Fixed thresholds keep freed memory for the next step:
 the same run takes ~50 k faults. vLLM's CPU worker preloads tcmalloc for the same reason; a
 running Python process cannot change its allocator, but it can set glibc's thresholds
 (``mallopt``). They are process-wide, hence an engine option (``LLMEngine(tune_malloc=...)``).
@@ -34,5 +34,6 @@ def tune_malloc() -> bool:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
-    _tuned = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) & bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    results = [libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD), libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)]
+    _tuned = all(result == 1 for result in results)  # mallopt answers 1 when it took the value
     return _tuned
