@@ -12,12 +12,13 @@ Only the head switches: the layers' own linears stay on sgemm. Through oneDNN th
 faster in isolation, yet whole engine runs were 1-17% slower (in-process, interleaved, both the
 ShareGPT-like and the 1,000-token-prompt workloads: RESULTS.md, "Against vLLM's CPU build —
 2026-12-04, second run"), and oneDNN builds a primitive for every new row count (~0.8 ms per weight
-shape) that its default cache evicts when a run sees many. Only the engine's forwards switch
-(:func:`onednn_linears`, a context manager):
-``generate()`` and every other use of the model stay stock, bit for bit. The head's results differ
-from sgemm's in the last bits (a different summation order), as a compiled step's would; the
-engine's tests compare tokens with stock ``generate()``. bfloat16 and float16 linears already run
-through oneDNN in torch and are left alone.
+shape) that its default cache evicts when a run sees many.
+
+Only the engine's forwards switch (:func:`onednn_linears`, a context manager): ``generate()`` and
+every other use of the model stay stock, bit for bit. The head's results differ from sgemm's in the
+last bits (a different summation order), as a compiled step's would; the engine's tests compare
+tokens with stock ``generate()``. bfloat16 and float16 linears already run through oneDNN in torch
+and are left alone.
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ gathered keys and values) whose sizes change from step to step. With glibc's def
 get fresh ``mmap``s, or grow a heap that is trimmed back as soon as they are freed, so each step
 faults its buffers' pages in again: 0.7-1.0 M minor page faults and 2-2.5 s of system time in
 the first 32-request, 1,000-token-prompt run of a process on 2 cores, 20% of its wall time
-(RESULTS.md, "Against vLLM's CPU build — 2026-12-04, second run"). Fixed thresholds keep freed memory for the next step:
-the same run takes ~50 k faults. vLLM's CPU worker preloads tcmalloc for the same reason; a
-running Python process cannot change its allocator, but it can set glibc's thresholds
-(``mallopt``). They are process-wide, hence an engine option (``LLMEngine(tune_malloc=...)``).
+(RESULTS.md, "Against vLLM's CPU build — 2026-12-04, second run"). Fixed thresholds keep freed
+memory for the next step: the same run takes ~50 k faults. vLLM's CPU worker preloads tcmalloc for
+the same reason; a running Python process cannot change its allocator, but it can set glibc's
+thresholds (``mallopt``). They are process-wide, hence an engine option (``LLMEngine(tune_malloc=...)``).
 """
 
 from __future__ import annotations
