@@ -49,8 +49,8 @@ def model():
 PROMPTS = [list(range(3, 3 + n)) for n in (70, 41, 5, 33)] + [[9] * 64]
 
 
-def _engine_tokens(model, mode: str):
-    engine = LLMEngine(model, block_size=32)
+def _engine_tokens(model, mode: str, block_size: int = 32):
+    engine = LLMEngine(model, block_size=block_size)
     engine.runner.flex_decode = mode
     calls = []
     original = flex_decode.paged_decode_flex
@@ -80,6 +80,21 @@ def test_engine_with_the_flex_read_equals_stock_generate(model):
     assert tokens == stock
     never, calls = _engine_tokens(model, "never")
     assert calls == 0 and never == stock
+
+
+def test_the_background_compile_serves_the_steps_without_compiling_again(model):
+    """The read compiled on the background thread is the one engine steps call: a step that compiled
+    it again (Dynamo guards on the grad mode; steps run under inference_mode) raises here."""
+    config = model.config
+    layout = (config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads,
+              config.hidden_size // config.num_attention_heads, 64)  # a block size no other test compiles
+    flex_decode.ready(*layout)
+    flex_decode.wait_for_compiles()
+    if not flex_decode.ready(*layout):
+        pytest.skip(f"inductor cannot compile here: {flex_decode.failure()}")
+    with torch.compiler.set_stance("fail_on_recompile"):
+        _, calls = _engine_tokens(model, "always", block_size=64)
+    assert calls >= 11 * config.num_hidden_layers
 
 
 def test_auto_keeps_the_gather_read_for_short_contexts(model):
