@@ -289,7 +289,8 @@ def serve(args) -> int:
     model, tokenizer = load_split(args) if "RANK" in os.environ else load(args)
     engine = LLMEngine(model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_consecutive_failures=args.max_consecutive_failures, num_state_slots=args.num_state_slots)
+                       max_consecutive_failures=args.max_consecutive_failures, num_state_slots=args.num_state_slots,
+                       compile=False if args.enforce_eager else None)
     if engine.tp and not engine.tp.is_driver:
         engine.run_worker()  # until rank 0's server stops
         return 0
@@ -301,6 +302,8 @@ def serve(args) -> int:
     print(f"hf-paged serve: {model_kind} as '{settings.model_name}' on http://{args.host}:{args.port}/v1 "
           f"(API key {'required' if api_key else 'not required'})", flush=True)
     print(f"hf-paged serve: {engine_memory_line(engine)}", flush=True)
+    print(f"hf-paged serve: engine steps {'eager: ' + engine.compile_note if engine.compile_note else 'compiled'}",
+          flush=True)
     if flex_decode.compiling():  # the engine started compiling its CPU decode read: done before serving, as vLLM's
         print("hf-paged serve: compiling the CPU decode read before serving (seconds; cached on disk after)", flush=True)
         flex_decode.wait_for_compiles()
@@ -356,6 +359,8 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT (then they end with an error)")
     s.add_argument("--stream-timeout", type=float, default=60.0,
                    help="a stream whose client reads nothing for this many seconds is aborted")
+    s.add_argument("--enforce-eager", action="store_true",
+                   help="run engine steps eager (default: compiled with torch.compile at start where supported)")
     s.add_argument("--max-consecutive-failures", type=int, default=3,
                    help="failed engine steps in a row after which /health answers 503 (a clean step resets it)")
     return top

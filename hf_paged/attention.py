@@ -41,6 +41,8 @@ from hf_paged.channel import PackedStep, active_cache, in_packed_forward
 from hf_paged.kernels import flex_decode
 
 ATTN_IMPLEMENTATION = "hf_paged"
+COMPILED_ATTN_IMPLEMENTATION = "hf_paged_compiled"  # the engine's compiled steps (hf_paged.engine.compiled_body)
+PAGED_IMPLEMENTATIONS = (ATTN_IMPLEMENTATION, COMPILED_ATTN_IMPLEMENTATION)  # never remembered as a fallback
 _fallbacks: dict[int, str] = {}  # id(config) -> implementation; not an attribute, so never saved
 _OLD_MODE_NAMES = {"auto": "auto", "reference": "torch", "triton": "triton"}
 
@@ -105,16 +107,16 @@ def _switched_configs(model: PreTrainedModel) -> list:
     return configs
 
 
-def begin_paged_call(model: PreTrainedModel) -> list[tuple[object, str | None]]:
-    """Switch ``model`` to the ``"hf_paged"`` implementation; returns what :func:`end_paged_call`
-    restores. What each config had is remembered as its fallback (never written into the config)."""
+def begin_paged_call(model: PreTrainedModel, implementation: str = ATTN_IMPLEMENTATION) -> list[tuple[object, str | None]]:
+    """Switch ``model`` to the ``"hf_paged"`` implementation (or ``implementation``); returns what
+    :func:`end_paged_call` restores. What each config had is remembered as its fallback (never written into the config)."""
     saved = []
     for config in _switched_configs(model):
         current = config._attn_implementation_internal
-        if current != ATTN_IMPLEMENTATION and _fallbacks.get(id(config)) != (current or "sdpa"):
+        if current not in PAGED_IMPLEMENTATIONS and _fallbacks.get(id(config)) != (current or "sdpa"):
             _remember_fallback(config, current or "sdpa")
         saved.append((config, current))
-        config._attn_implementation_internal = ATTN_IMPLEMENTATION
+        config._attn_implementation_internal = implementation
     return saved
 
 
@@ -124,9 +126,9 @@ def end_paged_call(saved: list[tuple[object, str | None]]) -> None:
 
 
 @contextlib.contextmanager
-def paged_call(model: PreTrainedModel):
-    """Run the forwards inside with the ``"hf_paged"`` implementation (nesting is fine)."""
-    saved = begin_paged_call(model)
+def paged_call(model: PreTrainedModel, implementation: str = ATTN_IMPLEMENTATION):
+    """Run the forwards inside with the ``"hf_paged"`` implementation, or ``implementation`` (nesting is fine)."""
+    saved = begin_paged_call(model, implementation)
     try:
         yield
     finally:
@@ -190,7 +192,7 @@ def paged_attention_forward(
         return fallback(module, query, key, value, mask.dense, **kwargs)
 
     if isinstance(cache, PackedStep):
-        return _packed_attention(cache, layer_idx, query, key, value, stores, **kwargs)
+        return packed_attention(cache, layer_idx, query, key, value, stores, **kwargs)
     q_len = query.shape[2]
     if stores:
         new_valid = (mask.new_columns_valid(q_len, cache.get_seq_length(layer_idx) + q_len)
@@ -242,7 +244,7 @@ def _kernel_attention(cache, layer_idx: int, query: torch.Tensor, **kwargs):
     return out, None
 
 
-def _packed_attention(step: PackedStep, layer_idx: int, query, key, value, stores: bool = True, **kwargs):
+def packed_attention(step: PackedStep, layer_idx: int, query, key, value, stores: bool = True, **kwargs):
     """An engine step: one packed row ``[1, heads, total_tokens, head_dim]`` of many sequences.
 
     Decode tokens (one per sequence) come first and go to the decode kernel; the rest (prefill
@@ -252,7 +254,7 @@ def _packed_attention(step: PackedStep, layer_idx: int, query, key, value, store
     recurrent layers, :mod:`hf_paged.engine.model_runner`) is read as that packed row.
     """
     if query.shape[0] > 1:  # [seqs, heads, 1, head_dim] -> [1, heads, seqs, head_dim], and back
-        out, _ = _packed_attention(step, layer_idx, query.transpose(0, 2), key.transpose(0, 2),
+        out, _ = packed_attention(step, layer_idx, query.transpose(0, 2), key.transpose(0, 2),
                                    value.transpose(0, 2), stores, **kwargs)
         return out.transpose(0, 1), None
     q = query[0].transpose(0, 1)  # [tokens, heads, head_dim]

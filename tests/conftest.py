@@ -2,12 +2,16 @@
 
 Triton kernels run under the interpreter on CPU tensors; the variable must be set before
 ``triton.jit`` decorates anything, so it is set here, before any test module imports the kernels.
+Engines run their steps eager here unless a test passes ``compile=True`` (``HF_PAGED_COMPILE=0``).
 """
 
 import os
 import weakref
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Engines compile their steps by default (seconds each); the suite builds hundreds of engines, so
+# they run eager unless a test asks for compile=True (tests/test_compiled_body.py).
+os.environ.setdefault("HF_PAGED_COMPILE", "0")
 
 import pytest  # noqa: E402
 

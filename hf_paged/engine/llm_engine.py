@@ -71,6 +71,12 @@ class LLMEngine:
         tune_malloc: set glibc's malloc thresholds for this process (:mod:`hf_paged.engine.host_malloc`:
             CPU steps then stop faulting in fresh pages for their buffers). Process-wide. ``None``
             (default): when the model is on CPU; True / False: always / never.
+        compile: run the steps' decoder body through ``torch.compile`` with the paged read as a
+            custom op (:mod:`hf_paged.engine.compiled_body`; compiled here, seconds; tokens may
+            differ from eager steps where the last bits decide a near-tie). ``None`` (default): on
+            CPU for models whose layers are all plain attention layers, unless the environment has
+            ``HF_PAGED_COMPILE=0``; True: compile or raise naming why not; False: eager steps.
+            ``stats()["compiled"]`` says which, :attr:`compile_note` why not.
         preemption_mode: ``"recompute"`` or ``"swap"`` (to ``swap_space_blocks`` CPU blocks).
         max_consecutive_failures: failed steps in a row after which :attr:`healthy` is False (a
             step fails when its forward, block moves or processing raise, or when every logits
@@ -92,6 +98,7 @@ class LLMEngine:
         preemption_mode: str = "recompute", swap_space_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None, max_consecutive_failures: int = 3,
         num_state_slots: int | None = None, prepack_lm_head: bool | None = None, tune_malloc: bool | None = None,
+        compile: bool | None = None,
     ):
         check_engine_supported(model)  # generate()-only models are refused here, naming why
         check_block_options(block_size, num_blocks)
@@ -148,7 +155,9 @@ class LLMEngine:
                                    split_prompts=all(s.continues_chunks for s in self.state_specs if s))
         swap_storage = PagedKVStorage(block_size, device="cpu", pin_memory=model.device.type == "cuda")
         self.runner = ModelRunner(model, PagedKVStorage(block_size), swap_storage, swap_space_blocks, groups=groups,
-                                  states=states, swap_states=swap_states, prepack_lm_head=prepack_lm_head)
+                                  states=states, swap_states=swap_states, prepack_lm_head=prepack_lm_head,
+                                  compile=compile)
+        self.compile_note: str | None = self.runner.compiled_note  # why steps run eager (None: compiled)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.max_positions = max_positions(self.config)
         # structured outputs and logit_bias: grammars compiled off this thread, masks and matchers per step
@@ -566,7 +575,7 @@ class LLMEngine:
             "tokens_per_second": self._counters["generated_tokens"] / busy if busy else 0.0,
             "healthy": self.healthy, "failed_steps": self._counters["failed_steps"],
             "consecutive_failed_steps": self._counters["consecutive_failed_steps"],
-            "prefix_caching": self.kv.enable_prefix_caching,
+            "prefix_caching": self.kv.enable_prefix_caching, "compiled": self.runner.compiled is not None,
             "state_slots_total": kv["state_slots_total"], "state_slots_used": kv["state_slots_used"],
             "state_slots_free": kv["state_slots_free"], "swap_state_slots_used": kv["swap_state_slots_used"],
             "state_bytes_per_slot": self.runner.states.bytes_per_slot() if self.runner.states else 0,

@@ -16,10 +16,13 @@ layout on for any model (to measure what it costs).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import PreTrainedModel
 
-from hf_paged.attention import paged_call
+from hf_paged.attention import ATTN_IMPLEMENTATION, packed_attention, paged_call
+from hf_paged.engine import compiled_body
 from hf_paged.channel import clear_active_cache, packed_forward
 from hf_paged.engine.cpu_linear import onednn_linears, prepacked_lm_head, switchable_lm_head
 from hf_paged.engine.scheduler_output import SchedulerOutput
@@ -38,7 +41,7 @@ class ModelRunner:
     def __init__(self, model: PreTrainedModel, storage: PagedKVStorage, swap_storage: PagedKVStorage,
                  swap_space_blocks: int | list[int] = 0, *, groups: list[LayerGroup] | None = None,
                  states: StatePool | None = None, swap_states: StatePool | None = None,
-                 prepack_lm_head: bool | None = None):
+                 prepack_lm_head: bool | None = None, compile: bool | None = None):
         self.model, self.storage, self.swap_storage = model, storage, swap_storage
         self.states, self.swap_states = states, swap_states
         self.per_sequence = states is not None
@@ -57,6 +60,8 @@ class ModelRunner:
         self._prepacked = tuple(p for p in (prepacked_lm_head(model, prepack_lm_head),) if p is not None)
         # the compiled CPU decode read (hf_paged.kernels.flex_decode): "auto" at long contexts, "always", "never"
         self.flex_decode = "auto"
+        # packed steps through a torch.compile'd decoder body (hf_paged.engine.compiled_body)
+        self.compiled, self.compiled_note = compiled_body.compiled_body(model, self.specs, packed_attention, compile)
         self._warm_flex_decode()
 
     def _warm_flex_decode(self) -> None:
@@ -109,7 +114,11 @@ class ModelRunner:
             state_layers = self.states.layers_for(slots, has_previous=step.sequences[0].start > 0)
             for layer, held in state_layers.items():
                 step_cache.layers[layer] = held
-        with packed_forward(), paged_call(self.model), onednn_linears(self._onednn_linears, self._prepacked):
+        compiled = self.compiled is not None and not rows
+        implementation = compiled_body.ATTN_IMPLEMENTATION if compiled else ATTN_IMPLEMENTATION
+        with (packed_forward(), paged_call(self.model, implementation),
+              self.compiled.active(step_cache) if compiled else contextlib.nullcontext(),
+              onednn_linears(self._onednn_linears, self._prepacked)):
             logits = self.model(**forward).logits
         clear_active_cache()
         step_cache.check_no_pending()

@@ -1,0 +1,190 @@
+"""Engine steps through a ``torch.compile``d decoder body, the paged read kept out as a custom op.
+
+An engine step spends much of its time outside the big matmuls: per layer, transformers' modules
+run about a hundred small tensor ops (norms, rotary, activations, views), each with its Python and
+dispatch. Inductor fuses those into a few generated loops. The paged attention (writing into the
+pools, the per-step metadata, the gather or compiled read) stays eager Python behind one opaque
+custom op, ``hf_paged::packed_step_attention``, so the body compiles as one graph, without breaks.
+
+What is compiled is the model's decoder body (``model.get_decoder()``: embeddings, layers, final
+norm) run without a cache and without a mask; the causal LM's own forward around it (LM head,
+``logits_to_keep``, softcapping) stays eager. During a step the body's ``forward`` is swapped for
+the compiled one and put back afterwards, so the model is stock between steps. The op learns which
+layer it serves from the order of the calls (layers run in order, each attends once; checked after
+every step). The number of tokens is a dynamic size: one graph serves every step of two tokens or
+more, and a step of a single token has one of its own (sizes of 1 are specialised). Both are
+compiled when the engine is built (seconds; inductor caches its output on disk, so a later process
+compiles faster), as vLLM compiles before it serves.
+
+Inductor's fused loops round differently from eager kernels in the last bits, so compiled steps
+are not bit-identical to stock ``generate()``; their tokens are compared with stock in the tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import types
+import warnings
+from typing import Callable
+
+import torch
+from transformers import PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+
+from hf_paged.attention import COMPILED_ATTN_IMPLEMENTATION, paged_call
+from hf_paged.channel import PackedStep
+from hf_paged.engine.tensor_parallel import tp_size_of
+from hf_paged.kinds import ChunkedLocalAttentionSpec, FullAttentionSpec, KVSpec, SlidingWindowSpec
+
+ATTN_IMPLEMENTATION = COMPILED_ATTN_IMPLEMENTATION
+COMPILE_ENV = "HF_PAGED_COMPILE"  # "0": engines built with compile=None stay eager
+_COMPILED_KINDS = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
+_thread = threading.local()
+
+
+def default_on() -> bool:
+    """Whether ``compile=None`` compiles (unless ``HF_PAGED_COMPILE=0``)."""
+    return os.environ.get(COMPILE_ENV, "1") != "0"
+
+
+class _StepCursor:
+    """The step being run, how its layers attend, and which layer attends next."""
+
+    def __init__(self, step: PackedStep | None, attend: Callable, num_layers: int):
+        self.step, self.attend, self.num_layers, self.next = step, attend, num_layers, 0
+
+
+@torch.library.custom_op("hf_paged::packed_step_attention", mutates_args=())
+def packed_step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                          sliding_window: int | None, softcap: float | None,
+                          sinks: torch.Tensor | None) -> torch.Tensor:
+    """The paged attention of the next layer of the running step (``query`` ``[1, heads, tokens,
+    head_dim]``): stores ``key``/``value`` in the layer's blocks and returns ``[1, tokens, heads,
+    head_dim]``. While the body compiles (no step) it returns zeros."""
+    cursor: _StepCursor = _thread.cursor
+    layer = cursor.next
+    cursor.next += 1
+    if cursor.step is None:
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
+    options = {"scaling": scale, "sliding_window": sliding_window, "softcap": softcap, "s_aux": sinks}
+    out, _ = cursor.attend(cursor.step, layer, query, key, value, True, **options)
+    return out
+
+
+@packed_step_attention.register_fake
+def _(query, key, value, scale, sliding_window, softcap, sinks):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
+
+
+def _compiled_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask, scaling: float | None = None, sliding_window: int | None = None,
+                        softcap: float | None = None, s_aux: torch.Tensor | None = None,
+                        **kwargs) -> tuple[torch.Tensor, None]:
+    """The attention function of the compiled body (``"hf_paged_compiled"``)."""
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return torch.ops.hf_paged.packed_step_attention(query, key, value, scale, sliding_window, softcap, s_aux), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """The compiled body builds no mask: each sequence's attention comes from its block tables."""
+    return None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, _compiled_attention)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+
+
+def _run_body(body: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor):
+    """The decoder body's own forward without a cache (the op stores K/V) and without a mask."""
+    return type(body).forward(body, input_ids=input_ids, position_ids=position_ids, use_cache=False)
+
+
+def unsupported(model: PreTrainedModel, specs: list[KVSpec | None]) -> str | None:
+    """Why the engine's steps of ``model`` cannot run compiled (None: they can): CPU only (the
+    only device it is measured and tested on), and every layer a plain attention layer that stores
+    its own K/V (no recurrent, latent or KV-sharing layers, whose steps take other routes)."""
+    if model.device.type != "cpu":
+        return f"compiled steps run on CPU only (the model is on {model.device.type})"
+    if tp_size_of(model) > 1:
+        return "compiled steps do not run under tensor parallelism"
+    kinds = {type(spec).__name__ if spec is not None else "a layer without K/V" for spec in specs
+             if spec is None or not isinstance(spec, _COMPILED_KINDS) or not spec.stores}
+    if kinds:
+        return f"compiled steps need plain attention layers; {type(model).__name__} has {', '.join(sorted(kinds))}"
+    if model.get_decoder() is model:
+        return f"{type(model).__name__}: no decoder body apart from the LM head to compile"
+    return None
+
+
+class CompiledBody:
+    """The decoder body of ``model`` compiled for engine steps (see the module's docstring).
+    ``attend(step, layer_idx, query, key, value, stores, **options)`` is the engine's paged
+    attention of a packed step (:func:`hf_paged.attention.packed_attention`)."""
+
+    def __init__(self, model: PreTrainedModel, attend: Callable, num_layers: int):
+        self.model, self.body = model, model.get_decoder()
+        self.attend, self.num_layers = attend, num_layers
+        # a code object of its own: Dynamo keeps compiled entries (and their limit) per code object,
+        # so engines of other models in this process do not evict or recompile this one
+        code = _run_body.__code__.replace(co_name=f"_run_body_{id(self):x}")
+        self._compiled = torch.compile(types.FunctionType(code, _run_body.__globals__), dynamic=False)
+
+    def forward(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                **kwargs):
+        """Stands in for the body's ``forward`` during a step (the cache and mask it is given are unused)."""
+        if input_ids.shape[1] > 1:  # the token count changes from step to step
+            torch._dynamo.mark_dynamic(input_ids, 1)
+            torch._dynamo.mark_dynamic(position_ids, 1)
+        return self._compiled(self.body, input_ids, position_ids)
+
+    @contextlib.contextmanager
+    def active(self, step: PackedStep | None):
+        """Inside, the body runs compiled and its layers read and write ``step``'s blocks."""
+        cursor = _StepCursor(step, self.attend, self.num_layers)
+        _thread.cursor = cursor
+        self.body.forward = self.forward
+        try:
+            yield
+        finally:
+            del self.body.forward
+            _thread.cursor = None
+        if cursor.next != self.num_layers:
+            raise RuntimeError(f"a compiled step attended {cursor.next} times for {self.num_layers} layers")
+
+    @torch.inference_mode()
+    def warm_up(self, device: torch.device) -> str | None:
+        """Compile both graphs (two tokens or more, one token) on dummy tokens; returns why that
+        failed (None: compiled)."""
+        try:
+            for tokens in (2, 1):
+                ids = torch.ones(1, tokens, dtype=torch.long, device=device)
+                with paged_call(self.model, ATTN_IMPLEMENTATION), self.active(None):
+                    self.body(input_ids=ids, position_ids=torch.arange(tokens, device=device)[None])
+        except Exception as error:  # noqa: BLE001 - any failure to compile leaves the engine eager
+            return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+        return None
+
+
+def compiled_body(model: PreTrainedModel, specs: list[KVSpec | None], attend: Callable,
+                  compile: bool | None) -> tuple[CompiledBody | None, str | None]:
+    """The engine's compiled body, or None and why not. ``compile``: None compiles where
+    :func:`unsupported` allows it (and ``HF_PAGED_COMPILE`` is not ``0``); True must compile
+    (``ValueError`` naming why it cannot); False never does."""
+    if compile is False or (compile is None and not default_on()):
+        return None, "off (compile=False)" if compile is False else f"off ({COMPILE_ENV}=0)"
+    reason = unsupported(model, specs)
+    if reason is not None:
+        if compile:
+            raise ValueError(f"compile=True: {reason}")
+        return None, reason
+    body = CompiledBody(model, attend, len(specs))
+    failure = body.warm_up(model.device)
+    if failure is not None:
+        if compile:
+            raise RuntimeError(f"compile=True: torch.compile failed: {failure}")
+        warnings.warn(f"hf_paged: engine steps stay eager, torch.compile failed: {failure}", stacklevel=3)
+        return None, f"torch.compile failed: {failure}"
+    return body, None

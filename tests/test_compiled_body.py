@@ -1,0 +1,138 @@
+"""Engine steps through the torch.compile'd decoder body (``hf_paged.engine.compiled_body``, issue 22):
+greedy tokens equal to per-request stock generate() on several families, sampling equal to eager
+steps, nothing compiled again after the engine is built, the model stock between steps, refusals and
+a failed compile named; negative controls for the token comparison and the layer order."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from hf_paged import LLMEngine, SamplingParams
+from hf_paged.engine import compiled_body
+from tests.helpers.hybrid_models import build_hybrid
+from tests.helpers.tiny_models import build
+
+# lengths that mix decode steps, chunks of many tokens and steps of a single token
+PROMPTS = [list(range(3, 3 + n)) for n in (45, 17, 3, 30)] + [[9] * 21, [4]]
+MAX_NEW = 14
+
+
+def _stock(model, prompts=PROMPTS, max_new=MAX_NEW):
+    return [model.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False,
+                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
+def _engine_tokens(engine, prompts=PROMPTS, params=None):
+    params = params or SamplingParams(max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    assert engine.kv.num_used_blocks() == 0
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "qwen3", "gpt2"])
+def test_compiled_steps_give_stock_tokens(arch):
+    """Families with a sliding window (mistral: 12 tokens), softcap and a window (gemma2), one KV
+    head (qwen3) and another body layout (gpt2); max_num_batched_tokens 16 splits prompts in chunks."""
+    model = build(arch)
+    model.generation_config.eos_token_id = None
+    engine = LLMEngine(model, compile=True, max_num_batched_tokens=16)
+    assert engine.stats()["compiled"] and engine.compile_note is None
+    assert _engine_tokens(engine) == _stock(model)
+
+
+def test_negative_control_a_cursor_stuck_on_the_first_layer_changes_tokens():
+    model = build("llama")
+    engine = LLMEngine(model, compile=True)
+    attend = engine.runner.compiled.attend
+    # every layer reads and writes the first layer's blocks (a cursor that does not move on)
+    engine.runner.compiled.attend = lambda step, layer, *args, **kwargs: attend(step, 0, *args, **kwargs)
+    assert _engine_tokens(engine) != _stock(model)
+
+
+def test_negative_control_eager_tokens_of_a_perturbed_copy_differ():
+    """The comparison with stock can fail: a copy with one weight changed gives other tokens."""
+    model = build("llama")
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+    engine = LLMEngine(other, compile=True)
+    assert _engine_tokens(engine) != _stock(model)
+
+
+def test_seeded_sampling_equals_eager_steps():
+    model = build("llama")
+    params = [SamplingParams(max_new_tokens=MAX_NEW, temperature=0.9, top_k=20, seed=s, ignore_eos=True)
+              for s in range(len(PROMPTS))]
+    compiled = _engine_tokens(LLMEngine(model, compile=True), params=params)
+    assert compiled == _engine_tokens(LLMEngine(model, compile=False), params=params)
+
+
+def test_nothing_compiles_after_the_engine_is_built():
+    """Both graphs (many tokens, one token) are compiled by the constructor: steps of every size
+    after it, prefills, chunks, a lone decode, run what was compiled."""
+    model = build("llama")
+    engine = LLMEngine(model, compile=True, max_num_batched_tokens=16)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        tokens = _engine_tokens(engine)
+        tokens += _engine_tokens(engine, [[7, 8, 9]])  # one sequence: steps of one token
+    assert len(tokens) == len(PROMPTS) + 1
+
+
+def test_the_model_is_stock_between_compiled_steps():
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    engine = LLMEngine(model, compile=True)
+    _engine_tokens(engine)
+    assert "forward" not in vars(model.model)  # the compiled forward is swapped in for steps only
+    assert model.config._attn_implementation == reference.config._attn_implementation
+    ids = torch.tensor([PROMPTS[0]])
+    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False),
+                       reference.generate(ids, max_new_tokens=8, do_sample=False))
+    assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_default_compiles_on_cpu_unless_the_environment_says_0(monkeypatch):
+    model = build("llama")
+    monkeypatch.setenv(compiled_body.COMPILE_ENV, "1")
+    assert LLMEngine(model).stats()["compiled"]
+    monkeypatch.setenv(compiled_body.COMPILE_ENV, "0")
+    engine = LLMEngine(model)
+    assert not engine.stats()["compiled"] and "HF_PAGED_COMPILE=0" in engine.compile_note
+    engine = LLMEngine(model, compile=False)
+    assert not engine.stats()["compiled"] and "compile=False" in engine.compile_note
+
+
+def test_models_with_other_layers_stay_eager_and_compile_true_names_why(monkeypatch):
+    model = build_hybrid("lfm2")  # short convolutions beside attention
+    monkeypatch.setenv(compiled_body.COMPILE_ENV, "1")
+    engine = LLMEngine(model)
+    assert not engine.stats()["compiled"] and "plain attention layers" in engine.compile_note
+    with pytest.raises(ValueError, match="compile=True: compiled steps need plain attention layers"):
+        LLMEngine(model, compile=True)
+
+
+def test_a_failed_compile_warns_and_steps_run_eager(monkeypatch):
+    model = build("llama")
+    monkeypatch.setattr(compiled_body.CompiledBody, "warm_up", lambda self, device: "BackendCompilerFailed: no")
+    monkeypatch.setenv(compiled_body.COMPILE_ENV, "1")
+    with pytest.warns(UserWarning, match="steps stay eager, torch.compile failed: BackendCompilerFailed"):
+        engine = LLMEngine(model)
+    assert not engine.stats()["compiled"]
+    assert _engine_tokens(engine) == _stock(model)
+    with pytest.raises(RuntimeError, match="compile=True: torch.compile failed"), warnings.catch_warnings():
+        LLMEngine(model, compile=True)
+
+
+def test_a_step_whose_layers_attend_a_wrong_number_of_times_fails_its_requests():
+    model = build("llama")
+    engine = LLMEngine(model, compile=True)
+    engine.runner.compiled.num_layers += 1  # as if a layer had not attended
+    out, = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2, temperature=0), use_tqdm=False)
+    assert out.error_kind == "fault" and "attended 2 times for 3 layers" in out.error
+    assert engine.kv.num_used_blocks() == 0
+    engine.runner.compiled.num_layers -= 1
+    assert _engine_tokens(engine) == _stock(model)
