@@ -33,10 +33,12 @@ def _engine_tokens(engine, prompts=PROMPTS, params=None):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "qwen3", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "qwen3", "gpt2", "gpt_neox"])
 def test_compiled_steps_give_stock_tokens(arch):
     """Families with a sliding window (mistral: 12 tokens), softcap and a window (gemma2), one KV
-    head (qwen3) and another body layout (gpt2); max_num_batched_tokens 16 splits prompts in chunks."""
+    head (qwen3), other body layouts (gpt2, gpt_neox: whose read returns a transposed view, which the
+    op must hand back in the layout its fake kernel declares); max_num_batched_tokens 16 splits
+    prompts in chunks."""
     model = build(arch)
     model.generation_config.eos_token_id = None
     engine = LLMEngine(model, compile=True, max_num_batched_tokens=16)

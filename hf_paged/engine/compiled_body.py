@@ -71,7 +71,7 @@ def packed_step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
     options = {"scaling": scale, "sliding_window": sliding_window, "softcap": softcap, "s_aux": sinks}
     out, _ = cursor.attend(cursor.step, layer, query, key, value, True, **options)
-    return out
+    return out.contiguous()  # the strides the fake kernel promises (the read may return a transposed view)
 
 
 @packed_step_attention.register_fake
@@ -97,9 +97,11 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, _compiled_attention)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
 
 
-def _run_body(body: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor):
+def _run_body(body: torch.nn.Module, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
+              position_ids: torch.Tensor):
     """The decoder body's own forward without a cache (the op stores K/V) and without a mask."""
-    return type(body).forward(body, input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    return type(body).forward(body, input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids,
+                              use_cache=False)
 
 
 def unsupported(model: PreTrainedModel, specs: list[KVSpec | None]) -> str | None:
@@ -130,15 +132,20 @@ class CompiledBody:
         # a code object of its own: Dynamo keeps compiled entries (and their limit) per code object,
         # so engines of other models in this process do not evict or recompile this one
         code = _run_body.__code__.replace(co_name=f"_run_body_{id(self):x}")
-        self._compiled = torch.compile(types.FunctionType(code, _run_body.__globals__), dynamic=False)
+        # fullgraph: a body Dynamo cannot capture whole (a graph break) stays eager rather than
+        # compiling pieces again on the serving path as shapes change
+        self._compiled = torch.compile(types.FunctionType(code, _run_body.__globals__), dynamic=False, fullgraph=True)
+        self.calls = 0  # forwards that went through the compiled body
 
     def forward(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                **kwargs):
+                inputs_embeds: torch.Tensor | None = None, **kwargs):
         """Stands in for the body's ``forward`` during a step (the cache and mask it is given are unused)."""
-        if input_ids.shape[1] > 1:  # the token count changes from step to step
-            torch._dynamo.mark_dynamic(input_ids, 1)
+        self.calls += 1
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        if tokens.shape[1] > 1:  # the token count changes from step to step
+            torch._dynamo.mark_dynamic(tokens, 1)
             torch._dynamo.mark_dynamic(position_ids, 1)
-        return self._compiled(self.body, input_ids, position_ids)
+        return self._compiled(self.body, input_ids, inputs_embeds, position_ids)
 
     @contextlib.contextmanager
     def active(self, step: PackedStep | None):
@@ -156,15 +163,17 @@ class CompiledBody:
 
     @torch.inference_mode()
     def warm_up(self, device: torch.device) -> str | None:
-        """Compile both graphs (two tokens or more, one token) on dummy tokens; returns why that
-        failed (None: compiled)."""
+        """Compile both graphs (two tokens or more, one token) by running the whole model on dummy
+        tokens, as a step calls it; returns why that failed (None: compiled)."""
         try:
             for tokens in (2, 1):
                 ids = torch.ones(1, tokens, dtype=torch.long, device=device)
                 with paged_call(self.model, ATTN_IMPLEMENTATION), self.active(None):
-                    self.body(input_ids=ids, position_ids=torch.arange(tokens, device=device)[None])
+                    self.model(input_ids=ids, position_ids=torch.arange(tokens, device=device)[None], use_cache=False)
         except Exception as error:  # noqa: BLE001 - any failure to compile leaves the engine eager
             return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+        if self.calls != 2:
+            return f"{type(self.model).__name__}'s forward does not run its decoder body (get_decoder()) once per call"
         return None
 
 
