@@ -108,12 +108,14 @@ def test_default_compiles_on_cpu_unless_the_environment_says_0(monkeypatch):
     assert not engine.stats()["compiled"] and "compile=False" in engine.compile_note
 
 
-def test_models_with_other_layers_stay_eager_and_compile_true_names_why(monkeypatch):
-    model = build_hybrid("lfm2")  # short convolutions beside attention
+@pytest.mark.parametrize("name, why", [("lfm2", "a layer without K/V"),  # short convolutions beside attention
+                                       ("falcon_h1", "recurrent states")])  # Mamba2 beside attention in every layer
+def test_models_with_other_layers_stay_eager_and_compile_true_names_why(monkeypatch, name, why):
+    model = build_hybrid(name)
     monkeypatch.setenv(compiled_body.COMPILE_ENV, "1")
     engine = LLMEngine(model)
-    assert not engine.stats()["compiled"] and "plain attention layers" in engine.compile_note
-    with pytest.raises(ValueError, match="compile=True: compiled steps need plain attention layers"):
+    assert not engine.stats()["compiled"] and why in engine.compile_note
+    with pytest.raises(ValueError, match=f"compile=True: compiled steps need plain attention layers.*{why}"):
         LLMEngine(model, compile=True)
 
 

@@ -104,16 +104,19 @@ def _run_body(body: torch.nn.Module, input_ids: torch.Tensor | None, inputs_embe
                               use_cache=False)
 
 
-def unsupported(model: PreTrainedModel, specs: list[KVSpec | None]) -> str | None:
+def unsupported(model: PreTrainedModel, specs: list[KVSpec | None], recurrent: bool = False) -> str | None:
     """Why the engine's steps of ``model`` cannot run compiled (None: they can): CPU only (the
     only device it is measured and tested on), and every layer a plain attention layer that stores
-    its own K/V (no recurrent, latent or KV-sharing layers, whose steps take other routes)."""
+    its own K/V (no latent or KV-sharing layers, and no ``recurrent`` state beside attention, as
+    Falcon-H1's layers have: those steps take other routes)."""
     if model.device.type != "cpu":
         return f"compiled steps run on CPU only (the model is on {model.device.type})"
     if tp_size_of(model) > 1:
         return "compiled steps do not run under tensor parallelism"
     kinds = {type(spec).__name__ if spec is not None else "a layer without K/V" for spec in specs
              if spec is None or not isinstance(spec, _COMPILED_KINDS) or not spec.stores}
+    if recurrent:
+        kinds.add("recurrent states")
     if kinds:
         return f"compiled steps need plain attention layers; {type(model).__name__} has {', '.join(sorted(kinds))}"
     if model.get_decoder() is model:
@@ -177,14 +180,14 @@ class CompiledBody:
         return None
 
 
-def compiled_body(model: PreTrainedModel, specs: list[KVSpec | None], attend: Callable,
-                  compile: bool | None) -> tuple[CompiledBody | None, str | None]:
+def compiled_body(model: PreTrainedModel, specs: list[KVSpec | None], attend: Callable, compile: bool | None,
+                  recurrent: bool = False) -> tuple[CompiledBody | None, str | None]:
     """The engine's compiled body, or None and why not. ``compile``: None compiles where
     :func:`unsupported` allows it (and ``HF_PAGED_COMPILE`` is not ``0``); True must compile
     (``ValueError`` naming why it cannot); False never does."""
     if compile is False or (compile is None and not default_on()):
         return None, "off (compile=False)" if compile is False else f"off ({COMPILE_ENV}=0)"
-    reason = unsupported(model, specs)
+    reason = unsupported(model, specs, recurrent)
     if reason is not None:
         if compile:
             raise ValueError(f"compile=True: {reason}")

@@ -61,7 +61,8 @@ class ModelRunner:
         # the compiled CPU decode read (hf_paged.kernels.flex_decode): "auto" at long contexts, "always", "never"
         self.flex_decode = "auto"
         # packed steps through a torch.compile'd decoder body (hf_paged.engine.compiled_body)
-        self.compiled, self.compiled_note = compiled_body.compiled_body(model, self.specs, packed_attention, compile)
+        self.compiled, self.compiled_note = compiled_body.compiled_body(model, self.specs, packed_attention, compile,
+                                                                        recurrent=self.per_sequence)
         self._warm_flex_decode()
 
     def _warm_flex_decode(self) -> None:
