@@ -109,7 +109,8 @@ def _switched_configs(model: PreTrainedModel) -> list:
 
 def begin_paged_call(model: PreTrainedModel, implementation: str = ATTN_IMPLEMENTATION) -> list[tuple[object, str | None]]:
     """Switch ``model`` to the ``"hf_paged"`` implementation (or ``implementation``); returns what
-    :func:`end_paged_call` restores. What each config had is remembered as its fallback (never written into the config)."""
+    :func:`end_paged_call` restores. What each config had is remembered as its fallback (never
+    written into the config)."""
     saved = []
     for config in _switched_configs(model):
         current = config._attn_implementation_internal

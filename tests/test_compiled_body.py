@@ -140,3 +140,10 @@ def test_a_step_whose_layers_attend_a_wrong_number_of_times_fails_its_requests()
     assert engine.kv.num_used_blocks() == 0
     engine.runner.compiled.num_layers -= 1
     assert _engine_tokens(engine) == _stock(model)
+
+
+def test_the_compiled_attention_outside_an_engine_step_says_so():
+    model = build("llama")
+    model.config._attn_implementation = "hf_paged_compiled"
+    with pytest.raises(RuntimeError, match="runs only inside an engine's compiled steps"):
+        model(torch.tensor([[3, 4, 5]]))

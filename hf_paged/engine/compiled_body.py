@@ -39,7 +39,6 @@ from hf_paged.channel import PackedStep
 from hf_paged.engine.tensor_parallel import tp_size_of
 from hf_paged.kinds import ChunkedLocalAttentionSpec, FullAttentionSpec, KVSpec, SlidingWindowSpec
 
-ATTN_IMPLEMENTATION = COMPILED_ATTN_IMPLEMENTATION
 COMPILE_ENV = "HF_PAGED_COMPILE"  # "0": engines built with compile=None stay eager
 _COMPILED_KINDS = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
 _thread = threading.local()
@@ -53,8 +52,8 @@ def default_on() -> bool:
 class _StepCursor:
     """The step being run, how its layers attend, and which layer attends next."""
 
-    def __init__(self, step: PackedStep | None, attend: Callable, num_layers: int):
-        self.step, self.attend, self.num_layers, self.next = step, attend, num_layers, 0
+    def __init__(self, step: PackedStep | None, attend: Callable):
+        self.step, self.attend, self.next = step, attend, 0
 
 
 @torch.library.custom_op("hf_paged::packed_step_attention", mutates_args=())
@@ -64,7 +63,9 @@ def packed_step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     """The paged attention of the next layer of the running step (``query`` ``[1, heads, tokens,
     head_dim]``): stores ``key``/``value`` in the layer's blocks and returns ``[1, tokens, heads,
     head_dim]``. While the body compiles (no step) it returns zeros."""
-    cursor: _StepCursor = _thread.cursor
+    cursor: _StepCursor | None = getattr(_thread, "cursor", None)
+    if cursor is None:
+        raise RuntimeError(f"the {COMPILED_ATTN_IMPLEMENTATION!r} attention runs only inside an engine's compiled steps")
     layer = cursor.next
     cursor.next += 1
     if cursor.step is None:
@@ -93,8 +94,8 @@ def _no_mask(*args, **kwargs) -> None:
     return None
 
 
-AttentionInterface.register(ATTN_IMPLEMENTATION, _compiled_attention)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+AttentionInterface.register(COMPILED_ATTN_IMPLEMENTATION, _compiled_attention)
+AttentionMaskInterface.register(COMPILED_ATTN_IMPLEMENTATION, _no_mask)
 
 
 def _run_body(body: torch.nn.Module, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
@@ -153,7 +154,7 @@ class CompiledBody:
     @contextlib.contextmanager
     def active(self, step: PackedStep | None):
         """Inside, the body runs compiled and its layers read and write ``step``'s blocks."""
-        cursor = _StepCursor(step, self.attend, self.num_layers)
+        cursor = _StepCursor(step, self.attend)
         _thread.cursor = cursor
         self.body.forward = self.forward
         try:
@@ -171,7 +172,7 @@ class CompiledBody:
         try:
             for tokens in (2, 1):
                 ids = torch.ones(1, tokens, dtype=torch.long, device=device)
-                with paged_call(self.model, ATTN_IMPLEMENTATION), self.active(None):
+                with paged_call(self.model, COMPILED_ATTN_IMPLEMENTATION), self.active(None):
                     self.model(input_ids=ids, position_ids=torch.arange(tokens, device=device)[None], use_cache=False)
         except Exception as error:  # noqa: BLE001 - any failure to compile leaves the engine eager
             return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"

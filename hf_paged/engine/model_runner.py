@@ -5,6 +5,8 @@ per-sequence metadata (slot of each new token, block tables, context lengths, wh
 tokens end) to the ``hf_paged`` attention function, which writes the new K/V into their slots and
 attends per sequence. No padding, no dense mask. Logits are computed only at the last token of
 each sequence that needs a next token. The runner holds the K/V storage and decides nothing.
+Where :mod:`hf_paged.engine.compiled_body` compiled the model's decoder body (CPU, plain attention
+layers), the packed forward runs it, with the same attention behind a custom op.
 
 Models with recurrent layers (:mod:`hf_paged.kinds.recurrent`) need each sequence in a batch row
 of its own, as transformers' mixers treat a row as one sequence: a step then runs the decoding
@@ -21,9 +23,9 @@ import contextlib
 import torch
 from transformers import PreTrainedModel
 
-from hf_paged.attention import ATTN_IMPLEMENTATION, packed_attention, paged_call
-from hf_paged.engine import compiled_body
+from hf_paged.attention import ATTN_IMPLEMENTATION, COMPILED_ATTN_IMPLEMENTATION, packed_attention, paged_call
 from hf_paged.channel import clear_active_cache, packed_forward
+from hf_paged.engine import compiled_body
 from hf_paged.engine.cpu_linear import onednn_linears, prepacked_lm_head, switchable_lm_head
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.step_cache import FLEX_MIN_BLOCK_SIZE, FLEX_MIN_MEAN_CONTEXT, PackedStepCache, host_tensor
@@ -116,7 +118,7 @@ class ModelRunner:
             for layer, held in state_layers.items():
                 step_cache.layers[layer] = held
         compiled = self.compiled is not None and not rows
-        implementation = compiled_body.ATTN_IMPLEMENTATION if compiled else ATTN_IMPLEMENTATION
+        implementation = COMPILED_ATTN_IMPLEMENTATION if compiled else ATTN_IMPLEMENTATION
         with (packed_forward(), paged_call(self.model, implementation),
               self.compiled.active(step_cache) if compiled else contextlib.nullcontext(),
               onednn_linears(self._onednn_linears, self._prepacked)):
