@@ -22,7 +22,8 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the checkout's root instead of this folder, whose kernels.py would shadow the `kernels` package
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 os.environ["HF_PAGED_COMPILE"] = "1"
 
 import torch  # noqa: E402

@@ -147,8 +147,9 @@ class CompiledBody:
         self.calls += 1
         tokens = input_ids if input_ids is not None else inputs_embeds
         if tokens.shape[1] > 1:  # the token count changes from step to step
-            torch._dynamo.mark_dynamic(tokens, 1)
-            torch._dynamo.mark_dynamic(position_ids, 1)
+            for tensor in (tokens, position_ids):
+                if tensor is not None:  # some causal LMs leave the positions to the body
+                    torch._dynamo.mark_dynamic(tensor, 1)
         return self._compiled(self.body, input_ids, inputs_embeds, position_ids)
 
     @contextlib.contextmanager
