@@ -64,6 +64,7 @@ def wait_for_compiles(timeout: float | None = None) -> None:
         thread.join(timeout)
 
 
+@torch.inference_mode()
 def _warm_up(layout: tuple) -> None:
     """Compile by running the read once on small tensors of ``layout`` (sizes above 1, so none is
     specialised), under ``inference_mode`` as engine steps run: Dynamo guards on the grad mode,
@@ -72,22 +73,17 @@ def _warm_up(layout: tuple) -> None:
     global _failure
     kv_heads, group, head_dim, block_size = layout
     try:
-        _run_once(kv_heads, group, head_dim, block_size)
+        tables = torch.tensor([[0, 1], [2, 3], [4, 0]], dtype=torch.int32)
+        lens = torch.tensor([block_size + 2, 2 * block_size, 3], dtype=torch.int32)
+        pool = torch.zeros(5, block_size, kv_heads, head_dim)
+        q = torch.zeros(3, kv_heads * group, head_dim)
+        paged_decode_flex(q, pool, pool, decode_block_mask(tables, lens, 5, block_size, group), head_dim**-0.5)
         state = "ready"
     except Exception as error:  # noqa: BLE001 - any compile failure turns the read off
         _failure = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
         state = "failed"
     with _lock:
         _layouts[layout] = state
-
-
-@torch.inference_mode()
-def _run_once(kv_heads: int, group: int, head_dim: int, block_size: int) -> None:
-    tables = torch.tensor([[0, 1], [2, 3], [4, 0]], dtype=torch.int32)
-    lens = torch.tensor([block_size + 2, 2 * block_size, 3], dtype=torch.int32)
-    pool = torch.zeros(5, block_size, kv_heads, head_dim)
-    q = torch.zeros(3, kv_heads * group, head_dim)
-    paged_decode_flex(q, pool, pool, decode_block_mask(tables, lens, 5, block_size, group), head_dim**-0.5)
 
 
 def decode_block_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int,

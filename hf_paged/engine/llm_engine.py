@@ -157,7 +157,6 @@ class LLMEngine:
         self.runner = ModelRunner(model, PagedKVStorage(block_size), swap_storage, swap_space_blocks, groups=groups,
                                   states=states, swap_states=swap_states, prepack_lm_head=prepack_lm_head,
                                   compile=compile)
-        self.compile_note: str | None = self.runner.compiled_note  # why steps run eager (None: compiled)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.max_positions = max_positions(self.config)
         # structured outputs and logit_bias: grammars compiled off this thread, masks and matchers per step
@@ -558,6 +557,11 @@ class LLMEngine:
         return loaded
 
     # ------------------------------------------------------------------ accounting
+    @property
+    def compile_note(self) -> str | None:
+        """Why the steps run eager (None: they run compiled; see ``compile``)."""
+        return self.runner.compiled_note
+
     def stats(self) -> dict[str, float | int | bool]:
         s, kv = self.scheduler, self.kv.stats()
         busy = self._counters["busy_s"]
