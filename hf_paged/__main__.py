@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 import os
 import sys
@@ -269,7 +271,8 @@ def bench(args) -> int:
 
 
 def serve(args) -> int:
-    """The OpenAI-compatible HTTP server (hf_paged/serve) on one LLMEngine."""
+    """The OpenAI-compatible HTTP server (hf_paged/serve) on one LLMEngine, which runs in a process
+    of its own (serve/engine_process.py) unless ``--no-engine-process`` or tensor parallelism."""
     if args.tensor_parallel_size < 1:
         raise CliError("--tensor-parallel-size must be positive")
     for name in ("port", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_body_bytes", "max_n",
@@ -278,30 +281,63 @@ def serve(args) -> int:
             raise CliError(f"--{name.replace('_', '-')} must be positive")
     if not args.shutdown_timeout >= 0 or not args.stream_timeout > 0:
         raise CliError("--shutdown-timeout must be >= 0 and --stream-timeout > 0")
-    from hf_paged import LLMEngine
+    engine_threads(args.engine_threads)  # checked here, not in the engine process
     from hf_paged.engine import tensor_parallel
-    from hf_paged.kernels import flex_decode
     from hf_paged.serve import ServerSettings, build_app, server
+    from hf_paged.serve.engine_process import EngineProcess
 
     if args.tensor_parallel_size > 1 and "RANK" not in os.environ:  # start the ranks, each running this command
         return tensor_parallel.launch(args.argv, args.tensor_parallel_size)
     api_key = args.api_key or os.environ.get("HF_PAGED_API_KEY") or None
+    in_process = "RANK" in os.environ or not args.engine_process
+    if in_process:
+        engine = serving_engine(args)
+        if engine.tp and not engine.tp.is_driver:
+            engine.run_worker()  # until rank 0's server stops
+            return 0
+        where = "engine in this process"
+    else:
+        tokenizer = _byte_tokenizer() if args.model is None else _tokenizer(args.model)
+        # by reference to hf_paged.__main__ as an importable module: run as ``python -m hf_paged``
+        # this module is __main__, which a spawned process does not import
+        build = functools.partial(importlib.import_module("hf_paged.__main__").serving_engine, args)
+        try:
+            engine = EngineProcess(build, tokenizer)
+        except RuntimeError as err:
+            raise CliError(str(err)) from None
+        where = f"engine process {engine.process.pid}"
+    settings = ServerSettings(model_name=args.served_model_name or args.model or "hf-paged-demo", api_key=api_key,
+                              max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting, max_n=args.max_n,
+                              max_tokens=args.max_tokens_limit, shutdown_timeout_s=args.shutdown_timeout,
+                              stream_timeout_s=args.stream_timeout)
+    print(f"hf-paged serve: '{settings.model_name}' on http://{args.host}:{args.port}/v1 "
+          f"(API key {'required' if api_key else 'not required'}; {where})", flush=True)
+    try:
+        return server.run(build_app(engine, settings), args.host, args.port, api_key)
+    finally:
+        engine.close()  # the engine process, or the other tensor-parallel ranks
+
+
+def serving_engine(args) -> LLMEngine:
+    """``hf-paged serve``'s engine, built where it will run (this process, or the engine process),
+    which prints what it serves and finishes its compiles before the server starts."""
+    from hf_paged import LLMEngine
+    from hf_paged.kernels import flex_decode
+
+    threads = None if "RANK" in os.environ else engine_threads(args.engine_threads)  # ranks: tensor_parallel's
+    if threads:
+        torch.set_num_threads(threads[0])  # before the model compiles: its kernels keep the count they were built for
     model, tokenizer = load_split(args) if "RANK" in os.environ else load(args)
     engine = LLMEngine(model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_consecutive_failures=args.max_consecutive_failures, num_state_slots=args.num_state_slots,
                        compile=False if args.enforce_eager else None)
     if engine.tp and not engine.tp.is_driver:
-        engine.run_worker()  # until rank 0's server stops
-        return 0
-    settings = ServerSettings(model_name=args.served_model_name or args.model or "hf-paged-demo", api_key=api_key,
-                              max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting, max_n=args.max_n,
-                              max_tokens=args.max_tokens_limit, shutdown_timeout_s=args.shutdown_timeout,
-                              stream_timeout_s=args.stream_timeout)
-    model_kind = _model_name(model, args)
-    print(f"hf-paged serve: {model_kind} as '{settings.model_name}' on http://{args.host}:{args.port}/v1 "
-          f"(API key {'required' if api_key else 'not required'})", flush=True)
+        return engine
+    print(f"hf-paged serve: model {_model_name(model, args)}", flush=True)
     print(f"hf-paged serve: {engine_memory_line(engine)}", flush=True)
+    if threads:
+        print(f"hf-paged serve: engine threads {threads[0]} ({threads[1]})", flush=True)
     print(f"hf-paged serve: engine steps {'eager: ' + engine.compile_note if engine.compile_note else 'compiled'}",
           flush=True)
     if flex_decode.compiling():  # the engine started compiling its CPU decode read: done before serving, as vLLM's
@@ -310,10 +346,32 @@ def serve(args) -> int:
         why_not = flex_decode.failure()
         print(f"hf-paged serve: {'the gather read serves: ' + why_not if why_not else 'the CPU decode read is compiled'}",
               flush=True)
-    try:
-        return server.run(build_app(engine, settings), args.host, args.port, api_key)
-    finally:
-        engine.close()  # releases the other ranks, if any
+    return engine
+
+
+def engine_threads(requested: int | None) -> tuple[int, str]:
+    """``(torch threads for the served engine, why)``: ``--engine-threads``, else ``OMP_NUM_THREADS``,
+    else every core this process may use but one. The server's own process (HTTP, tokenization,
+    detokenization, and on a small machine often the clients too) needs a core: when the engine's
+    OpenMP threads take them all, every wake-up of the server preempts one of them and the others
+    wait for it at the end of each parallel region. vLLM reserves a core for the same reason
+    (``VLLM_CPU_NUM_OF_RESERVED_CPU``)."""
+    if requested is not None:
+        if requested < 1:
+            raise CliError("--engine-threads must be positive")
+        return requested, "--engine-threads"
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if cores == 1:
+        return 1, "the only core"
+    return cores - 1, f"{cores} cores, one left to the server's process; --engine-threads to change"
+
+
+def _byte_tokenizer():
+    from hf_paged.demo import byte_tokenizer
+
+    return byte_tokenizer()
 
 
 def parser() -> argparse.ArgumentParser:
@@ -359,6 +417,12 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT (then they end with an error)")
     s.add_argument("--stream-timeout", type=float, default=60.0,
                    help="a stream whose client reads nothing for this many seconds is aborted")
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a process of its own, apart from HTTP (default; not with tensor "
+                        "parallelism): in one process they contend for the GIL and the cores")
+    s.add_argument("--engine-threads", type=int, default=None,
+                   help="torch threads of the engine (default: $OMP_NUM_THREADS, else every core but one, which "
+                        "the server's process keeps)")
     s.add_argument("--enforce-eager", action="store_true",
                    help="run engine steps eager (default: compiled with torch.compile at start where supported)")
     s.add_argument("--max-consecutive-failures", type=int, default=3,

@@ -22,8 +22,9 @@ from hf_paged.demo import byte_tokenizer
 from hf_paged.engine.outputs import CompletionOutput
 from hf_paged.serve.detokenize import IncrementalDetokenizer, TextStream
 from hf_paged.serve.server import exposure_warning
-from tests.helpers.serving import (MODEL, assert_all_free, client, engine, free_port, served,  # noqa: F401 - fixtures
-                                   serving, single_threaded_torch, tiny_model, wait_idle, wait_until_healthy)
+from tests.helpers.serving import (ENGINE_PLACES, MODEL, NUM_BLOCKS, assert_all_free, client, engine,  # noqa: F401
+                                   fail_next_step, free_port, serving, single_threaded_torch, tiny_model, wait_idle,
+                                   wait_until_healthy)
 
 TOKENIZER = byte_tokenizer()
 
@@ -51,6 +52,15 @@ def aborted(server) -> int:
 
 
 GREEDY = dict(temperature=0, extra_body={"return_token_ids": True})
+
+
+@pytest.fixture(scope="module", params=ENGINE_PLACES)
+def served(request):
+    """Every test of this module runs against both: the engine on the engine loop's thread, and in
+    an engine process of its own (what ``hf-paged serve`` runs)."""
+    with single_threaded_torch(), serving({"num_blocks": NUM_BLOCKS},
+                                          engine_process=request.param == "engine process") as (server, loop):
+        yield server, loop
 
 
 # ---------------------------------------------------------------------------- outputs equal the engine's
@@ -268,17 +278,7 @@ def test_a_client_leaving_a_non_streamed_request_aborts_it(client, served):
 
 def test_an_engine_failure_ends_the_requests_in_flight_and_serving_goes_on(client, served):
     server, loop = served
-
-    def break_once(engine):
-        real = engine.step
-
-        def failing():
-            engine.step = real
-            raise RuntimeError("injected")
-
-        engine.step = failing
-
-    loop.call(break_once).result(10)
+    loop.call(fail_next_step).result(10)
     with pytest.raises(openai.APIStatusError) as err:
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
     assert err.value.status_code == 503 and "injected" in err.value.message
@@ -293,9 +293,10 @@ STRICT_ENGINE = {"num_blocks": 12, "block_size": 16, "max_num_seqs": 1}  # 192 t
 STRICT_MODEL = {"max_position_embeddings": 256}
 
 
-@pytest.fixture(scope="module")
-def strict():
-    with single_threaded_torch(), serving(STRICT_ENGINE, STRICT_MODEL, **STRICT) as (server, loop):
+@pytest.fixture(scope="module", params=ENGINE_PLACES)
+def strict(request):
+    with single_threaded_torch(), serving(STRICT_ENGINE, STRICT_MODEL, engine_process=request.param == "engine process",
+                                          **STRICT) as (server, loop):
         yield server, loop
 
 

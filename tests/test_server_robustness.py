@@ -26,17 +26,18 @@ from hypothesis import HealthCheck, given, settings
 from hf_paged import LLMEngine, SamplingParams
 from hf_paged.demo import byte_tokenizer
 from hf_paged.serve.protocol import ChatCompletionRequest, CompletionRequest
-from tests.helpers.serving import (MODEL, assert_all_free, free_port, serving, single_threaded_torch, tiny_model,
-                                   wait_idle, wait_until_healthy)
+from tests.helpers.serving import (ENGINE_PLACES, MODEL, assert_all_free, break_forwards, free_port, mend_forwards,
+                                   serving, single_threaded_torch, tiny_model, wait_idle, wait_until_healthy)
 
 ENGINE = {"num_blocks": 256}
 LIMITS = dict(max_n=4, max_tokens=4096)
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
-@pytest.fixture(scope="module")
-def robust():
-    with single_threaded_torch(), serving(ENGINE, **LIMITS) as (server, loop):
+@pytest.fixture(scope="module", params=ENGINE_PLACES)
+def robust(request):
+    with single_threaded_torch(), serving(ENGINE, engine_process=request.param == "engine process",
+                                          **LIMITS) as (server, loop):
         yield server, loop
 
 
@@ -258,19 +259,7 @@ def test_repeated_engine_faults_make_health_503_until_a_clean_step(server, robus
     consistent), after 3 failed steps in a row ``/health`` answers 503 ``engine_unhealthy``; once
     the fault is gone the next request is served and ``/health`` is 200 again."""
     _, loop = robust
-
-    def break_forwards(engine):
-        real = engine.runner.execute
-
-        def failing(step):
-            if step.sequences:
-                raise RuntimeError("injected forward fault")
-            return real(step)
-
-        engine.runner.execute = failing
-        return real
-
-    real = loop.call(break_forwards).result(10)
+    loop.call(break_forwards).result(10)
     try:
         for _ in range(3):
             assert httpx.get(server.url + "/health").status_code == 200
@@ -281,7 +270,7 @@ def test_repeated_engine_faults_make_health_503_until_a_clean_step(server, robus
         assert health.status_code == 503 and health.json()["status"] == "engine_unhealthy"
         assert _metric(server, "engine_healthy") == 0
     finally:
-        loop.call(lambda engine: setattr(engine.runner, "execute", real)).result(10)
+        loop.call(mend_forwards).result(10)
     assert greedy_tokens(server) == greedy_tokens(server)
     assert httpx.get(server.url + "/health").status_code == 200 and _metric(server, "engine_healthy") == 1
 

@@ -139,6 +139,7 @@ class Options:
     rounds: int = 3
     settings: tuple[str, ...] = ("equal", "defaults")
     hf_env: dict = field(default_factory=dict)  # extra environment of the hf_paged processes
+    hf_serve_args: tuple[str, ...] = ()  # extra arguments of hf-paged serve
     sizes: Sizes = field(default_factory=Sizes)
     shape: str = "issue"
     equal: Equal = field(default_factory=Equal)
@@ -372,6 +373,7 @@ class Server:
         else:
             cmd = [sys.executable, "-m", "hf_paged", "serve", *common, "--device", "cpu", "--max-waiting", "100000"]
             cmd += ["--num-blocks", str(_kv_blocks(eq, ctx["kv_bytes_per_token"]))] if config.setting == "equal" else []
+            cmd += opts.hf_serve_args
         if config.setting == "equal":
             cmd += ["--block-size", str(eq.block_size), "--max-num-batched-tokens", str(eq.max_num_batched_tokens),
                     "--max-num-seqs", str(eq.max_num_seqs)]
@@ -705,7 +707,7 @@ def _header(opts: Options, model: dict, vllm: dict | None) -> dict:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_before": os.getloadavg()},
         "versions": {"hf_paged_side": versions("hf_paged", "torch", "transformers", "openai"), "vllm_side": vllm},
         "model": model, "rounds": opts.rounds, "sizes": asdict(opts.sizes), "equal_settings": asdict(opts.equal),
-        "hf_env": opts.hf_env, "max_other_load_cores": opts.max_other_load, "retries": opts.retries,
+        "hf_env": opts.hf_env, "hf_serve_args": list(opts.hf_serve_args), "max_other_load_cores": opts.max_other_load, "retries": opts.retries,
         "notes": ["each run in a fresh process; rounds interleaved in alternating order; medians of rounds",
                   "offline: only the generate call is timed (after an untimed warm-up call on other prompts)",
                   "CPU time: the whole process tree (/proc utime + stime), around the same call",
@@ -808,6 +810,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet-wait", type=float, default=300, help="longest wait (s) for a quiet machine per run")
     parser.add_argument("--hf-env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment for the hf_paged processes (repeatable), e.g. OMP_WAIT_POLICY=PASSIVE")
+    parser.add_argument("--hf-serve-arg", action="append", default=[], metavar="ARG",
+                        help="an extra argument of hf-paged serve (repeatable), e.g. --hf-serve-arg=--no-engine-process")
     parser.add_argument("--out", default="benchmarks/out", help="where vs_vllm.json (and the profile) go")
     parser.add_argument("--report", metavar="JSON", help="print the tables of a saved vs_vllm.json and exit")
     parser.add_argument("--work-dir", help="keep the checkpoint, specs and logs here (default: a temporary dir)")
@@ -823,6 +827,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = Options(vllm_python=args.vllm_python, section=args.section, rounds=1 if args.quick else args.rounds,
                    max_other_load=None if args.max_other_load < 0 else args.max_other_load,
                    retries=args.retries, quiet_wait_s=args.quiet_wait, settings=settings, hf_env=dict(kv.split("=", 1) for kv in args.hf_env),
+                   hf_serve_args=tuple(args.hf_serve_arg),
                    sizes=SIZES["tiny" if args.tiny else "quick" if args.quick else "full"],
                    shape="tiny" if args.tiny else "issue", out=args.out, work_dir=args.work_dir,
                    equal=Equal(args.block_size, args.max_num_batched_tokens, args.max_num_seqs, args.threads))

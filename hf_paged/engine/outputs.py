@@ -30,6 +30,8 @@ class CompletionOutput:
     def text(self) -> str:
         if self._decode is not None:
             self._text, self._decode = self._decode(), None
+        if self._text is None:
+            raise RuntimeError("this output's text was not decoded where it was made, and no decoder was set")
         return self._text
 
     @text.setter
@@ -39,6 +41,27 @@ class CompletionOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    # Pickled (to the server's process from an engine process: serve/engine_process.py) without the
+    # decoding function: the receiver attaches its own with ``set_decoder`` (its tokenizer).
+    def __getstate__(self) -> tuple:
+        pending = self._decode is not None
+        return (self.index, self.token_ids, None if pending else self._text, self.finish_reason,
+                self.cumulative_logprob, self.logprobs)
+
+    def __setstate__(self, state: tuple) -> None:
+        self.index, self.token_ids, self._text, self.finish_reason, self.cumulative_logprob, self.logprobs = state
+        self._decode = None
+
+    @property
+    def needs_decoder(self) -> bool:
+        """Its text was left undecoded where it was made (see ``set_decoder``)."""
+        return self._text is None and self._decode is None
+
+    def set_decoder(self, decode: Callable[[list[int]], str]) -> None:
+        """How to decode the text on first read: ``decode(token_ids)``."""
+        token_ids = self.token_ids
+        self._decode = lambda: decode(token_ids)
 
     def _fields(self) -> tuple:
         return (self.index, self.token_ids, self.text, self.finish_reason, self.cumulative_logprob, self.logprobs)

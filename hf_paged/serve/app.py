@@ -40,6 +40,7 @@ from hf_paged.engine.params import SamplingParams
 from hf_paged.serve import responses
 from hf_paged.serve.detokenize import TextStream
 from hf_paged.serve.engine_loop import EngineFailure, EngineLoop, Overloaded, RequestStream, shutting_down
+from hf_paged.serve.engine_process import EngineFacts, EngineProcess, ProcessEngineLoop
 from hf_paged.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Limits, decode_body, invalid,
                                      parse, resolve_max_tokens)
 from hf_paged.serve.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, Ticket
@@ -88,15 +89,17 @@ class _Job:
         return self.request.n
 
 
-def build_app(engine: LLMEngine, settings: ServerSettings = ServerSettings()) -> FastAPI:
-    """The app serving ``engine``; its engine loop starts and stops with the app's lifespan
-    (``app.state.engine_loop``)."""
+def build_app(engine: LLMEngine | EngineProcess, settings: ServerSettings = ServerSettings()) -> FastAPI:
+    """The app serving ``engine`` (in this process, on a thread; or an :class:`EngineProcess`);
+    its engine loop starts and stops with the app's lifespan (``app.state.engine_loop``)."""
     if engine.tokenizer is None:
         raise ValueError("serving needs an engine with a tokenizer")
-    loop = EngineLoop(engine, max_waiting=settings.max_waiting)
-    kv = engine.kv
-    limits = Limits(max_n=settings.max_n, max_tokens=settings.max_tokens, vocab_size=engine.config.vocab_size,
-                    context=engine.max_positions, kv_tokens=None if kv.growable else kv.num_blocks * kv.block_size)
+    if isinstance(engine, EngineProcess):
+        loop, facts = ProcessEngineLoop(engine, max_waiting=settings.max_waiting), engine.facts
+    else:
+        loop, facts = EngineLoop(engine, max_waiting=settings.max_waiting), EngineFacts.of(engine)
+    limits = Limits(max_n=settings.max_n, max_tokens=settings.max_tokens, vocab_size=facts.vocab_size,
+                    context=facts.max_positions, kv_tokens=facts.kv_tokens)
     drain = Drain(lambda: loop.end_all(shutting_down()), settings.shutdown_timeout_s)
     serving = _OpenAIServing(loop, copy.deepcopy(engine.tokenizer), settings, limits, drain)
 
@@ -251,7 +254,7 @@ class _OpenAIServing:
             return APIError(503, "the engine loop is not running", code="engine_unhealthy")
         if self.drain.draining:
             return APIError(503, "the server is shutting down", code="server_shutting_down")
-        if not self.loop.engine.healthy:
+        if not self.loop.healthy:
             return APIError(503, "the engine is unhealthy: its last steps failed (see the server log)",
                             code="engine_unhealthy")
         return None
@@ -350,7 +353,7 @@ class _OpenAIServing:
         constraint, param = params.structured_outputs, req.constraint_field
         if constraint is None:
             return
-        compiler = self.loop.engine.structured.compiler
+        compiler = self.loop.compiler
         try:
             future = asyncio.wrap_future(compiler.submit(constraint))
             await asyncio.wait_for(asyncio.shield(future), compiler.timeout_s)

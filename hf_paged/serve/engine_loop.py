@@ -24,13 +24,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from hf_paged.constraints.compiler import ConstraintCompiler
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import RequestOutput
 from hf_paged.engine.params import SamplingParams
 from hf_paged.serve.metrics import ServingMetrics
 
 logger = logging.getLogger("hf_paged.serve")
-_ACCEPTED = "accepted"
+ACCEPTED = "accepted"  # what a stream's admission gets when its requests are queued
 
 
 class Overloaded(Exception):
@@ -60,7 +61,7 @@ class RequestStream:
         self.request_ids, self.final_only = request_ids, final_only
         self._owner = owner
         self._loop = asyncio.get_running_loop()
-        self._admission: asyncio.Future = self._loop.create_future()  # _ACCEPTED or why not
+        self._admission: asyncio.Future = self._loop.create_future()  # ACCEPTED or why not
         self._latest: dict[int, RequestOutput] = {}  # per prompt index: the newest unread output
         self._error: BaseException | None = None
         self._wake = asyncio.Event()
@@ -117,7 +118,7 @@ class RequestStream:
 
 
 @dataclass
-class _Live:
+class LiveRequest:
     """An engine request in flight: where its outputs go and when it last produced tokens."""
 
     stream: RequestStream
@@ -125,6 +126,7 @@ class _Live:
     arrival: float
     last_token: float | None = None
     num_tokens: int = 0
+    prompt: list[int] | None = None  # with an engine process: the prompt its first output brought
 
 
 class EngineLoop:
@@ -134,7 +136,7 @@ class EngineLoop:
         self.engine, self.max_waiting = engine, max_waiting
         self.metrics = metrics or ServingMetrics()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -147,7 +149,7 @@ class EngineLoop:
     def stop(self, timeout: float = 30.0) -> None:
         """End the thread; requests still in flight are aborted and their streams get an error."""
         if self._thread is not None:
-            self._commands.put(("stop",))
+            self._post(("stop",))
             self._thread.join(timeout)
 
     @property
@@ -159,25 +161,39 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def healthy(self) -> bool:
+        """The engine's own health (``LLMEngine.healthy``)."""
+        return self.engine.healthy
+
+    @property
+    def compiler(self) -> ConstraintCompiler:
+        """The constraint compiler the engine uses (the server compiles a request's constraint
+        before queueing it, so that a bad one is a 400 before its stream starts)."""
+        return self.engine.structured.compiler
+
     def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                final_only: bool = False) -> RequestStream:
         """Queue one engine request per prompt (ids ``{request_id}-{i}``); await ``accepted()``."""
         stream = RequestStream(self, [f"{request_id}-{i}" for i in range(len(prompts))], final_only)
-        self._commands.put(("add", stream, prompts, params))
+        self._post(("add", stream, prompts, params))
         return stream
 
     def abort(self, stream: RequestStream) -> None:
-        self._commands.put(("abort", stream))
+        self._post(("abort", stream))
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
-        """Run ``fn(engine)`` in the engine thread, between steps (stats, test checks)."""
+        """Run ``fn(engine)`` where the engine runs, between steps (stats, test checks)."""
         future: Future = Future()
-        self._commands.put(("call", fn, future))
+        self._post(("call", fn, future))
         return future
 
     def end_all(self, error: EngineFailure) -> None:
         """End every request in flight with ``error`` (their streams get it), freeing their blocks."""
-        self._commands.put(("end_all", error))
+        self._post(("end_all", error))
+
+    def _post(self, command: tuple) -> None:
+        self._commands.put(command)
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
@@ -232,7 +248,7 @@ class EngineLoop:
         try:
             for index, (request_id, prompt) in enumerate(zip(stream.request_ids, prompts)):
                 self.engine.add_request(prompt, params, request_id=request_id)
-                self._live[request_id] = _Live(stream, index, now)
+                self._live[request_id] = LiveRequest(stream, index, now)
         except Exception as err:  # noqa: BLE001 - ValueError: a bad request (400); else the engine refused (503)
             for request_id in stream.request_ids:
                 if self._live.pop(request_id, None) is not None:
@@ -242,7 +258,7 @@ class EngineLoop:
                 logger.error("the engine refused a request: %s: %s", type(err).__name__, err)
                 err = EngineFailure(f"the engine cannot take requests: {err}", code="engine_unhealthy")
             return self._send(stream, err)
-        self._send(stream, _ACCEPTED)
+        self._send(stream, ACCEPTED)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 import subprocess
 import time
@@ -16,6 +17,7 @@ import torch
 from hf_paged import LLMEngine
 from hf_paged.demo import byte_tokenizer, demo_model
 from hf_paged.serve import ServerSettings, ServerThread, build_app
+from hf_paged.serve.engine_process import EngineProcess
 
 MODEL = "tiny"
 
@@ -57,21 +59,66 @@ def single_threaded_torch():
         torch.set_num_threads(before)
 
 
+def tiny_engine(engine_kwargs: dict, model_overrides: dict) -> LLMEngine:
+    """The engine ``serving`` serves, built where it runs (in an engine process: one torch thread)."""
+    torch.set_num_threads(1)
+    return LLMEngine(tiny_model(**model_overrides), byte_tokenizer(), **engine_kwargs)
+
+
+ENGINE_PLACES = ["thread", "engine process"]  # where a served engine runs: fixtures parametrized by it
+
+
 @contextlib.contextmanager
 def serving(engine_kwargs: dict | None = None, model_overrides: dict | None = None,
-            send_buffer_bytes: int | None = None, **settings):
-    """A server on a free loopback port over a fresh engine; yields ``(server, engine loop)``."""
-    engine = LLMEngine(tiny_model(**(model_overrides or {})), byte_tokenizer(), **(engine_kwargs or {}))
-    app = build_app(engine, ServerSettings(model_name=MODEL, **settings))
-    with ServerThread(app, send_buffer_bytes=send_buffer_bytes) as server:
-        yield server, app.state.engine_loop
+            send_buffer_bytes: int | None = None, engine_process: bool = False, **settings):
+    """A server on a free loopback port over a fresh engine (on the engine loop's thread, or in an
+    engine process of its own); yields ``(server, engine loop)``."""
+    build = functools.partial(tiny_engine, engine_kwargs or {}, model_overrides or {})
+    engine = EngineProcess(build, byte_tokenizer()) if engine_process else build()
+    try:
+        app = build_app(engine, ServerSettings(model_name=MODEL, **settings))
+        with ServerThread(app, send_buffer_bytes=send_buffer_bytes) as server:
+            yield server, app.state.engine_loop
+    finally:
+        if engine_process:
+            engine.close()
+
+
+# Engine-side changes for the fault tests, run by ``loop.call`` (module-level: they reach an engine
+# process by reference).
+def fail_next_step(engine: LLMEngine) -> None:
+    """The engine's next step raises ``RuntimeError("injected")``; the one after runs normally."""
+    real = engine.step
+
+    def failing():
+        engine.step = real
+        raise RuntimeError("injected")
+
+    engine.step = failing
+
+
+def break_forwards(engine: LLMEngine) -> None:
+    """Every forward with sequences raises, until :func:`mend_forwards`."""
+    real = engine.runner.execute
+
+    def failing(step):
+        if step.sequences:
+            raise RuntimeError("injected forward fault")
+        return real(step)
+
+    engine.runner.execute, engine.runner.real_execute = failing, real
+
+
+def mend_forwards(engine: LLMEngine) -> None:
+    engine.runner.execute = engine.runner.real_execute
 
 
 def wait_idle(loop, timeout: float = 15.0) -> dict:
     """The engine's stats once nothing is in flight (aborts land between steps)."""
     deadline = time.monotonic() + timeout
     while True:
-        stats, in_flight = loop.call(lambda e: (e.stats(), loop.in_flight)).result(timeout)
+        stats = loop.call(LLMEngine.stats).result(timeout)
+        in_flight = loop.in_flight
         idle = in_flight == 0 and stats["running"] == stats["waiting"] == stats["swapped"] == 0
         if idle or time.monotonic() > deadline:
             return {**stats, "in_flight": in_flight}

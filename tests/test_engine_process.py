@@ -1,0 +1,162 @@
+"""The engine in a process of its own (``hf_paged/serve/engine_process.py``): what only it can get
+wrong. The server's behaviour over it (outputs equal the engine's, options, errors, disconnects,
+faults) is tested by ``test_server.py`` and ``test_server_robustness.py``, whose servers run both
+ways. Here: outputs cross the pipe intact, the engine process dies or fails to start, nothing is
+left behind when either process ends."""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from hf_paged import LLMEngine, SamplingParams
+from hf_paged.demo import byte_tokenizer
+from hf_paged.engine.outputs import CompletionOutput
+from hf_paged.serve.engine_process import EngineProcess
+from tests.helpers.serving import (MODEL, assert_all_free, free_port, serving, single_threaded_torch, tiny_engine,
+                                   wait_until_healthy)
+
+ENGINE = {"num_blocks": 128}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) counts as gone
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _pid_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_an_undecoded_output_pickles_without_its_decoder_and_decodes_where_it_lands():
+    tokenizer = byte_tokenizer()
+    ids = tokenizer("héllo", add_special_tokens=False).input_ids
+    made = CompletionOutput(0, ids, decode=lambda: "decoded where it was made")
+    landed = pickle.loads(pickle.dumps(made))
+    assert landed.needs_decoder and landed.token_ids == ids
+    with pytest.raises(RuntimeError, match="no decoder was set"):
+        landed.text
+    landed.set_decoder(tokenizer.decode)
+    assert landed.text == "héllo" and not landed.needs_decoder
+    decoded = pickle.loads(pickle.dumps(CompletionOutput(0, ids, "text", "stop")))
+    assert (decoded.text, decoded.finish_reason, decoded.needs_decoder) == ("text", "stop", False)
+
+
+def test_many_concurrent_streams_through_the_pipe_equal_the_engine():
+    """Sixteen streams at once (outputs of many requests per step, prompts sent once, texts
+    decoded in the server's process) give exactly the tokens and texts of an in-process engine."""
+    prompts = [f"Prompt number {i}: " + "abc" * i for i in range(16)]
+    with single_threaded_torch():
+        truth = tiny_engine(ENGINE, {}).generate(prompts, SamplingParams(max_new_tokens=24, temperature=0),
+                                                 use_tqdm=False)
+    results: dict[int, tuple] = {}
+    with single_threaded_torch(), serving(ENGINE, engine_process=True) as (server, loop):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def one(i: int) -> None:
+            chunks = list(client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=24, temperature=0,
+                                                    stream=True, extra_body={"return_token_ids": True}))
+            ids = [t for c in chunks for t in (c.choices[0].model_extra.get("token_ids") or [])]
+            results[i] = ids, "".join(c.choices[0].text for c in chunks)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        final = client.completions.create(model=MODEL, prompt=prompts, max_tokens=24, temperature=0, echo=True)
+        assert_all_free(loop)
+    for i, ref in enumerate(truth):
+        assert results[i] == (ref.outputs[0].token_ids, ref.outputs[0].text), i
+        assert final.choices[i].text == prompts[i] + ref.outputs[0].text  # the prompt kept by the server
+    assert final.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in truth)
+
+
+def test_call_needs_a_picklable_function_and_says_so():
+    with single_threaded_torch(), serving(ENGINE, engine_process=True) as (_, loop):
+        assert loop.call(LLMEngine.stats).result(30)["blocks_used"] == 0
+        with pytest.raises(ValueError, match="cannot be sent to the engine process"):
+            loop.call(lambda engine: engine.stats()).result(30)
+        with pytest.raises(RuntimeError, match="cannot be sent back"):
+            loop.call(_unpicklable_result).result(30)
+        assert loop.call(LLMEngine.stats).result(30)["healthy"]
+
+
+def _unpicklable_result(engine: LLMEngine):
+    return lambda: engine
+
+
+def test_a_dead_engine_process_ends_the_requests_in_flight_and_health_says_503():
+    with single_threaded_torch(), serving(ENGINE, engine_process=True) as (server, loop):
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: {")
+            os.kill(loop.engine.process.pid, signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and '"engine_unhealthy"' in rest[-2], rest[-3:]
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "engine_unhealthy"
+        late = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert late.status_code == 503 and late.json()["error"]["code"] == "engine_unhealthy", late.text
+        assert loop.in_flight == 0
+
+
+def test_an_engine_that_fails_to_build_is_reported_with_its_cause():
+    build = functools.partial(tiny_engine, {"block_size": 0}, {})
+    with pytest.raises(RuntimeError, match="the engine process failed to start: ValueError: .*block_size"):
+        EngineProcess(build, byte_tokenizer())
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
+def test_hf_paged_serve_leaves_no_engine_process_behind(how):
+    """``hf-paged serve`` stopped by SIGINT (to its whole process group, as a terminal's Ctrl-C: the
+    engine process ignores it and is stopped by the server) or killed outright (the engine process
+    sees its pipe close and exits)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "hf_paged", "serve", "--port", str(port), "--num-blocks", "64", "--enforce-eager"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    started: list[str] = []
+    try:
+        for line in proc.stdout:  # the server names its engine process before it starts serving
+            started.append(line)
+            if found := re.search(r"; engine process (\d+)\)$", line.strip()):
+                engine_pid = int(found.group(1))
+                break
+        else:
+            raise AssertionError("".join(started))
+        wait_until_healthy(proc, port, timeout=120)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60) as client:
+            assert client.completions.create(model="hf-paged-demo", prompt="Hi", max_tokens=3).usage \
+                .completion_tokens == 3
+        assert _pid_alive(engine_pid)
+        os.killpg(proc.pid, signal.SIGINT) if how == "SIGINT" else proc.kill()
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert _wait_gone(engine_pid, timeout=30), "the engine process outlived the server"
+    if how == "SIGINT":
+        assert proc.returncode == 0 and "Application shutdown complete" in output, output
