@@ -21,7 +21,8 @@ from hf_paged import SamplingParams
 from hf_paged.constraints import ConstraintCompiler, StructuredOutputsParams
 from hf_paged.demo import byte_tokenizer
 from hf_paged.serve.tools import HermesToolParser, parse_tool_calls
-from tests.helpers.serving import MODEL, client, engine, served  # noqa: F401 - fixtures
+from tests.helpers.serving import (ENGINE_PLACES, MODEL, NUM_BLOCKS, client, engine,  # noqa: F401 - fixtures
+                                   serving, single_threaded_torch)
 
 TOKENIZER = byte_tokenizer()
 USER = [{"role": "user", "content": "Give me a record"}]
@@ -48,6 +49,14 @@ def chat_ids(messages: list[dict], tools: list[dict] | None = None) -> list[int]
 
 def schema_of(function: dict) -> dict:
     return function["function"]["parameters"]
+
+
+@pytest.fixture(scope="module", params=ENGINE_PLACES)
+def served(request):
+    """Every test runs against the engine on the loop's thread and in an engine process."""
+    with single_threaded_torch(), serving({"num_blocks": NUM_BLOCKS},
+                                          engine_process=request.param == "engine process") as (server, loop):
+        yield server, loop
 
 
 # ---------------------------------------------------------------------------- response_format
@@ -293,7 +302,7 @@ def test_a_slow_compile_is_a_400_and_others_are_served(client, served, monkeypat
     """A pathological schema (here: a compile made slow) times out with a 400; meanwhile and
     afterwards the server answers other requests."""
     _, loop = served
-    compiler = loop.engine.structured.compiler
+    compiler = loop.compiler  # the server's check, before the request is queued
     original = ConstraintCompiler._compile
     monkeypatch.setattr(ConstraintCompiler, "_compile", lambda self, p: time.sleep(1.5) or original(self, p))
     monkeypatch.setattr(compiler, "timeout_s", 0.5)

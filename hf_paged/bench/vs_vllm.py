@@ -707,7 +707,8 @@ def _header(opts: Options, model: dict, vllm: dict | None) -> dict:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_before": os.getloadavg()},
         "versions": {"hf_paged_side": versions("hf_paged", "torch", "transformers", "openai"), "vllm_side": vllm},
         "model": model, "rounds": opts.rounds, "sizes": asdict(opts.sizes), "equal_settings": asdict(opts.equal),
-        "hf_env": opts.hf_env, "hf_serve_args": list(opts.hf_serve_args), "max_other_load_cores": opts.max_other_load, "retries": opts.retries,
+        "hf_env": opts.hf_env, "hf_serve_args": list(opts.hf_serve_args), "max_other_load_cores": opts.max_other_load,
+        "retries": opts.retries,
         "notes": ["each run in a fresh process; rounds interleaved in alternating order; medians of rounds",
                   "offline: only the generate call is timed (after an untimed warm-up call on other prompts)",
                   "CPU time: the whole process tree (/proc utime + stime), around the same call",
@@ -811,7 +812,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment for the hf_paged processes (repeatable), e.g. OMP_WAIT_POLICY=PASSIVE")
     parser.add_argument("--hf-serve-arg", action="append", default=[], metavar="ARG",
-                        help="an extra argument of hf-paged serve (repeatable), e.g. --hf-serve-arg=--no-engine-process")
+                        help="an extra argument of hf-paged serve (repeatable): --hf-serve-arg=--no-engine-process")
     parser.add_argument("--out", default="benchmarks/out", help="where vs_vllm.json (and the profile) go")
     parser.add_argument("--report", metavar="JSON", help="print the tables of a saved vs_vllm.json and exit")
     parser.add_argument("--work-dir", help="keep the checkpoint, specs and logs here (default: a temporary dir)")

@@ -1,14 +1,16 @@
 """An OpenAI-compatible HTTP server on ``LLMEngine`` (``hf-paged serve``), on FastAPI + uvicorn.
 
 ``app.py`` routes and errors, ``protocol.py`` request bodies and their ``SamplingParams``,
-``engine_loop.py`` the one thread that owns the engine, ``detokenize.py`` streamed text,
+``engine_loop.py`` the one thread that owns the engine (or talks to it), ``engine_process.py`` the
+engine in a process of its own (``hf-paged serve``'s default), ``detokenize.py`` streamed text,
 ``responses.py`` response bodies, ``metrics.py`` Prometheus text, ``streaming.py`` send timeouts
 for clients that do not read, ``shutdown.py`` the graceful drain on SIGTERM/SIGINT,
 ``tokenizer_pool.py`` tokenization off the event loop, ``server.py`` running it.
 """
 
 from hf_paged.serve.app import ServerSettings, build_app
-from hf_paged.serve.engine_loop import EngineLoop
+from hf_paged.serve.engine_loop import EngineLoop, ProcessEngineLoop
+from hf_paged.serve.engine_process import EngineProcess
 from hf_paged.serve.server import ServerThread
 
-__all__ = ["EngineLoop", "ServerSettings", "ServerThread", "build_app"]
+__all__ = ["EngineLoop", "EngineProcess", "ProcessEngineLoop", "ServerSettings", "ServerThread", "build_app"]

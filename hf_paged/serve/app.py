@@ -39,8 +39,9 @@ from hf_paged.engine.outputs import FAULT, RequestOutput
 from hf_paged.engine.params import SamplingParams
 from hf_paged.serve import responses
 from hf_paged.serve.detokenize import TextStream
-from hf_paged.serve.engine_loop import EngineFailure, EngineLoop, Overloaded, RequestStream, shutting_down
-from hf_paged.serve.engine_process import EngineFacts, EngineProcess, ProcessEngineLoop
+from hf_paged.serve.engine_loop import (EngineFailure, EngineLoop, Overloaded, ProcessEngineLoop, RequestStream,
+                                        shutting_down)
+from hf_paged.serve.engine_process import EngineFacts, EngineProcess
 from hf_paged.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Limits, decode_body, invalid,
                                      parse, resolve_max_tokens)
 from hf_paged.serve.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, Ticket

@@ -1,4 +1,5 @@
-"""The one thread that owns the ``LLMEngine``; HTTP handlers only enqueue and read.
+"""The one thread that owns the ``LLMEngine`` (or, with :class:`ProcessEngineLoop`, talks to it in
+an engine process: :mod:`.engine_process`); HTTP handlers only enqueue and read.
 
 Handlers (on the asyncio event loop) send commands through a queue: add a request, abort one,
 run a function on the engine, end everything in flight (shutdown). The engine thread drains that
@@ -15,23 +16,28 @@ read) holds one output per request, not one per step.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from hf_paged.constraints.compiler import ConstraintCompiler
+from hf_paged.constraints.compiler import ConstraintCompiler, compiler_for
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import RequestOutput
 from hf_paged.engine.params import SamplingParams
+from hf_paged.serve.engine_process import EngineProcess
 from hf_paged.serve.metrics import ServingMetrics
 
 logger = logging.getLogger("hf_paged.serve")
-ACCEPTED = "accepted"  # what a stream's admission gets when its requests are queued
+_ACCEPTED = "accepted"
 
 
 class Overloaded(Exception):
@@ -61,7 +67,7 @@ class RequestStream:
         self.request_ids, self.final_only = request_ids, final_only
         self._owner = owner
         self._loop = asyncio.get_running_loop()
-        self._admission: asyncio.Future = self._loop.create_future()  # ACCEPTED or why not
+        self._admission: asyncio.Future = self._loop.create_future()  # _ACCEPTED or why not
         self._latest: dict[int, RequestOutput] = {}  # per prompt index: the newest unread output
         self._error: BaseException | None = None
         self._wake = asyncio.Event()
@@ -118,7 +124,7 @@ class RequestStream:
 
 
 @dataclass
-class LiveRequest:
+class _Live:
     """An engine request in flight: where its outputs go and when it last produced tokens."""
 
     stream: RequestStream
@@ -136,7 +142,7 @@ class EngineLoop:
         self.engine, self.max_waiting = engine, max_waiting
         self.metrics = metrics or ServingMetrics()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._live: dict[str, LiveRequest] = {}
+        self._live: dict[str, _Live] = {}
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -248,7 +254,7 @@ class EngineLoop:
         try:
             for index, (request_id, prompt) in enumerate(zip(stream.request_ids, prompts)):
                 self.engine.add_request(prompt, params, request_id=request_id)
-                self._live[request_id] = LiveRequest(stream, index, now)
+                self._live[request_id] = _Live(stream, index, now)
         except Exception as err:  # noqa: BLE001 - ValueError: a bad request (400); else the engine refused (503)
             for request_id in stream.request_ids:
                 if self._live.pop(request_id, None) is not None:
@@ -258,7 +264,7 @@ class EngineLoop:
                 logger.error("the engine refused a request: %s: %s", type(err).__name__, err)
                 err = EngineFailure(f"the engine cannot take requests: {err}", code="engine_unhealthy")
             return self._send(stream, err)
-        self._send(stream, ACCEPTED)
+        self._send(stream, _ACCEPTED)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -314,3 +320,191 @@ class EngineLoop:
 def _deliver(items: list[tuple[RequestStream, Any]]) -> None:
     for stream, item in items:
         stream.put(item)
+
+
+class ProcessEngineLoop(EngineLoop):
+    """:class:`EngineLoop` over an :class:`EngineProcess`: same handlers' side, and ``call(fn)``
+    runs ``fn(engine)`` in the engine process (``fn`` and its result must pickle: a module-level
+    function such as ``LLMEngine.stats``)."""
+
+    def __init__(self, engine: EngineProcess, *, max_waiting: int | None = None,
+                 metrics: ServingMetrics | None = None):
+        super().__init__(engine, max_waiting=max_waiting, metrics=metrics)  # type: ignore[arg-type]
+        self.connection = engine.connection
+        self._wake_read, self._wake_write = socket.socketpair()  # wakes the thread when a command is queued
+        self._wake_write.setblocking(False)
+        self._pending: dict[str, tuple[RequestStream, int]] = {}  # first request id -> (stream, prompts)
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self._healthy = True
+        self._engine_gone: EngineFailure | None = None
+        self._compiler: ConstraintCompiler | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy and self._engine_gone is None
+
+    @property
+    def alive(self) -> bool:
+        return super().alive and self._engine_gone is None
+
+    @property
+    def compiler(self) -> ConstraintCompiler:
+        """A compiler like the engine's (same tokenizer, vocabulary and stop tokens): the server's
+        check of a constraint; the engine process compiles it again for its own cache."""
+        if self._compiler is None:
+            facts = self.engine.facts
+            self._compiler = compiler_for(self.engine.tokenizer, facts.vocab_size, facts.eos_token_ids)
+        return self._compiler
+
+    def _post(self, command: tuple) -> None:
+        self._commands.put(command)
+        try:
+            self._wake_write.send(b"\0")
+        except OSError:  # full of wake-ups (the thread drains the queue anyway), or stopped
+            pass
+
+    def stop(self, timeout: float = 30.0) -> None:
+        super().stop(timeout)
+        self.engine.close(timeout)
+        self._wake_read.close()
+        self._wake_write.close()
+
+    # ------------------------------------------------------------------ the loop's thread
+    def _run(self) -> None:
+        while not self._stopping:
+            watched = [self._wake_read] if self._engine_gone else [self._wake_read, self.connection]
+            ready = wait(watched, timeout=1.0)
+            if self._wake_read in ready:
+                self._wake_read.recv(65536)
+                self._drain(block=False)
+            if self.connection in ready:
+                self._receive_all()
+            self._flush()
+        self._end_all(shutting_down())
+        self._refuse_queued()
+        self._flush()
+
+    def _receive_all(self) -> None:
+        try:
+            while self._engine_gone is None and self.connection.poll(0):
+                self._receive(self.connection.recv())
+        except (EOFError, OSError):
+            self._lost_engine()
+
+    def _lost_engine(self) -> None:
+        self.engine.process.join(1)
+        self._engine_gone = EngineFailure(f"the engine process exited (code {self.engine.process.exitcode})",
+                                          code="engine_unhealthy")
+        logger.error("%s: requests in flight end with an error; /health answers 503", self._engine_gone)
+        self._end_all(self._engine_gone)
+        for stream, _ in self._pending.values():
+            self._send(stream, self._engine_gone)
+        self._pending.clear()
+        for future in self._calls.values():
+            future.set_exception(self._engine_gone)
+        self._calls.clear()
+
+    def _receive(self, message: tuple) -> None:
+        match message:
+            case ("outputs", outputs, healthy):
+                self._healthy = healthy
+                self._dispatch([self._restore(o) for o in outputs])
+            case ("added", key, kind, text):
+                self._added(key, kind, text)
+            case ("step_failed", text, healthy):
+                self._healthy = healthy
+                self._end_all(EngineFailure(text), engine_ended_them=True)
+            case ("called", key, ok, value):
+                future = self._calls.pop(key)
+                future.set_result(value) if ok else future.set_exception(value)
+
+    def _restore(self, output: RequestOutput) -> RequestOutput:
+        """Give the output back what was left out of the pipe: its prompt, a decoder for its text."""
+        live = self._live.get(output.request_id)
+        if output.prompt_token_ids is None:
+            output.prompt_token_ids = live.prompt if live is not None else []
+        elif live is not None:
+            live.prompt = output.prompt_token_ids
+        for completion in output.outputs:
+            if completion.needs_decoder:
+                completion.set_decoder(self._decode)
+        return output
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _added(self, key: str, kind: str | None, text: str) -> None:
+        entry = self._pending.pop(key, None)
+        if entry is None:  # aborted before the engine answered (the engine aborted it too)
+            return
+        stream, num_prompts = entry
+        if kind is None:
+            now = time.monotonic()
+            for index, request_id in enumerate(stream.request_ids):
+                self._live[request_id] = _Live(stream, index, now)
+            return self._send(stream, _ACCEPTED)
+        self.metrics.reject(kind, num_prompts)
+        if kind == "overloaded":
+            return self._send(stream, Overloaded(text))
+        if kind == "invalid":
+            return self._send(stream, ValueError(text))
+        self._send(stream, EngineFailure(f"the engine cannot take requests: {text}", code="engine_unhealthy"))
+
+    def _execute(self, command: tuple) -> None:
+        if self._engine_gone is not None and command[0] in ("add", "call"):
+            return self._refuse(command, self._engine_gone)
+        match command:
+            case ("add", stream, prompts, params):
+                key = stream.request_ids[0]
+                self._pending[key] = (stream, len(prompts))
+                problem = self._forward(("add", key, stream.request_ids, prompts, params, self.max_waiting))
+                if problem is not None:
+                    del self._pending[key]
+                    self._send(stream, problem)
+            case ("abort", stream):
+                self._pending.pop(stream.request_ids[0], None)
+                for request_id in stream.request_ids:
+                    if self._live.pop(request_id, None) is not None:
+                        self.metrics.finish("abort")
+                self._forward(("abort", stream.request_ids))
+            case ("end_all", error):
+                self._end_all(error)
+            case ("call", fn, future):
+                key = next(self._call_ids)
+                self._calls[key] = future
+                problem = self._forward(("call", key, fn))
+                if problem is not None:
+                    del self._calls[key]
+                    future.set_exception(problem)
+            case ("stop",):
+                self._stopping = True
+
+    def _forward(self, message: tuple) -> BaseException | None:
+        """Send ``message`` to the engine process; what went wrong, if anything."""
+        try:
+            data = ForkingPickler.dumps(message)
+        except Exception as err:  # noqa: BLE001 - pickling fails with several types
+            return ValueError(f"cannot be sent to the engine process: {type(err).__name__}: {err}")
+        if self._engine_gone is not None:
+            return self._engine_gone
+        try:
+            self.connection.send_bytes(data)
+        except OSError:  # it exited: the thread reads the end of the pipe next
+            return EngineFailure("the engine process exited", code="engine_unhealthy")
+        return None
+
+    def _refuse(self, command: tuple, error: EngineFailure) -> None:
+        if command[0] == "add":
+            self._send(command[1], error)
+        else:
+            command[2].set_exception(error)
+
+    def _end_all(self, error: EngineFailure, engine_ended_them: bool = False) -> None:
+        request_ids = list(self._live)
+        for live in self._live.values():
+            self.metrics.finish("error")
+            self._send(live.stream, error)
+        self._live.clear()
+        if request_ids and not engine_ended_them:
+            self._forward(("abort", request_ids))
