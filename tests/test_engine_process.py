@@ -128,11 +128,12 @@ def test_an_engine_that_fails_to_build_is_reported_with_its_cause():
         EngineProcess(build, byte_tokenizer())
 
 
-@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL"])
 def test_hf_paged_serve_leaves_no_engine_process_behind(how):
-    """``hf-paged serve`` stopped by SIGINT (to its whole process group, as a terminal's Ctrl-C: the
-    engine process ignores it and is stopped by the server) or killed outright (the engine process
-    sees its pipe close and exits)."""
+    """``hf-paged serve`` stopped by SIGINT or SIGTERM to its whole process group (a terminal's
+    Ctrl-C, a service manager's stop: the engine process ignores them, the server drains a request
+    in flight and then stops it) or killed outright (the engine process sees its pipe close and
+    exits)."""
     port = free_port()
     cmd = [sys.executable, "-m", "hf_paged", "serve", "--port", str(port), "--num-blocks", "64", "--enforce-eager"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -150,13 +151,25 @@ def test_hf_paged_serve_leaves_no_engine_process_behind(how):
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60) as client:
             assert client.completions.create(model="hf-paged-demo", prompt="Hi", max_tokens=3).usage \
                 .completion_tokens == 3
-        assert _pid_alive(engine_pid)
-        os.killpg(proc.pid, signal.SIGINT) if how == "SIGINT" else proc.kill()
-        output, _ = proc.communicate(timeout=60)
+            in_flight = threading.Thread(target=lambda: finished.append((client.completions.create(
+                model="hf-paged-demo", prompt="Hello", max_tokens=900, extra_body={"ignore_eos": True}),
+                time.monotonic())))
+            finished: list = []
+            if how != "SIGKILL":
+                in_flight.start()
+                time.sleep(0.5)
+            assert _pid_alive(engine_pid)
+            signalled = time.monotonic()
+            os.killpg(proc.pid, getattr(signal, how)) if how != "SIGKILL" else proc.kill()
+            output, _ = proc.communicate(timeout=60)
+            if how != "SIGKILL":
+                in_flight.join(60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert _wait_gone(engine_pid, timeout=30), "the engine process outlived the server"
-    if how == "SIGINT":
+    if how != "SIGKILL":
         assert proc.returncode == 0 and "Application shutdown complete" in output, output
+        (answer, answered), = finished
+        assert answer.usage.completion_tokens == 900 and answered > signalled  # drained, not cut off

@@ -15,9 +15,9 @@ whenever it has work, sending each step's outputs as it goes, so it never waits 
 
 What crosses the pipe is small: a request's prompt once (its first output; the server keeps it),
 outputs' texts undecoded (the server decodes the few it reads, with its own tokenizer). The engine
-process ignores SIGINT (a terminal's Ctrl-C reaches the whole process group: the server drains
-first, then stops it) and exits when the pipe closes, so a server that dies leaves no engine
-behind.
+process ignores SIGINT and SIGTERM (a terminal's Ctrl-C and a service manager's stop reach the whole
+process group: the server drains first, then stops it) and exits when the pipe closes, so a server
+that dies leaves no engine behind.
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ class EngineProcess:
 def run_engine_core(build: Callable[[], LLMEngine], connection: Connection) -> None:
     """The engine process: build the engine, report its facts, serve commands and step until told
     to stop or the server's end of the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for name in ("SIGINT", "SIGTERM"):  # the server stops it; a service manager signals the whole group
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="hf-paged engine: %(levelname)s %(message)s")
     try:
         engine = build()
