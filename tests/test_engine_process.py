@@ -66,7 +66,7 @@ def test_many_concurrent_streams_through_the_pipe_equal_the_engine():
     """Sixteen streams at once (outputs of many requests per step, prompts sent once, texts
     decoded in the server's process): each stream's tokens are an in-process engine's (or part
     from them only at a near-tie: the streams join the batch at times the engine does not see, and
-    float32 sums depend on the batch's shape). The same sixteen
+    float32 sums depend on the batch's shape), its text those tokens' text. The same sixteen
     prompts in one request are batched as the engine batches them: exactly its outputs, each text
     after its echoed prompt."""
     prompts = [f"Prompt number {i}: " + "abc" * i for i in range(16)]
@@ -93,7 +93,7 @@ def test_many_concurrent_streams_through_the_pipe_equal_the_engine():
         assert_all_free(loop)
     for i, ref in enumerate(truth):
         ids, text = results[i]
-        assert len(ids) == 24 and text, i  # texts: exact in the one-request check below
+        assert len(ids) == 24 and text == byte_tokenizer().decode(ids, skip_special_tokens=True), i
         assert same_or_near_tie(ids, ref.outputs[0].token_ids, ref.outputs[0].logprobs), i
         assert final.choices[i].model_extra["token_ids"] == ref.outputs[0].token_ids, i
         assert final.choices[i].text == prompts[i] + ref.outputs[0].text  # the prompt kept by the server

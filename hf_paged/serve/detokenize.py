@@ -16,6 +16,7 @@ from hf_paged.engine.outputs import CompletionOutput
 
 REPLACEMENT = "\ufffd"
 MAX_HELD_TOKENS = 8  # a UTF-8 character has at most 4 bytes: more than this is really invalid text
+PENDING_TOKENS = 3  # still held when invalid text is released: the start of a character they may complete
 
 
 class IncrementalDetokenizer:
@@ -43,14 +44,30 @@ class IncrementalDetokenizer:
         if self._read == len(self.token_ids):
             return ""
         before = self._decode(self._start, self._read)
-        after = self._decode(self._start, len(self.token_ids))
-        held = len(self.token_ids) - self._read
-        if not final and after.endswith(REPLACEMENT) and held < MAX_HELD_TOKENS:
-            return ""
+        end = len(self.token_ids)
+        after = self._decode(self._start, end)
+        if not final and after.endswith(REPLACEMENT):
+            end, after = self._boundary(end, after)
+            if end == self._read:
+                return ""
         delta = after[len(before):]
-        self._start, self._read = self._read, len(self.token_ids)
+        self._start, self._read = self._read, end
         self.text += delta
         return delta
+
+    def _boundary(self, end: int, whole: str) -> tuple[int, str]:
+        """Where to stop releasing when the text ends in a partial (or invalid) character: after
+        the last token whose text ends in a whole character and is a prefix of the whole window's
+        (later tokens cannot change it); after ``MAX_HELD_TOKENS`` held tokens of invalid bytes, all
+        but the last ``PENDING_TOKENS`` (a character they begin may still come)."""
+        for cut in range(end - 1, self._read, -1):
+            text = self._decode(self._start, cut)
+            if not text.endswith(REPLACEMENT) and whole.startswith(text):
+                return cut, text
+        if end - self._read < MAX_HELD_TOKENS:
+            return self._read, ""
+        cut = end - PENDING_TOKENS
+        return cut, self._decode(self._start, cut)
 
 
 class TextStream:
