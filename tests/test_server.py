@@ -177,10 +177,13 @@ def test_stop_token_ids_and_stop_strings(client, engine):
 
 
 def test_logprobs(client, engine):
+    """Log-probabilities equal the engine's to 1e-5: an engine in another process agreed to ~4e-6
+    once in a full run (float32 log-softmax over the same tokens), never more; a wrong token or
+    position differs by far more."""
     ref = truth(engine, "Hello", max_new_tokens=8, temperature=0, logprobs=3).outputs[0]
     lp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0, logprobs=3) \
         .choices[0].logprobs
-    assert lp.token_logprobs == pytest.approx([e[t] for e, t in zip(ref.logprobs, ref.token_ids)], abs=1e-6)
+    assert lp.token_logprobs == pytest.approx([e[t] for e, t in zip(ref.logprobs, ref.token_ids)], abs=1e-5)
     assert lp.tokens == [TOKENIZER.decode([t]) for t in ref.token_ids]
     assert all(len(top) <= 3 and max(top.values()) == pytest.approx(chosen, abs=1e-6)
                for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))  # greedy: the chosen token is the top one
@@ -192,7 +195,7 @@ def test_logprobs(client, engine):
     ref = truth(engine, chat_ids(messages), max_new_tokens=6, temperature=0, logprobs=2).outputs[0]
     content = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
                                              logprobs=True, top_logprobs=2).choices[0].logprobs.content
-    assert [e.logprob for e in content] == pytest.approx([e[t] for e, t in zip(ref.logprobs, ref.token_ids)], abs=1e-6)
+    assert [e.logprob for e in content] == pytest.approx([e[t] for e, t in zip(ref.logprobs, ref.token_ids)], abs=1e-5)
     assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in content)
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,13 +44,12 @@ class EngineFacts:
     max_positions: int | None
     kv_tokens: int | None  # tokens the KV cache holds; None when it grows
     eos_token_ids: list[int]
-    pid: int
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineFacts:
         kv = engine.kv
         return cls(engine.config.vocab_size, engine.max_positions,
-                   None if kv.growable else kv.num_blocks * kv.block_size, list(engine.eos_token_ids), os.getpid())
+                   None if kv.growable else kv.num_blocks * kv.block_size, list(engine.eos_token_ids))
 
 
 class EngineProcess:

@@ -59,9 +59,10 @@ def single_threaded_torch():
         torch.set_num_threads(before)
 
 
-def tiny_engine(engine_kwargs: dict, model_overrides: dict) -> LLMEngine:
-    """The engine ``serving`` serves, built where it runs (in an engine process: one torch thread)."""
-    torch.set_num_threads(1)
+def tiny_engine(engine_kwargs: dict, model_overrides: dict, threads: int | None = None) -> LLMEngine:
+    """The engine ``serving`` serves, built where it runs (an engine process gets ``threads``)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
     return LLMEngine(tiny_model(**model_overrides), byte_tokenizer(), **engine_kwargs)
 
 
@@ -74,7 +75,7 @@ def serving(engine_kwargs: dict | None = None, model_overrides: dict | None = No
     """A server on a free loopback port over a fresh engine (on the engine loop's thread, or in an
     engine process of its own); yields ``(server, engine loop)``."""
     build = functools.partial(tiny_engine, engine_kwargs or {}, model_overrides or {})
-    engine = EngineProcess(build, byte_tokenizer()) if engine_process else build()
+    engine = EngineProcess(functools.partial(build, threads=1), byte_tokenizer()) if engine_process else build()
     try:
         app = build_app(engine, ServerSettings(model_name=MODEL, **settings))
         with ServerThread(app, send_buffer_bytes=send_buffer_bytes) as server:
