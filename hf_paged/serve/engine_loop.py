@@ -27,14 +27,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hf_paged.constraints.compiler import ConstraintCompiler, compiler_for
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import RequestOutput
 from hf_paged.engine.params import SamplingParams
-from hf_paged.serve.engine_process import EngineProcess
 from hf_paged.serve.metrics import ServingMetrics
+
+if TYPE_CHECKING:
+    from hf_paged.serve.engine_process import EngineProcess
 
 logger = logging.getLogger("hf_paged.serve")
 _ACCEPTED = "accepted"
@@ -232,10 +234,10 @@ class EngineLoop:
             case ("add", stream, prompts, params):
                 self._add(stream, prompts, params)
             case ("abort", stream):
-                for request_id in stream.request_ids:
-                    if self._live.pop(request_id, None) is not None:
-                        self.engine.abort(request_id)
-                        self.metrics.finish("abort")
+                ended = [request_id for request_id in stream.request_ids if self._live.pop(request_id, None)]
+                for _ in ended:
+                    self.metrics.finish("abort")
+                self._abort_in_engine(ended)
             case ("end_all", error):
                 self._end_all(error)
             case ("call", fn, future):
@@ -247,24 +249,24 @@ class EngineLoop:
                 self._stopping = True
 
     def _add(self, stream: RequestStream, prompts: list[list[int]], params: SamplingParams) -> None:
-        if self.max_waiting is not None and self.engine.stats()["waiting"] + len(prompts) > self.max_waiting:
-            self.metrics.reject("overloaded", len(prompts))
-            return self._send(stream, Overloaded(f"more than {self.max_waiting} requests are waiting; retry later"))
-        now = time.monotonic()
-        try:
-            for index, (request_id, prompt) in enumerate(zip(stream.request_ids, prompts)):
-                self.engine.add_request(prompt, params, request_id=request_id)
+        refusal = add_requests(self.engine, stream.request_ids, prompts, params, self.max_waiting)
+        self._admit(stream, len(prompts), refusal)
+
+    def _admit(self, stream: RequestStream, num_prompts: int, refusal: tuple[str, str] | None) -> None:
+        """The stream's requests are live now, or it learns why they were refused (see
+        :func:`add_requests`): 400 for a bad request, 503 when overloaded or the engine refused."""
+        if refusal is None:
+            now = time.monotonic()
+            for index, request_id in enumerate(stream.request_ids):
                 self._live[request_id] = _Live(stream, index, now)
-        except Exception as err:  # noqa: BLE001 - ValueError: a bad request (400); else the engine refused (503)
-            for request_id in stream.request_ids:
-                if self._live.pop(request_id, None) is not None:
-                    self.engine.abort(request_id)
-            self.metrics.reject("invalid" if isinstance(err, ValueError) else "engine", len(prompts))
-            if not isinstance(err, ValueError):  # e.g. a tensor-parallel engine whose group was stopped
-                logger.error("the engine refused a request: %s: %s", type(err).__name__, err)
-                err = EngineFailure(f"the engine cannot take requests: {err}", code="engine_unhealthy")
-            return self._send(stream, err)
-        self._send(stream, _ACCEPTED)
+            return self._send(stream, _ACCEPTED)
+        why, message = refusal
+        self.metrics.reject(why, num_prompts)
+        if why == "overloaded":
+            return self._send(stream, Overloaded(message))
+        if why == "invalid":
+            return self._send(stream, ValueError(message))
+        self._send(stream, EngineFailure(f"the engine cannot take requests: {message}", code="engine_unhealthy"))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -287,11 +289,16 @@ class EngineLoop:
                 self._send(live.stream, (live.index, out))
 
     def _end_all(self, error: EngineFailure) -> None:
-        for request_id, live in list(self._live.items()):
-            self.engine.abort(request_id)
+        request_ids = list(self._live)
+        for live in self._live.values():
             self.metrics.finish("error")
             self._send(live.stream, error)
         self._live.clear()
+        self._abort_in_engine(request_ids)
+
+    def _abort_in_engine(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.engine.abort(request_id)
 
     def _refuse_queued(self) -> None:
         """After the loop: answer what is still queued, so no handler waits forever."""
@@ -300,10 +307,14 @@ class EngineLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                self._send(command[1], shutting_down())
-            elif command[0] == "call":
-                command[2].set_exception(shutting_down())
+            self._refuse(command, shutting_down())
+
+    def _refuse(self, command: tuple, error: EngineFailure) -> None:
+        """Answer a queued add or call with ``error`` instead of running it."""
+        if command[0] == "add":
+            self._send(command[1], error)
+        elif command[0] == "call":
+            command[2].set_exception(error)
 
     def _send(self, stream: RequestStream, item: Any) -> None:
         self._outbox.setdefault(stream._loop, []).append((stream, item))
@@ -315,6 +326,29 @@ class EngineLoop:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # that event loop is closed: nobody is reading
                 pass
+
+
+def add_requests(engine: LLMEngine, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,
+                 max_waiting: int | None) -> tuple[str, str] | None:
+    """Queue one engine request per prompt, all or none (in the engine's thread or process). None
+    when queued, else ``(why, message)``: "overloaded" (more than ``max_waiting`` would wait),
+    "invalid" (``ValueError``: a bad prompt or parameters) or "engine" (the engine refused, e.g. a
+    tensor-parallel engine whose group was stopped; logged)."""
+    if max_waiting is not None and engine.stats()["waiting"] + len(prompts) > max_waiting:
+        return "overloaded", f"more than {max_waiting} requests are waiting; retry later"
+    added = []
+    try:
+        for request_id, prompt in zip(request_ids, prompts):
+            engine.add_request(prompt, params, request_id=request_id)
+            added.append(request_id)
+    except Exception as err:  # noqa: BLE001 - the caller answers 400 or 503
+        for request_id in added:
+            engine.abort(request_id)
+        if isinstance(err, ValueError):
+            return "invalid", str(err)
+        logger.error("the engine refused a request: %s: %s", type(err).__name__, err)
+        return "engine", str(err)
+    return None
 
 
 def _deliver(items: list[tuple[RequestStream, Any]]) -> None:
@@ -410,11 +444,13 @@ class ProcessEngineLoop(EngineLoop):
             case ("outputs", outputs, healthy):
                 self._healthy = healthy
                 self._dispatch([self._restore(o) for o in outputs])
-            case ("added", key, kind, text):
-                self._added(key, kind, text)
+            case ("added", key, refusal):
+                entry = self._pending.pop(key, None)
+                if entry is not None:  # else aborted before the engine answered (the engine aborted it too)
+                    self._admit(*entry, refusal)
             case ("step_failed", text, healthy):
                 self._healthy = healthy
-                self._end_all(EngineFailure(text), engine_ended_them=True)
+                self._end_all(EngineFailure(text))
             case ("called", key, ok, value):
                 future = self._calls.pop(key)
                 future.set_result(value) if ok else future.set_exception(value)
@@ -434,23 +470,6 @@ class ProcessEngineLoop(EngineLoop):
     def _decode(self, token_ids: list[int]) -> str:
         return self.engine.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def _added(self, key: str, kind: str | None, text: str) -> None:
-        entry = self._pending.pop(key, None)
-        if entry is None:  # aborted before the engine answered (the engine aborted it too)
-            return
-        stream, num_prompts = entry
-        if kind is None:
-            now = time.monotonic()
-            for index, request_id in enumerate(stream.request_ids):
-                self._live[request_id] = _Live(stream, index, now)
-            return self._send(stream, _ACCEPTED)
-        self.metrics.reject(kind, num_prompts)
-        if kind == "overloaded":
-            return self._send(stream, Overloaded(text))
-        if kind == "invalid":
-            return self._send(stream, ValueError(text))
-        self._send(stream, EngineFailure(f"the engine cannot take requests: {text}", code="engine_unhealthy"))
-
     def _execute(self, command: tuple) -> None:
         if self._engine_gone is not None and command[0] in ("add", "call"):
             return self._refuse(command, self._engine_gone)
@@ -462,14 +481,9 @@ class ProcessEngineLoop(EngineLoop):
                 if problem is not None:
                     del self._pending[key]
                     self._send(stream, problem)
-            case ("abort", stream):
-                self._pending.pop(stream.request_ids[0], None)
-                for request_id in stream.request_ids:
-                    if self._live.pop(request_id, None) is not None:
-                        self.metrics.finish("abort")
-                self._forward(("abort", stream.request_ids))
-            case ("end_all", error):
-                self._end_all(error)
+            case ("abort", stream) if stream.request_ids[0] in self._pending:  # the engine has not answered
+                del self._pending[stream.request_ids[0]]
+                self._forward(("abort", stream.request_ids))  # it aborts the requests right after adding them
             case ("call", fn, future):
                 key = next(self._call_ids)
                 self._calls[key] = future
@@ -477,8 +491,8 @@ class ProcessEngineLoop(EngineLoop):
                 if problem is not None:
                     del self._calls[key]
                     future.set_exception(problem)
-            case ("stop",):
-                self._stopping = True
+            case _:  # abort of live requests, end_all, stop
+                super()._execute(command)
 
     def _forward(self, message: tuple) -> BaseException | None:
         """Send ``message`` to the engine process; what went wrong, if anything."""
@@ -494,17 +508,6 @@ class ProcessEngineLoop(EngineLoop):
             return EngineFailure("the engine process exited", code="engine_unhealthy")
         return None
 
-    def _refuse(self, command: tuple, error: EngineFailure) -> None:
-        if command[0] == "add":
-            self._send(command[1], error)
-        else:
-            command[2].set_exception(error)
-
-    def _end_all(self, error: EngineFailure, engine_ended_them: bool = False) -> None:
-        request_ids = list(self._live)
-        for live in self._live.values():
-            self.metrics.finish("error")
-            self._send(live.stream, error)
-        self._live.clear()
-        if request_ids and not engine_ended_them:
+    def _abort_in_engine(self, request_ids: list[str]) -> None:
+        if request_ids and self._engine_gone is None:
             self._forward(("abort", request_ids))

@@ -32,6 +32,7 @@ from typing import Any
 
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import RequestOutput
+from hf_paged.serve.engine_loop import add_requests
 
 logger = logging.getLogger("hf_paged.serve")
 
@@ -81,10 +82,6 @@ class EngineProcess:
             self.close()
             raise RuntimeError(f"the engine process failed to start: {payload}")
         return payload
-
-    @property
-    def alive(self) -> bool:
-        return self.process.is_alive()
 
     def close(self, timeout: float = 30.0) -> None:
         """Ask the engine process to stop, then wait for it (killed after ``timeout``)."""
@@ -173,7 +170,10 @@ class _EngineCore:
     def _execute(self, command: tuple) -> None:
         match command:
             case ("add", key, request_ids, prompts, params, max_waiting):
-                self._send(("added", key, *self._add(request_ids, prompts, params, max_waiting)))
+                refusal = add_requests(self.engine, request_ids, prompts, params, max_waiting)
+                if refusal is None:
+                    self.live.update(request_ids)
+                self._send(("added", key, refusal))
             case ("abort", request_ids):
                 for request_id in request_ids:
                     if request_id in self.live:
@@ -191,21 +191,3 @@ class _EngineCore:
                     self._send(("called", key, False, RuntimeError(f"the result cannot be sent back: {err}")))
             case ("stop",):
                 self.stopping = True
-
-    def _add(self, request_ids: list[str], prompts: list[list[int]], params, max_waiting: int | None):
-        """``(None, "")`` when queued, else ``(kind, message)``: nothing of the request is queued."""
-        if max_waiting is not None and self.engine.stats()["waiting"] + len(prompts) > max_waiting:
-            return "overloaded", f"more than {max_waiting} requests are waiting; retry later"
-        added = []
-        try:
-            for request_id, prompt in zip(request_ids, prompts):
-                self.engine.add_request(prompt, params, request_id=request_id)
-                added.append(request_id)
-        except Exception as err:  # noqa: BLE001 - ValueError: a bad request (400); else the engine refused (503)
-            for request_id in added:
-                self.engine.abort(request_id)
-            if not isinstance(err, ValueError):
-                logger.error("the engine refused a request: %s: %s", type(err).__name__, err)
-            return ("invalid" if isinstance(err, ValueError) else "engine"), str(err)
-        self.live.update(added)
-        return None, ""
