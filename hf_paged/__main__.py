@@ -324,9 +324,9 @@ def serve(args) -> int:
 
 def serving_engine(args) -> LLMEngine:
     """``hf-paged serve``'s engine, built where it will run (this process, or the engine process),
-    which prints what it serves and finishes its compiles before the server starts."""
+    which prints what it serves."""
     from hf_paged import LLMEngine
-    from hf_paged.kernels import flex_decode
+    from hf_paged.kernels import cpu_decode
 
     threads = None if "RANK" in os.environ else engine_threads(args.engine_threads)  # ranks: tensor_parallel's
     if threads:
@@ -344,11 +344,8 @@ def serving_engine(args) -> LLMEngine:
         print(f"hf-paged serve: engine threads {threads[0]} ({threads[1]})", flush=True)
     print(f"hf-paged serve: engine steps {'eager: ' + engine.compile_note if engine.compile_note else 'compiled'}",
           flush=True)
-    if flex_decode.compiling():  # the engine started compiling its CPU decode read: done before serving, as vLLM's
-        print("hf-paged serve: compiling the CPU decode read before serving (seconds; cached on disk after)", flush=True)
-        flex_decode.wait_for_compiles()
-        why_not = flex_decode.failure()
-        print(f"hf-paged serve: {'the gather read serves: ' + why_not if why_not else 'the CPU decode read is compiled'}",
+    if cpu_decode.failure():
+        print(f"hf-paged serve: the C decode read did not build, gather + SDPA read instead: {cpu_decode.failure()}",
               flush=True)
     return engine
 

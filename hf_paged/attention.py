@@ -38,7 +38,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from hf_paged import kernels
 from hf_paged.cache import new_columns_valid
 from hf_paged.channel import PackedStep, active_cache, in_packed_forward
-from hf_paged.kernels import flex_decode
+from hf_paged.kernels import cpu_decode
 
 ATTN_IMPLEMENTATION = "hf_paged"
 COMPILED_ATTN_IMPLEMENTATION = "hf_paged_compiled"  # the engine's compiled steps (hf_paged.engine.compiled_body)
@@ -274,7 +274,7 @@ def packed_attention(step: PackedStep, layer_idx: int, query, key, value, stores
     nd = meta.num_decode
     parts = []
     if nd and not q.is_cuda and not triton and not options["softcap"]:
-        parts.append(_decode_by_sdpa(step, layer_idx, q[:nd], k_pool, v_pool, scale, options))
+        parts.append(_decode_on_cpu(step, layer_idx, q[:nd], k_pool, v_pool, scale, options))
     elif nd:
         parts.append(kernels.paged_attention_decode(
             q[:nd].contiguous(), k_pool, v_pool, tables[:nd], lens[:nd], scale, **options))
@@ -360,21 +360,21 @@ def _latent_context_attention(step: PackedStep, layer_idx: int, query, key, valu
     return out[None], None
 
 
-def _decode_by_sdpa(step: PackedStep, layer_idx: int, q, k_pool, v_pool, scale, options: dict):
-    """CPU decode for an engine step: per group of similar-length sequences, one gather of their
-    keys and values (slot indices built once per step, shared by all layers) and one fused SDPA
-    call with a key-padding mask. Attention sinks join as one more key of zeros whose additive
-    mask is the head's sink logit: its score is the sink, its value adds nothing.
-
-    In float32, for plain causal layers, once the step's contexts are long (``flex_decode_mask``),
-    the read is instead one compiled FlexAttention call over the pools themselves
-    (:mod:`hf_paged.kernels.flex_decode`): no gathered copy."""
+def _decode_on_cpu(step: PackedStep, layer_idx: int, q, k_pool, v_pool, scale, options: dict):
+    """CPU decode for an engine step. Float32 pools go to the C read over the blocks
+    (:mod:`hf_paged.kernels.cpu_decode`: no gathered copy) where it is built and the layer needs
+    no chunked attention (``step.decode_read`` "auto"). Otherwise, per group of similar-length
+    sequences, one gather of their keys and values (slot indices built once per step, shared by
+    all layers) and one fused SDPA call with a key-padding mask. Attention sinks join as one more
+    key of zeros whose additive mask is the head's sink logit: its score is the sink, its value
+    adds nothing."""
     num_seqs, heads, head_dim = q.shape
     kv_heads, group = k_pool.shape[2], heads // k_pool.shape[2]
-    if q.dtype == torch.float32 and not _has_span_options(options) and not options.get("sliding_window"):
-        block_mask = step.flex_decode_mask(layer_idx, group, k_pool.shape[0])
-        if block_mask is not None:
-            return flex_decode.paged_decode_flex(q, k_pool, v_pool, block_mask, scale)
+    if step.decode_read == "auto" and not options.get("chunk_size") and cpu_decode.supports(q, k_pool, v_pool):
+        meta = step.metadata_for(layer_idx, q.device)
+        return cpu_decode.paged_decode_cpu(q, k_pool, v_pool, meta.block_tables[:num_seqs],
+                                           meta.context_lens[:num_seqs], scale, options.get("sliding_window"),
+                                           options.get("sinks"))
     k_rows, v_rows = k_pool.view(-1, kv_heads * head_dim), v_pool.view(-1, kv_heads * head_dim)
     sinks = options.get("sinks")
     parts = []

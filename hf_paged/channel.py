@@ -238,9 +238,14 @@ class PackedStep(StashingCache, abc.ABC):
     ``storage`` at the layer group's ``metadata_for(layer).slot_mapping``; decode tokens come
     first (``metadata.num_decode``) and are read in :meth:`decode_groups` on CPU; the rest go to
     the varlen prefill kernel.
+
+    ``decode_read`` chooses the CPU decode read: ``"auto"`` reads float32 pools with the C read
+    (:mod:`hf_paged.kernels.cpu_decode`) where it is built, ``"gather"`` always copies the
+    sequences' keys and values out of the blocks for SDPA (:meth:`decode_groups`).
     """
 
     storage: PagedKVStorage
+    decode_read: str = "auto"
 
     @abc.abstractmethod
     def num_blocks_for(self, layer_idx: int) -> int:
@@ -256,8 +261,3 @@ class PackedStep(StashingCache, abc.ABC):
         """The decoding sequences in groups of similar length, each with its slots (in the
         layer's group) and mask (``window``: the layer's sliding window; ``chunk_size``: its
         chunked local attention)."""
-
-    def flex_decode_mask(self, layer_idx: int, heads_per_kv: int, num_pool_blocks: int):
-        """The block mask of the compiled CPU decode read (:mod:`hf_paged.kernels.flex_decode`)
-        for the layer's decoding sequences, or None where the step keeps the gather read."""
-        return None

@@ -81,16 +81,22 @@ def layer_structure(config: PretrainedConfig) -> tuple[list[str], list[int | Non
     return layer_types, [None if spec is None else spec.window for spec in specs]
 
 
+def layer_configs(config: PretrainedConfig) -> list[PretrainedConfig]:
+    """One config per decoder layer of ``config`` (a text config): a heterogeneous config's
+    per-layer views (Gemma 4), else ``config`` itself for every layer."""
+    try:
+        return list(config.per_layer_config)
+    except Exception:  # noqa: BLE001 - configs without per-layer views
+        return [config] * config.num_hidden_layers
+
+
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, layer_ids: Iterable[int] | None = None) -> int:
     """Bytes of K and V one token takes over all layers of ``config`` (a text config), or those of
     ``layer_ids``, in ``dtype``: each layer's kind says (:meth:`hf_paged.kinds.KVSpec.bytes_per_token`;
     an MLA layer stores a latent and a rotary key, a KV-sharing layer nothing, a layer without K/V
     nothing). Heterogeneous configs (Gemma 4: another head size on full-attention layers) are
     read layer by layer."""
-    try:
-        layers = list(config.per_layer_config)
-    except Exception:  # noqa: BLE001 - configs without per-layer views
-        layers = [config] * config.num_hidden_layers
+    layers = layer_configs(config)
     try:
         specs = layer_kinds(config)[1]
     except NotImplementedError:  # layers the cache cannot hold: count every layer as full attention

@@ -485,8 +485,6 @@ def test_serve_refuses_a_tensor_parallel_size_below_one(capsys):
 
 
 def test_hf_paged_serve_answers_and_shuts_down_cleanly():
-    """Also: with blocks of 32 on CPU the engine compiles its decode read (kernels/flex_decode.py),
-    and the server finishes that before it starts serving, as vLLM compiles before it serves."""
     port = free_port()
     cmd = [sys.executable, "-m", "hf_paged", "serve", "--port", str(port), "--api-key", KEY, "--num-blocks", "64",
            "--served-model-name", "demo", "--device", "cpu", "--block-size", "32"]
@@ -506,6 +504,3 @@ def test_hf_paged_serve_answers_and_shuts_down_cleanly():
             proc.kill()
             proc.wait()
     assert "API key required" in output and "Application shutdown complete" in output and KEY not in output
-    compiling = output.index("compiling the CPU decode read before serving")
-    compiled = max(output.find("the CPU decode read is compiled"), output.find("the gather read serves:"))
-    assert compiling < compiled < output.index("Application startup complete"), output

@@ -269,7 +269,6 @@ def hf_offline(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from hf_paged import LLMEngine, SamplingParams
-    from hf_paged.kernels import flex_decode
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
@@ -289,7 +288,6 @@ def hf_offline(spec: dict) -> dict:
         return [list(o.outputs[0].token_ids) for o in outs], meter
 
     call(spec["warmup"])
-    flex_decode.wait_for_compiles()  # the compiled decode read's background compile, as vLLM compiles before serving
     tokens, meter = call(spec["requests"], spec.get("profile"))
     stats = engine.stats()
     resolved = {"block_size": engine.kv.block_size, "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,

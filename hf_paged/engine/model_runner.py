@@ -28,11 +28,11 @@ from hf_paged.channel import clear_active_cache, packed_forward
 from hf_paged.engine import compiled_body
 from hf_paged.engine.cpu_linear import onednn_linears, prepacked_lm_head, switchable_lm_head
 from hf_paged.engine.scheduler_output import SchedulerOutput
-from hf_paged.engine.step_cache import FLEX_MIN_BLOCK_SIZE, FLEX_MIN_MEAN_CONTEXT, PackedStepCache, host_tensor
-from hf_paged.kernels import flex_decode
-from hf_paged.kinds import FullAttentionSpec, MLAAttentionSpec
+from hf_paged.engine.step_cache import PackedStepCache, host_tensor
+from hf_paged.kernels import cpu_decode
+from hf_paged.kinds import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from hf_paged.layer_groups import LayerGroup, layer_groups
-from hf_paged.model_info import cache_kwarg, layer_kinds, takes_logits_to_keep
+from hf_paged.model_info import cache_kwarg, layer_configs, layer_kinds, takes_logits_to_keep
 from hf_paged.state_pool import StatePool
 from hf_paged.storage import PagedKVStorage
 
@@ -60,27 +60,29 @@ class ModelRunner:
         # the float32 CPU LM head runs through oneDNN (hf_paged.engine.cpu_linear)
         self._onednn_linears = tuple(m for m in (switchable_lm_head(model),) if m is not None)
         self._prepacked = tuple(p for p in (prepacked_lm_head(model, prepack_lm_head),) if p is not None)
-        # the compiled CPU decode read (hf_paged.kernels.flex_decode): "auto" at long contexts, "always", "never"
-        self.flex_decode = "auto"
+        # the CPU decode read of float32 steps: "auto" (the C read, hf_paged.kernels.cpu_decode, where it
+        # builds) or "gather" (gather + SDPA); see PackedStep.decode_read
+        self.decode_read = "auto"
         # packed steps through a torch.compile'd decoder body (hf_paged.engine.compiled_body)
         self.compiled, self.compiled_note = compiled_body.compiled_body(model, self.specs, packed_attention, compile,
                                                                         recurrent=self.per_sequence)
-        self._warm_flex_decode()
+        self._build_cpu_decode()
 
-    def _warm_flex_decode(self) -> None:
-        """Start compiling the compiled CPU decode read in the background where steps may use it
-        (CPU, float32, blocks of at least ``FLEX_MIN_BLOCK_SIZE``, full-attention layers, positions
-        reaching ``FLEX_MIN_MEAN_CONTEXT``), so the first long step does not wait for it. Elsewhere
-        the first step that qualifies starts it."""
-        config = self.model.config.get_text_config(decoder=True)
-        if (self.device.type != "cpu" or self.model.dtype != torch.float32 or self.storage.block_size < FLEX_MIN_BLOCK_SIZE
-                or (getattr(config, "max_position_embeddings", None) or 0) < FLEX_MIN_MEAN_CONTEXT
-                or not any(type(spec) is FullAttentionSpec for spec in self.specs)):
+    def _build_cpu_decode(self) -> None:
+        """Build (or load from the disk cache) the C decode read for the attention layers' layouts now,
+        where steps will use it (CPU, float32), so the first step does not wait for the compiler.
+        A layout the configs do not tell builds on first use."""
+        if self.device.type != "cpu" or self.model.dtype != torch.float32:
             return
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        flex_decode.ready(kv_heads, heads // kv_heads, head_dim, self.storage.block_size)
+        layouts = set()
+        for spec, layer in zip(self.specs, layer_configs(self.model.config.get_text_config(decoder=True))):
+            if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+                heads = layer.num_attention_heads
+                kv_heads = getattr(layer, "num_key_value_heads", None) or heads
+                head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // heads
+                layouts.add((kv_heads, heads // kv_heads, head_dim, self.storage.block_size))
+        for layout in layouts:
+            cpu_decode.ready(*layout)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor | None:
@@ -99,7 +101,7 @@ class ModelRunner:
         shape = (-1, 1) if rows else (1, -1)
         positions = host_tensor(step.positions).to(self.device).view(shape)
         step_cache = PackedStepCache(self.specs, self.groups, self.storage, step, positions.view(-1),
-                                     flex_decode=self.flex_decode)
+                                     decode_read=self.decode_read)
         forward = {
             "input_ids": host_tensor(step.input_ids).to(self.device).view(shape),
             "position_ids": positions,

@@ -13,18 +13,9 @@ import torch
 
 from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, DecodeGroup, PackedStep, set_active_cache
 from hf_paged.engine.scheduler_output import SchedulerOutput
-from hf_paged.kernels import flex_decode
 from hf_paged.kinds import KVSpec, MLAAttentionSpec
 from hf_paged.layer_groups import LayerGroup, group_of_layers
 from hf_paged.storage import PagedKVStorage
-
-# The compiled decode read (kernels.flex_decode) pays off where copying the decoding sequences'
-# contexts out of the blocks costs more than its fixed per-call work: long contexts (measured on
-# 2 cores: ~10% less decode time at ~1,100-token contexts, 25% more at ~250) and blocks of at
-# least 32 slots (at 16 its inner loop is too short to beat the copy).
-FLEX_MIN_MEAN_CONTEXT = 768
-FLEX_MIN_DECODE_SLOTS = 4096
-FLEX_MIN_BLOCK_SIZE = 32
 
 # Padding a group to its longest sequence costs gather + attention work per key slot; a separate
 # group costs a fixed overhead of calls worth about this many key slots (measured on CPU).
@@ -37,10 +28,9 @@ class PackedStepCache(PackedStep):
     own metadata (slots and block tables), built on first use."""
 
     def __init__(self, specs: list[KVSpec | None], groups: list[LayerGroup], storage: PagedKVStorage,
-                 step: SchedulerOutput, positions: torch.Tensor | None = None, *, flex_decode: str = "auto"):
+                 step: SchedulerOutput, positions: torch.Tensor | None = None, *, decode_read: str = "auto"):
         super().__init__([None if spec is None else spec.window for spec in specs])
-        self.flex_decode = flex_decode  # the compiled decode read: "auto" (long contexts), "always", "never"
-        self._flex_masks: dict[tuple, object] = {}
+        self.decode_read = decode_read  # PackedStep.decode_read
         self.storage, self._step, self.specs = storage, step, specs
         self._positions = positions  # [total_tokens] on the model's device (see get_seq_length)
         self._past: torch.Tensor | None = None
@@ -103,32 +93,6 @@ class PackedStepCache(PackedStep):
                 groups.append(DecodeGroup(lo, hi, slots.where(visible, 0), mask[:, None, None, :]))
             self._decode_groups[key] = groups
         return self._decode_groups[key]
-
-    def flex_decode_mask(self, layer_idx: int, heads_per_kv: int, num_pool_blocks: int):
-        """The compiled read's block mask of the layer group's decoding sequences, built once per
-        step and shared by its layers. None where the gather read is kept: "never"; at "auto"
-        below ``FLEX_MIN_MEAN_CONTEXT`` / ``FLEX_MIN_DECODE_SLOTS`` context slots, with blocks
-        under ``FLEX_MIN_BLOCK_SIZE`` or while the read compiles in the background ("always"
-        waits for the compile); after a failed compile."""
-        block_size = self.storage.block_size
-        key = (self._group_of[layer_idx], heads_per_kv, num_pool_blocks)
-        if self.flex_decode == "never" or flex_decode.failure() is not None:
-            return None
-        if key not in self._flex_masks:
-            meta = self._group_metadata(key[0])
-            lens = meta.context_lens[: meta.num_decode]
-            total = int(lens.sum())
-            wanted = self.flex_decode == "always" or (
-                block_size >= FLEX_MIN_BLOCK_SIZE and total >= FLEX_MIN_DECODE_SLOTS
-                and total >= FLEX_MIN_MEAN_CONTEXT * len(lens))
-            k_pool = self.storage.key_pools[layer_idx]
-            mask = None
-            if wanted and flex_decode.ready(k_pool.shape[2], heads_per_kv, k_pool.shape[3], block_size,
-                                            wait=self.flex_decode == "always"):
-                mask = flex_decode.decode_block_mask(meta.block_tables[: meta.num_decode], lens, num_pool_blocks,
-                                                     block_size, heads_per_kv)
-            self._flex_masks[key] = mask
-        return self._flex_masks[key]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Attention layers: stash for the attention function (:mod:`hf_paged.channel`). MLA layers
