@@ -54,16 +54,25 @@ def ready(kv_heads: int, heads_per_kv: int, head_dim: int, block_size: int) -> b
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether these tensors can go to :func:`paged_decode_cpu`: float32 on the CPU, pools in their
     plain ``[blocks, block_size, kv_heads, head_dim]`` layout, and the read built for it."""
-    if not (q.device.type == k_cache.device.type == v_cache.device.type == "cpu"):
-        return False
-    if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32):
-        return False
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or v_cache.shape != k_cache.shape:
+    if _mismatch(q, k_cache, v_cache) is not None:
         return False
     _, block_size, kv_heads, head_dim = k_cache.shape
-    if q.shape[1] % kv_heads or q.shape[2] != head_dim:
-        return False
     return ready(kv_heads, q.shape[1] // kv_heads, head_dim, block_size)
+
+
+def _mismatch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """Why the C loop cannot read these tensors (it trusts their sizes and layout), or None."""
+    if not (q.device.type == k_cache.device.type == v_cache.device.type == "cpu"):
+        return "tensors not on the CPU"
+    if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32):
+        return f"dtypes {q.dtype}, {k_cache.dtype}, {v_cache.dtype}, not float32"
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        return f"shapes q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "pools not in the contiguous [blocks, block_size, kv_heads, head_dim] layout"
+    if q.shape[1] % k_cache.shape[2] or q.shape[2] != k_cache.shape[3]:
+        return f"q {tuple(q.shape)} does not fit pools of {k_cache.shape[2]} heads of {k_cache.shape[3]}"
+    return None
 
 
 def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -75,6 +84,9 @@ def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     sequence ``i`` sees its last ``sliding_window`` (or all) of ``context_lens[i]`` keys, and
     ``sinks`` (``[heads]``) add a logit per head whose value is zero. Returns ``[seqs, heads,
     head_dim]``. Callers ask :func:`supports` first."""
+    mismatch = _mismatch(q, k_cache, v_cache)
+    if mismatch is not None:
+        raise ValueError(f"paged_decode_cpu: {mismatch}")
     seqs, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     library = _library((kv_heads, heads // kv_heads, head_dim, block_size))

@@ -86,6 +86,13 @@ def test_tables_and_lengths_outside_the_pool_are_refused_before_anything_is_read
         cpu_decode.paged_decode_cpu(q, k_pool, v_pool, tables.clamp(min=0), lens + torch.tensor([0, 129, 0]), 0.3)
     with pytest.raises(ValueError, match="context_lens"):
         cpu_decode.paged_decode_cpu(q, k_pool, v_pool, tables, lens[:2], 0.3)
+    # tensors the loop would read past: refused by the same checks supports() makes
+    with pytest.raises(ValueError, match="does not fit pools of 2 heads of 16"):
+        cpu_decode.paged_decode_cpu(torch.cat([q, q], -1), k_pool, v_pool, tables, lens, 0.3)
+    with pytest.raises(ValueError, match="not float32"):
+        cpu_decode.paged_decode_cpu(q, k_pool.double(), v_pool.double(), tables, lens, 0.3)
+    with pytest.raises(ValueError, match="not in the contiguous"):
+        cpu_decode.paged_decode_cpu(q, k_pool.transpose(0, 1), v_pool.transpose(0, 1), tables, lens, 0.3)
 
 
 def test_supports_only_float32_cpu_pools_in_the_block_layout():
