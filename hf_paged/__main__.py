@@ -407,7 +407,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=256, help="sequences per engine step")
     s.add_argument("--num-state-slots", type=int, default=None,
                    help="models with recurrent layers: sequences whose state is held at once (default: --max-num-seqs)")
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
+    s.add_argument("--max-num-batched-tokens", type=int, default=4096, help="tokens per engine step")
     s.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond which new ones get 503")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $HF_PAGED_API_KEY)")
     s.add_argument("--served-model-name", help="the model name clients pass (default: --model, or hf-paged-demo)")

@@ -58,7 +58,9 @@ class LLMEngine:
         num_blocks: KV blocks on the model's device. ``None``: on CUDA, derived from free memory
             (``gpu_memory_utilization``); elsewhere from ``kv_cache_bytes`` or, without it, a pool
             that grows on demand (no preemption then).
-        max_num_seqs / max_num_batched_tokens: per-step limits (sequences, tokens).
+        max_num_seqs / max_num_batched_tokens: per-step limits (sequences, tokens). The token budget's
+            default, 4,096, is vLLM's on CPU: on 2 cores it ran ~1,000-token prompts 5-10% faster than
+            2,048 (fewer prompts split across steps, larger matmuls; benchmarks/RESULTS.md).
         enable_prefix_caching: reuse cached full blocks of earlier prompts. ``None`` (default): on,
             except for models with recurrent layers, whose state at a prefix's end no block holds
             (an explicit True there is a ``ValueError``; ``stats()["prefix_caching"]`` says which).
@@ -94,7 +96,7 @@ class LLMEngine:
 
     def __init__(
         self, model: PreTrainedModel, tokenizer: Any = None, *, block_size: int = 16, num_blocks: int | None = None,
-        max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool | None = None,
+        max_num_seqs: int = 256, max_num_batched_tokens: int = 4096, enable_prefix_caching: bool | None = None,
         preemption_mode: str = "recompute", swap_space_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None, max_consecutive_failures: int = 3,
         num_state_slots: int | None = None, prepack_lm_head: bool | None = None, tune_malloc: bool | None = None,
