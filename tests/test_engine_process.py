@@ -182,3 +182,58 @@ def test_hf_paged_serve_leaves_no_engine_process_behind(how):
         assert proc.returncode == 0 and "Application shutdown complete" in output, output
         (answer, answered), = finished
         assert answer.usage.completion_tokens == 900 and answered > signalled  # drained, not cut off
+
+
+def test_engine_threads_on_every_core_wait_passively_unless_the_user_chose():
+    from hf_paged.__main__ import engine_process_env
+
+    cores = len(os.sched_getaffinity(0))
+    assert engine_process_env(cores, {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert engine_process_env(cores + 1, {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    if cores > 1:
+        assert engine_process_env(cores - 1, {}) == {}  # a core is left to the server: spinning costs it nothing
+    assert engine_process_env(cores, {"OMP_WAIT_POLICY": "ACTIVE"}) == {}
+    assert engine_process_env(cores, {"GOMP_SPINCOUNT": "1000"}) == {}
+
+
+def test_the_engine_process_environment_is_set_only_while_it_starts(monkeypatch):
+    from hf_paged.__main__ import _environment
+
+    monkeypatch.setenv("HF_PAGED_TEST_KEPT", "before")
+    monkeypatch.delenv("HF_PAGED_TEST_NEW", raising=False)
+    with _environment({"HF_PAGED_TEST_KEPT": "during", "HF_PAGED_TEST_NEW": "during"}):
+        assert os.environ["HF_PAGED_TEST_KEPT"] == os.environ["HF_PAGED_TEST_NEW"] == "during"
+    assert os.environ["HF_PAGED_TEST_KEPT"] == "before" and "HF_PAGED_TEST_NEW" not in os.environ
+
+
+@pytest.mark.parametrize("user_policy", [None, "ACTIVE"])
+def test_hf_paged_serve_starts_its_engine_process_with_that_policy(user_policy):
+    """Read from the running engine process's environment."""
+    port, cores = free_port(), len(os.sched_getaffinity(0))
+    cmd = [sys.executable, "-m", "hf_paged", "serve", "--port", str(port), "--num-blocks", "64", "--enforce-eager",
+           "--engine-threads", str(cores)]
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    if user_policy:
+        env["OMP_WAIT_POLICY"] = user_policy
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if found := re.search(r"; engine process (\d+)\)$", line.strip()):
+                engine_pid = int(found.group(1))
+                break
+        else:
+            raise AssertionError("the server named no engine process")
+
+        def policy(pid: int) -> str | None:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                pairs = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+            value = pairs.get(b"OMP_WAIT_POLICY")
+            return value.decode() if value is not None else None
+
+        assert policy(engine_pid) == (user_policy or "PASSIVE")
+        wait_until_healthy(proc, port, timeout=120)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert _wait_gone(engine_pid, timeout=30)
