@@ -375,9 +375,9 @@ def engine_process_env(threads: int, environ: dict | None = None) -> dict[str, s
     """OpenMP settings for the engine process. When its threads take every core this process may
     use, one of them shares a core with the server's own process (HTTP, tokenization, on a small
     machine often the clients): idle OpenMP threads then spin at each barrier while the thread they
-    wait for is preempted. Passive waiting gives that core back (measured on 2 cores: the engine
-    process's CPU time ~1.6 -> ~1.0 cores at the same throughput). A user's own OpenMP wait settings
-    are left alone."""
+    wait for is preempted. Passive waiting gives that core back (2 threads on 2 cores, 32 clients:
+    the server's CPU per token 1.25 -> 0.79 ms, throughput +10%; benchmarks/RESULTS.md, sixth run).
+    A user's own OpenMP wait settings are left alone."""
     environ = os.environ if environ is None else environ
     if threads < _usable_cores() or "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
         return {}
