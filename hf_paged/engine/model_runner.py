@@ -30,7 +30,7 @@ from hf_paged.engine.cpu_linear import onednn_linears, prepacked_lm_head, switch
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.step_cache import PackedStepCache, host_tensor
 from hf_paged.kernels import cpu_decode
-from hf_paged.kinds import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+from hf_paged.kinds import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, attention_heads
 from hf_paged.layer_groups import LayerGroup, layer_groups
 from hf_paged.model_info import cache_kwarg, layer_configs, layer_kinds, takes_logits_to_keep
 from hf_paged.state_pool import StatePool
@@ -77,9 +77,7 @@ class ModelRunner:
         layouts = set()
         for spec, layer in zip(self.specs, layer_configs(self.model.config.get_text_config(decoder=True))):
             if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
-                heads = layer.num_attention_heads
-                kv_heads = getattr(layer, "num_key_value_heads", None) or heads
-                head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // heads
+                heads, kv_heads, head_dim = attention_heads(layer)
                 layouts.add((kv_heads, heads // kv_heads, head_dim, self.storage.block_size))
         for layout in layouts:
             cpu_decode.ready(*layout)

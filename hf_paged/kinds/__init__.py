@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hf_paged.kinds.base import KVSpec
+from hf_paged.kinds.base import KVSpec, attention_heads
 from hf_paged.kinds.chunked import ChunkedLocalAttentionSpec
 from hf_paged.kinds.full import FullAttentionSpec
 from hf_paged.kinds.mla import MLAAttentionSpec, is_mla_config
@@ -23,7 +23,7 @@ from hf_paged.kinds.recurrent import STATE_LAYER_TYPES, NoKVSpec, RecurrentState
 from hf_paged.kinds.shared import SharedKVSpec
 from hf_paged.kinds.sliding import SlidingWindowSpec
 
-__all__ = ["KVSpec", "FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec", "SharedKVSpec",
+__all__ = ["KVSpec", "attention_heads", "FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec", "SharedKVSpec",
            "MLAAttentionSpec", "RecurrentStateSpec", "NoKVSpec", "STATE_LAYER_TYPES", "LAYER_TYPE_SPECS", "spec_for_layer_type",
            "layer_specs", "state_specs", "is_mla_config"]
 

@@ -6,6 +6,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 
+def attention_heads(layer_config) -> tuple[int, int, int]:
+    """``(query heads, K/V heads, head size)`` of an attention layer's config (K/V heads default to
+    the query heads, the head size to hidden size / heads)."""
+    heads = layer_config.num_attention_heads
+    kv_heads = getattr(layer_config, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(layer_config, "head_dim", None) or layer_config.hidden_size // heads
+
+
 @dataclass(frozen=True)
 class KVSpec:
     """One kind of attention layer, as the paged cache sees it (vLLM V1's ``KVCacheSpec``).
@@ -44,9 +52,8 @@ class KVSpec:
 
     def bytes_per_token(self, layer_config, dtype_bytes: int) -> int:
         """Bytes one token of this layer takes in its blocks (K and V), from the layer's config."""
-        heads = getattr(layer_config, "num_key_value_heads", None) or layer_config.num_attention_heads
-        head_dim = getattr(layer_config, "head_dim", None) or layer_config.hidden_size // layer_config.num_attention_heads
-        return 2 * heads * head_dim * dtype_bytes
+        _, kv_heads, head_dim = attention_heads(layer_config)
+        return 2 * kv_heads * head_dim * dtype_bytes
 
     def describe(self) -> str:
         return self.kind
