@@ -148,3 +148,35 @@ def test_the_compiled_attention_outside_an_engine_step_says_so():
     model.config._attn_implementation = "hf_paged_compiled"
     with pytest.raises(RuntimeError, match="runs only inside an engine's compiled steps"):
         model(torch.tensor([[3, 4, 5]]))
+
+
+def test_weights_changed_after_the_engine_is_built_are_used():
+    """The compiled body drops Dynamo's guards on parameters (``_engine_guards``) but reads them at
+    every call: a weight scaled in place and a parameter replaced by another of the same shape are
+    used, with nothing compiled again; the change matters (the tokens before it differ). (No prefix
+    caching: blocks cached before the change would hold the old weights' keys and values.)"""
+    model = build("llama")
+    engine = LLMEngine(model, compile=True, enable_prefix_caching=False)
+    before = _engine_tokens(engine)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+        old = model.model.layers[1].self_attn.o_proj.weight
+        model.model.layers[1].self_attn.o_proj.weight = torch.nn.Parameter(old.flip(0).clone())
+    with torch.compiler.set_stance("fail_on_recompile"):
+        after = _engine_tokens(engine)
+    assert after == _stock(model) and after != before
+
+
+class _Entry:
+    def __init__(self, name, guard_type, value=None):
+        self.name, self.guard_type, self.value = name, guard_type, value
+
+
+def test_the_compiled_body_keeps_guards_on_inputs_buffers_and_global_state_only():
+    kept = compiled_body._engine_guards([
+        _Entry("input_ids", "TENSOR_MATCH", torch.zeros(1)), _Entry("position_ids", "NONE_MATCH"),
+        _Entry("inputs_embeds", "NONE_MATCH"), _Entry("", "GLOBAL_STATE"),
+        _Entry("body._buffers['inv_freq']", "TENSOR_MATCH", torch.zeros(1)),
+        _Entry("body._parameters['weight']", "TENSOR_MATCH", torch.nn.Parameter(torch.zeros(1))),
+        _Entry("body._modules['layers']", "ID_MATCH"), _Entry("G['torch']", "ID_MATCH")])
+    assert kept == [True] * 5 + [False] * 3
