@@ -75,12 +75,14 @@ def _all_free(engine) -> None:
 
 
 def _force_one_preemption(engine, monkeypatch) -> None:
-    """A pure state-space model never runs out of blocks: refuse one append so the scheduler preempts."""
+    """A pure state-space model never runs out of blocks: from the 12th check on, refuse appends
+    until the scheduler has preempted once."""
     real, calls = engine.kv.can_append, {"n": 0}
 
     def can_append(work, reserve=0):
         calls["n"] += 1
-        return False if calls["n"] == 12 else real(work, reserve)
+        refuse = calls["n"] >= 12 and not sum(engine.scheduler.preemptions.values())
+        return False if refuse else real(work, reserve)
 
     monkeypatch.setattr(engine.kv, "can_append", can_append)
 

@@ -191,7 +191,7 @@ class OutputProcessor:
         params = request.params
         # a constrained request qualifies: its row was masked and biased in place before this
         return (request.beam is None and request.forked and params.greedy and not params.penalized
-                and params.logprobs is None and len(seq.output_token_ids) >= params.min_new_tokens)
+                and params.logprobs is None and seq.num_output_tokens >= params.min_new_tokens)
 
     def _advance_plain_greedy(self, plain: list[tuple[Request, Sequence, int]], logits: torch.Tensor,
                               outcome: _Outcome) -> None:
@@ -223,7 +223,7 @@ class OutputProcessor:
 
     def _sample(self, request: Request, seq: Sequence, logits: torch.Tensor, outcome: _Outcome) -> None:
         params = request.params
-        processed = sampler.process(logits, params, seq.token_ids, len(seq.output_token_ids), self.eos_token_ids)
+        processed = sampler.process(logits, params, seq.token_ids, seq.num_output_tokens, self.eos_token_ids)
         width = params.n if not request.forked else 1
         tokens = sampler.choose(processed, params, request.generator, width)
         raw = torch.log_softmax(logits, -1) if params.logprobs is not None else None
@@ -247,7 +247,7 @@ class OutputProcessor:
             seq.cumulative_logprob += logprob
             seq.logprobs = (seq.logprobs or []) + [sampler.top_logprobs(raw_logprobs, token, params.logprobs)]
         outcome.generated[request.request_id] += 1
-        generated = len(seq.output_token_ids)
+        generated = seq.num_output_tokens
         if token in self.eos_token_ids and not params.ignore_eos:
             seq.finish_reason = "stop"
         elif token in params.stop_token_ids:

@@ -141,6 +141,38 @@ class Scheduler:
         if self._scheduled is not None:
             raise RuntimeError("Scheduler.schedule() called again before update_from_output() of the last step")
         plan = _StepPlan(len(self.kv.groups))
+        budget, preempted = self._append_all_running(plan), False
+        if budget is None:  # they do not all fit: preempt (or reject) one request at a time
+            budget, preempted = self._append_running_preempting(plan)
+        if not preempted:
+            budget = self._swap_in(plan, budget)
+        if not preempted and not self.swapped:
+            self._admit(plan, budget)
+        return self._output(plan)
+
+    def _append_all_running(self, plan: _StepPlan) -> int | None:
+        """The common step: the work of every running request fits in the free blocks, so one check
+        and one append serve them all (the same slots and copies, in the same order, as one request
+        at a time). Returns the budget left, or None (nothing planned) when they do not fit."""
+        budget = self.max_num_batched_tokens
+        works = []
+        for request in self.running:
+            work = self._work(request, budget)
+            if work:
+                works.append((request, work))
+                budget -= sum(n for _, n in work)
+        every = [item for _, work in works for item in work]
+        self.kv.release_out_of_window(every)
+        if not self.kv.can_append(every):
+            return None
+        plan.extend(plan.copies, self.kv.append(every))
+        for request, work in works:
+            plan.add(request, work)
+        return budget
+
+    def _append_running_preempting(self, plan: _StepPlan) -> tuple[int, bool]:
+        """One running request at a time, preempting from the back of the queue until each fits
+        (or rejecting one that cannot fit alone). Returns the budget left and whether it preempted."""
         budget = self.max_num_batched_tokens
         preempted = False
         i = 0
@@ -168,11 +200,7 @@ class Scheduler:
             plan.extend(plan.copies, self.kv.append(work))
             budget -= plan.add(request, work)
             i += 1
-        if not preempted:
-            budget = self._swap_in(plan, budget)
-        if not preempted and not self.swapped:
-            self._admit(plan, budget)
-        return self._output(plan)
+        return budget, preempted
 
     def _swap_in(self, plan: _StepPlan, budget: int) -> int:
         while self.swapped and budget > 0:
