@@ -103,6 +103,34 @@ def test_prefix_caching_computes_a_shared_prefix_once(model):
     assert results[True][1]["prefix_cache_hit_tokens"] >= 15 * 256
 
 
+def test_reset_prefix_cache_after_the_weights_change():
+    """Cached blocks hold the old weights' keys and values: without a reset the same prompts read
+    them (tokens differ from stock's with the new weights: the negative control); after it they
+    equal stock's. A reset while a request is unfinished changes nothing and says so."""
+    model = build("llama")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (70, 49, 90)]
+    engine = LLMEngine(model, block_size=16, num_blocks=64)
+
+    def tokens():
+        return [list(o.outputs[0].token_ids) for o in engine.generate(prompts, GREEDY, use_tqdm=False)]
+
+    def stock():
+        return [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None)[0, len(p):]
+                .tolist() for p in prompts]
+
+    assert tokens() == stock() and engine.stats()["blocks_cached"] > 0
+    with torch.no_grad():
+        model.model.layers[0].self_attn.v_proj.weight.mul_(-2.0)
+    assert tokens() != stock()  # stale cached prefixes
+    engine.add_request(prompts[0], GREEDY, request_id="busy")
+    assert engine.reset_prefix_cache() is False and engine.stats()["blocks_cached"] > 0
+    engine.abort("busy")
+    assert engine.reset_prefix_cache() is True and engine.stats()["blocks_cached"] == 0
+    assert tokens() == stock()
+    _check_no_leak(engine)
+
+
 def test_parallel_sampling_is_seeded_and_shares_the_prompt(model, prompts):
     params = SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, top_k=20, n=3, seed=7)
     alone = LLMEngine(model, num_blocks=256).generate([prompts[5]], params, use_tqdm=False)[0]

@@ -117,8 +117,9 @@ def _engine_guards(entries: list) -> list[bool]:
     libraries' globals before every step (0.25-0.4 ms, 2% of a decode step of the issue-22 model):
     facts that stay as they were while an engine serves the model, as vLLM assumes of the model
     it owns. Parameters are read at each call, so weights changed in place or replaced by tensors
-    of the same shape and dtype are used; modules swapped or reconfigured after the engine is
-    built are not seen (build the engine again, or with ``compile=False``)."""
+    of the same shape and dtype are used; a module swapped or reconfigured after the engine is
+    built is not seen (or fails the step, when its parameters moved: an adapter wrapping a linear);
+    build the engine again, or with ``compile=False``."""
     return [entry.name in _BODY_INPUTS or entry.guard_type in _AMBIENT_GUARDS
             or (entry.guard_type == "TENSOR_MATCH" and not isinstance(entry.value, torch.nn.Parameter))
             for entry in entries]

@@ -488,6 +488,17 @@ class LLMEngine:
                 return
 
     # ------------------------------------------------------------------ prefix-cache snapshots
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block: after the model's weights change, cached blocks hold
+        keys and values of the old weights. As vLLM's does, it changes nothing and returns False
+        while requests are unfinished (their blocks enter the cache as they run); True once the
+        cache is empty."""
+        self._check_driver("reset_prefix_cache")
+        if self.has_unfinished_requests():
+            return False
+        self.kv.prefix.clear()
+        return True
+
     @torch.inference_mode()
     def save_prefix_cache(self, path) -> int:
         """Write the prefix cache (its blocks' K/V, token chain and a fingerprint of the model, dtype,
