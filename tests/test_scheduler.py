@@ -131,6 +131,36 @@ def test_the_output_is_packed_in_forward_order_with_consistent_slots():
     run_to_end(s, reqs)
 
 
+def _steps_of(all_at_once: bool, monkeypatch) -> list[tuple]:
+    """Every step's plan, seq ids left out (they come from a global counter), for requests that
+    chunk, decode, share a prefix and arrive while others run."""
+    s = scheduler(64, budget=12)
+    if not all_at_once:  # every step through the one-request-at-a-time loop
+        monkeypatch.setattr(s, "_append_all_running", lambda plan: None)
+    shared = list(range(500, 509))
+    reqs = add(s, request("a", list(range(100, 110)), new=6), request("b", shared + [1], new=4),
+               request("c", [7, 8, 9], new=9))
+    plans = []
+    for step in itertools.count():
+        if not s.has_unfinished():
+            break
+        if step == 2:
+            reqs.update(add(s, request("d", shared + [2, 3], new=5), request("e", list(range(200, 207)), new=2)))
+        out = s.schedule()
+        plans.append(([(x.request_id, x.start, x.num_tokens) for x in out.sequences], out.input_ids, out.positions,
+                      [(g.slot_mapping, g.block_tables, g.block_copies) for g in out.groups], s.kv.num_used_blocks()))
+        play(s, out, reqs)
+    assert s.kv.num_used_blocks() == 0
+    return plans
+
+
+def test_the_step_that_appends_every_running_request_at_once_plans_as_the_loop_does(monkeypatch):
+    """``_append_all_running`` (one check, one append) against the per-request loop it stands in
+    for when everything fits: the same tokens, slots, tables and copies, step by step."""
+    at_once = _steps_of(True, monkeypatch)
+    assert len(at_once) >= 8 and at_once == _steps_of(False, monkeypatch)
+
+
 def test_scheduler_output_is_immutable_plain_data():
     s = scheduler()
     add(s, request("a", 5))
