@@ -347,7 +347,7 @@ def serving_engine(args) -> LLMEngine:
     print(f"hf-paged serve: engine steps {'eager: ' + engine.compile_note if engine.compile_note else 'compiled'}",
           flush=True)
     if cpu_decode.failure():
-        print(f"hf-paged serve: the C decode read did not build, gather + SDPA read instead: {cpu_decode.failure()}",
+        print(f"hf-paged serve: the C reads did not build, gather + SDPA reads instead: {cpu_decode.failure()}",
               flush=True)
     return engine
 

@@ -38,7 +38,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from hf_paged import kernels
 from hf_paged.cache import new_columns_valid
 from hf_paged.channel import PackedStep, active_cache, in_packed_forward
-from hf_paged.kernels import cpu_decode
+from hf_paged.kernels import cpu_decode, cpu_prefill
 
 ATTN_IMPLEMENTATION = "hf_paged"
 COMPILED_ATTN_IMPLEMENTATION = "hf_paged_compiled"  # the engine's compiled steps (hf_paged.engine.compiled_body)
@@ -278,7 +278,10 @@ def packed_attention(step: PackedStep, layer_idx: int, query, key, value, stores
     elif nd:
         parts.append(kernels.paged_attention_decode(
             q[:nd].contiguous(), k_pool, v_pool, tables[:nd], lens[:nd], scale, **options))
-    if q.shape[0] > nd and stores and not q.is_cuda and not triton and not _has_span_options(options):
+    if q.shape[0] > nd and _c_prefill_reads(step, q, k_pool, v_pool, triton, options):
+        parts.append(cpu_prefill.paged_prefill_cpu(q[nd:], k_pool, v_pool, tables[nd:], meta.cu_seqlens_q, lens[nd:],
+                                                   scale, options.get("sliding_window"), options.get("sinks")))
+    elif q.shape[0] > nd and stores and not q.is_cuda and not triton and not _has_span_options(options):
         parts.append(_prefill_by_sdpa(query[0, :, nd:], key[0, :, nd:], value[0, :, nd:], k_pool, v_pool,
                                       tables[nd:], meta.cu_seqlens_q, lens[nd:], scale, options.get("sliding_window")))
     elif q.shape[0] > nd:
@@ -286,6 +289,15 @@ def packed_attention(step: PackedStep, layer_idx: int, query, key, value, stores
             q[nd:].contiguous(), k_pool, v_pool, tables[nd:], meta.cu_seqlens_q, lens[nd:], scale, **options))
     out = parts[0] if len(parts) == 1 else torch.cat([p.to(query.dtype) for p in parts])
     return out.to(query.dtype)[None], None
+
+
+def _c_prefill_reads(step: PackedStep, q: torch.Tensor, k_pool, v_pool, triton: bool, options: dict) -> bool:
+    """Whether an engine step's prefill chunks go to the C read over the blocks
+    (:mod:`hf_paged.kernels.cpu_prefill`): float32 pools on the CPU, ``step.prefill_read`` "auto",
+    causal attention in an optional sliding window with optional sinks (no softcap or chunk),
+    and the read built for the layout. Half precision keeps stock's SDPA (batch invariance)."""
+    return (step.prefill_read == "auto" and not triton and not options.get("softcap")
+            and not options.get("chunk_size") and cpu_prefill.supports(q, k_pool, v_pool))
 
 
 def _has_span_options(options: dict) -> bool:

@@ -242,10 +242,14 @@ class PackedStep(StashingCache, abc.ABC):
     ``decode_read`` chooses the CPU decode read: ``"auto"`` reads float32 pools with the C read
     (:mod:`hf_paged.kernels.cpu_decode`) where it is built, ``"gather"`` always copies the
     sequences' keys and values out of the blocks for SDPA (:meth:`decode_groups`).
+    ``prefill_read`` chooses the CPU prefill read: ``"auto"`` reads float32 pools with the C read
+    (:mod:`hf_paged.kernels.cpu_prefill`) where it is built, ``"sdpa"`` calls SDPA per sequence as
+    stock does for one prompt.
     """
 
     storage: PagedKVStorage
     decode_read: str = "auto"
+    prefill_read: str = "auto"
 
     @abc.abstractmethod
     def num_blocks_for(self, layer_idx: int) -> int:

@@ -60,16 +60,16 @@ class ModelRunner:
         # the float32 CPU LM head runs through oneDNN (hf_paged.engine.cpu_linear)
         self._onednn_linears = tuple(m for m in (switchable_lm_head(model),) if m is not None)
         self._prepacked = tuple(p for p in (prepacked_lm_head(model, prepack_lm_head),) if p is not None)
-        # the CPU decode read of float32 steps: "auto" (the C read, hf_paged.kernels.cpu_decode, where it
-        # builds) or "gather" (gather + SDPA); see PackedStep.decode_read
-        self.decode_read = "auto"
+        # the CPU reads of float32 steps: "auto" (the C reads, hf_paged.kernels.cpu_decode / cpu_prefill,
+        # where they build), or "gather" (gather + SDPA) / "sdpa" (SDPA per sequence); see PackedStep
+        self.decode_read = self.prefill_read = "auto"
         # packed steps through a torch.compile'd decoder body (hf_paged.engine.compiled_body)
         self.compiled, self.compiled_note = compiled_body.compiled_body(model, self.specs, packed_attention, compile,
                                                                         recurrent=self.per_sequence)
-        self._build_cpu_decode()
+        self._build_cpu_reads()
 
-    def _build_cpu_decode(self) -> None:
-        """Build (or load from the disk cache) the C decode read for the attention layers' layouts now,
+    def _build_cpu_reads(self) -> None:
+        """Build (or load from the disk cache) the C reads for the attention layers' layouts now,
         where steps will use it (CPU, float32), so the first step does not wait for the compiler.
         A layout the configs do not tell builds on first use."""
         if self.device.type != "cpu" or self.model.dtype != torch.float32:
@@ -99,7 +99,7 @@ class ModelRunner:
         shape = (-1, 1) if rows else (1, -1)
         positions = host_tensor(step.positions).to(self.device).view(shape)
         step_cache = PackedStepCache(self.specs, self.groups, self.storage, step, positions.view(-1),
-                                     decode_read=self.decode_read)
+                                     decode_read=self.decode_read, prefill_read=self.prefill_read)
         forward = {
             "input_ids": host_tensor(step.input_ids).to(self.device).view(shape),
             "position_ids": positions,

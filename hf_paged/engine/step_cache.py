@@ -28,9 +28,10 @@ class PackedStepCache(PackedStep):
     own metadata (slots and block tables), built on first use."""
 
     def __init__(self, specs: list[KVSpec | None], groups: list[LayerGroup], storage: PagedKVStorage,
-                 step: SchedulerOutput, positions: torch.Tensor | None = None, *, decode_read: str = "auto"):
+                 step: SchedulerOutput, positions: torch.Tensor | None = None, *, decode_read: str = "auto",
+                 prefill_read: str = "auto"):
         super().__init__([None if spec is None else spec.window for spec in specs])
-        self.decode_read = decode_read  # PackedStep.decode_read
+        self.decode_read, self.prefill_read = decode_read, prefill_read  # see PackedStep
         self.storage, self._step, self.specs = storage, step, specs
         self._positions = positions  # [total_tokens] on the model's device (see get_seq_length)
         self._past: torch.Tensor | None = None
