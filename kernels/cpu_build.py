@@ -69,6 +69,19 @@ def mismatch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> s
     return None
 
 
+def library_for(read: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> ctypes.CDLL:
+    """The library for these tensors' layout; a ValueError naming ``read`` when they do not fit
+    (:func:`mismatch`), a RuntimeError when the library cannot be built."""
+    problem = mismatch(q, k_cache, v_cache)
+    if problem is not None:
+        raise ValueError(f"{read}: {problem}")
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    loaded = library((kv_heads, q.shape[1] // kv_heads, head_dim, block_size))
+    if loaded is None:
+        raise RuntimeError(f"{read}: the C reads are not available: {_failure}")
+    return loaded
+
+
 def _load(path: Path) -> ctypes.CDLL:
     loaded = ctypes.CDLL(str(path))
     decode, prefill = loaded.paged_decode, loaded.paged_prefill

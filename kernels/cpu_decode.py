@@ -52,14 +52,9 @@ def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     sequence ``i`` sees its last ``sliding_window`` (or all) of ``context_lens[i]`` keys, and
     ``sinks`` (``[heads]``) add a logit per head whose value is zero. Returns ``[seqs, heads,
     head_dim]``. Callers ask :func:`supports` first."""
-    mismatch = cpu_build.mismatch(q, k_cache, v_cache)
-    if mismatch is not None:
-        raise ValueError(f"paged_decode_cpu: {mismatch}")
-    seqs, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
-    library = cpu_build.library((kv_heads, heads // kv_heads, head_dim, block_size))
-    if library is None:
-        raise RuntimeError(f"the C decode read is not available: {cpu_build.failure()}")
+    library = cpu_build.library_for("paged_decode_cpu", q, k_cache, v_cache)
+    seqs, heads, _ = q.shape
+    block_size = k_cache.shape[1]
     q = q.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()

@@ -39,14 +39,11 @@ def paged_prefill_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     ``sliding_window`` of them when given); ``sinks`` (``[heads]``) add a logit per head whose value
     is zero. A block outside the pool among those read, or a length the table cannot hold, is a
     ValueError. Returns ``[tokens, heads, head_dim]``. Callers ask :func:`supports` first."""
-    mismatch = cpu_build.mismatch(q, k_cache, v_cache)
-    if mismatch is not None or q.shape[2] % 4:
-        raise ValueError(f"paged_prefill_cpu: {mismatch or f'head dim {q.shape[2]} is not a multiple of 4'}")
-    tokens, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
-    library = cpu_build.library((kv_heads, heads // kv_heads, head_dim, block_size))
-    if library is None:
-        raise RuntimeError(f"the C prefill read is not available: {cpu_build.failure()}")
+    if q.dim() == 3 and q.shape[2] % 4:
+        raise ValueError(f"paged_prefill_cpu: head dim {q.shape[2]} is not a multiple of 4")
+    library = cpu_build.library_for("paged_prefill_cpu", q, k_cache, v_cache)
+    tokens, heads, _ = q.shape
+    block_size = k_cache.shape[1]
     q = q.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     cu = cu_seqlens_q.to(torch.int32).contiguous()

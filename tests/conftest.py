@@ -14,6 +14,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_PAGED_COMPILE", "0")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from hf_paged import PagedKVCache, kernels  # noqa: E402
 
@@ -34,6 +35,14 @@ def triton_launches(monkeypatch):
     kernels.set_backend("triton")
     yield counts
     kernels.set_backend("auto")
+
+
+@pytest.fixture
+def threads():
+    """``torch.set_num_threads`` for the test; the count before it is restored after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)

@@ -27,13 +27,6 @@ def _built_or_skip(kv_heads, group, head_dim, block_size):
         pytest.skip(f"no C compiler works here: {cpu_decode.failure()}")
 
 
-@pytest.fixture
-def threads():
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
 def _case(kv_heads, group, head_dim, block_size, num_seqs, seed=0):
     """Pools of random K/V, scattered block tables padded with -1, and queries: the lengths cover a
     lone slot, full and partial last blocks and several blocks."""

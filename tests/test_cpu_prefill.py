@@ -25,13 +25,6 @@ def _built_or_skip(kv_heads, group, head_dim, block_size):
         pytest.skip(f"no C compiler works here: {cpu_build.failure()}")
 
 
-@pytest.fixture
-def threads():
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
 # (context, new tokens): a lone token, a whole prompt over several blocks, a chunk after a past that
 # starts inside a block, a long chunk after a past, one new token after a long past
 SEQUENCES = [(1, 1), (70, 70), (33, 5), (130, 64), (17, 1)]
