@@ -69,14 +69,24 @@ def mismatch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> s
     return None
 
 
+def _layout(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    return kv_heads, q.shape[1] // kv_heads, head_dim, block_size
+
+
+def readable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the C reads can take these tensors: no :func:`mismatch`, and the library for their
+    layout built (built on the first ask)."""
+    return mismatch(q, k_cache, v_cache) is None and library(_layout(q, k_cache)) is not None
+
+
 def library_for(read: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> ctypes.CDLL:
     """The library for these tensors' layout; a ValueError naming ``read`` when they do not fit
     (:func:`mismatch`), a RuntimeError when the library cannot be built."""
     problem = mismatch(q, k_cache, v_cache)
     if problem is not None:
         raise ValueError(f"{read}: {problem}")
-    _, block_size, kv_heads, head_dim = k_cache.shape
-    loaded = library((kv_heads, q.shape[1] // kv_heads, head_dim, block_size))
+    loaded = library(_layout(q, k_cache))
     if loaded is None:
         raise RuntimeError(f"{read}: the C reads are not available: {_failure}")
     return loaded

@@ -37,10 +37,7 @@ def ready(kv_heads: int, heads_per_kv: int, head_dim: int, block_size: int) -> b
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether these tensors can go to :func:`paged_decode_cpu`: float32 on the CPU, pools in their
     plain ``[blocks, block_size, kv_heads, head_dim]`` layout, and the read built for it."""
-    if cpu_build.mismatch(q, k_cache, v_cache) is not None:
-        return False
-    _, block_size, kv_heads, head_dim = k_cache.shape
-    return ready(kv_heads, q.shape[1] // kv_heads, head_dim, block_size)
+    return cpu_build.readable(q, k_cache, v_cache)
 
 
 def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

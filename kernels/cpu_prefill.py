@@ -23,10 +23,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
     """Whether these tensors can go to :func:`paged_prefill_cpu`: float32 on the CPU, pools in their
     plain ``[blocks, block_size, kv_heads, head_dim]`` layout, a head dim that is a multiple of 4,
     and the read built for the layout (built on the first ask)."""
-    if cpu_build.mismatch(q, k_cache, v_cache) is not None or q.shape[2] % 4:
-        return False
-    _, block_size, kv_heads, head_dim = k_cache.shape
-    return cpu_build.library((kv_heads, q.shape[1] // kv_heads, head_dim, block_size)) is not None
+    return q.dim() == 3 and q.shape[2] % 4 == 0 and cpu_build.readable(q, k_cache, v_cache)
 
 
 def paged_prefill_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
