@@ -27,6 +27,7 @@ from hf_paged.attention import ATTN_IMPLEMENTATION, COMPILED_ATTN_IMPLEMENTATION
 from hf_paged.channel import clear_active_cache, packed_forward
 from hf_paged.engine import compiled_body
 from hf_paged.engine.cpu_linear import onednn_linears, prepacked_lm_head, switchable_lm_head
+from hf_paged.engine.mkl_threads import SerialGemms
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.step_cache import PackedStepCache, host_tensor
 from hf_paged.kernels import cpu_decode
@@ -43,7 +44,8 @@ class ModelRunner:
     def __init__(self, model: PreTrainedModel, storage: PagedKVStorage, swap_storage: PagedKVStorage,
                  swap_space_blocks: int | list[int] = 0, *, groups: list[LayerGroup] | None = None,
                  states: StatePool | None = None, swap_states: StatePool | None = None,
-                 prepack_lm_head: bool | None = None, compile: bool | None = None):
+                 prepack_lm_head: bool | None = None, compile: bool | None = None,
+                 serial_small_gemms: bool | None = None):
         self.model, self.storage, self.swap_storage = model, storage, swap_storage
         self.states, self.swap_states = states, swap_states
         self.per_sequence = states is not None
@@ -60,6 +62,8 @@ class ModelRunner:
         # the float32 CPU LM head runs through oneDNN (hf_paged.engine.cpu_linear)
         self._onednn_linears = tuple(m for m in (switchable_lm_head(model),) if m is not None)
         self._prepacked = tuple(p for p in (prepacked_lm_head(model, prepack_lm_head),) if p is not None)
+        # small steps' GEMMs on the stepping thread alone (hf_paged.engine.mkl_threads); None: every step splits
+        self.serial_gemms = SerialGemms.of(model, serial_small_gemms)
         # the CPU reads of float32 steps: "auto" (the C reads, hf_paged.kernels.cpu_decode / cpu_prefill,
         # where they build), or "gather" (gather + SDPA) / "sdpa" (SDPA per sequence); see PackedStep
         self.decode_read = self.prefill_read = "auto"
@@ -121,7 +125,8 @@ class ModelRunner:
         implementation = COMPILED_ATTN_IMPLEMENTATION if compiled else ATTN_IMPLEMENTATION
         with (packed_forward(), paged_call(self.model, implementation),
               self.compiled.active(step_cache) if compiled else contextlib.nullcontext(),
-              onednn_linears(self._onednn_linears, self._prepacked)):
+              onednn_linears(self._onednn_linears, self._prepacked),
+              self.serial_gemms.step(step.num_scheduled_tokens) if self.serial_gemms else contextlib.nullcontext()):
             logits = self.model(**forward).logits
         clear_active_cache()
         step_cache.check_no_pending()
