@@ -8,7 +8,7 @@ issue 22, and MKL's sgemm opens two regions per call. A decode step of the issue
 layer GEMMs of 17-120 us each: 56 of the step's ~70 wake-ups, each costing about what splitting the
 GEMM saves. Run on the stepping thread alone (MKL's thread-local setting, ``mkl_set_num_threads_local``),
 those GEMMs leave the other cores to the server and the clients: 32 streaming clients on 2 cores
-were served 10-14% faster (benchmarks/RESULTS.md, ninth run), while in-process decode steps of 32
+were served 10-14% faster in an A/B (benchmarks/RESULTS.md, ninth run), while in-process decode steps of 32
 sequences took as long as before (11.8 against 11.9 ms).
 
 Only steps whose largest layer GEMM is small switch (``SERIAL_GEMM_MAX_MACS``: at 128 sequences and
@@ -29,14 +29,14 @@ from collections.abc import Iterator
 import torch
 
 SERIAL_GEMM_MAX_MACS = 16 * 2**20  # a step runs serial GEMMs while its largest layer GEMM multiplies at most this
-_ONE, _NONE = ctypes.c_int(1), ctypes.c_int(0)  # 0: no thread-local count (the process-wide one applies)
+_ONE = ctypes.c_int(1)
 
 
 def _mkl() -> ctypes.CDLL | None:
     """torch's CPU library where it carries MKL's thread-local setter (x86 builds link MKL into it)."""
     path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-    try:
-        lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | os.RTLD_LAZY)
+    try:  # already loaded by torch: no second copy (elsewhere, as on macOS or Windows, no MKL here)
+        lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
         # the Fortran-style entry points, which take their argument by reference in every MKL build
         lib.mkl_set_num_threads_local_.restype = ctypes.c_int
         lib.mkl_get_max_threads.restype = ctypes.c_int
@@ -65,7 +65,8 @@ def passive_waits(environ: dict | None = None) -> bool:
 
 @contextlib.contextmanager
 def one_thread() -> Iterator[None]:
-    """MKL's GEMMs called from this thread run on it alone inside the block."""
+    """MKL's GEMMs called from this thread run on it alone inside the block (then the thread's
+    earlier setting again; 0, none, lets the process-wide count apply)."""
     previous = ctypes.c_int(_LIB.mkl_set_num_threads_local_(ctypes.byref(_ONE)))
     try:
         yield
