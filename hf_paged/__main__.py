@@ -343,9 +343,9 @@ def serving_engine(args) -> LLMEngine:
     print(f"hf-paged serve: model {_model_name(model, args)}", flush=True)
     print(f"hf-paged serve: {engine_memory_line(engine)}", flush=True)
     if threads:
-        serial = engine.stats()["serial_gemm_max_tokens"]
-        gemms = f"; steps of up to {serial} tokens run their GEMMs on one thread" if serial else ""
-        print(f"hf-paged serve: engine threads {threads[0]} ({threads[1]}{gemms})", flush=True)
+        serial = engine.stats()["serial_step_max_tokens"]
+        small = f"; steps of up to {serial} tokens run on one" if serial else ""
+        print(f"hf-paged serve: engine threads {threads[0]} ({threads[1]}{small})", flush=True)
     print(f"hf-paged serve: engine steps {'eager: ' + engine.compile_note if engine.compile_note else 'compiled'}",
           flush=True)
     if cpu_decode.failure():

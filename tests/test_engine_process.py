@@ -22,6 +22,7 @@ import pytest
 
 from hf_paged import LLMEngine, SamplingParams
 from hf_paged.demo import byte_tokenizer
+from hf_paged.engine import step_threads
 from hf_paged.engine.outputs import CompletionOutput
 from hf_paged.serve.engine_process import EngineProcess
 from tests.helpers.serving import (MODEL, assert_all_free, free_port, same_or_near_tie, serving, single_threaded_torch,
@@ -217,13 +218,19 @@ def test_hf_paged_serve_starts_its_engine_process_with_that_policy(user_policy):
         env["OMP_WAIT_POLICY"] = user_policy
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
+    printed = []
     try:
         for line in proc.stdout:
+            printed.append(line)
             if found := re.search(r"; engine process (\d+)\)$", line.strip()):
                 engine_pid = int(found.group(1))
                 break
         else:
             raise AssertionError("the server named no engine process")
+        # passive waits: small steps run on one thread (hf_paged.engine.step_threads)
+        threads_line = next(line for line in printed if "engine threads" in line)
+        serial = re.search(r"steps of up to (\d+) tokens run on one", threads_line)
+        assert bool(serial) == (user_policy is None and cores > 1 and step_threads.available()), threads_line
 
         def policy(pid: int) -> str | None:
             with open(f"/proc/{pid}/environ", "rb") as f:

@@ -36,6 +36,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from hf_paged.attention import COMPILED_ATTN_IMPLEMENTATION, paged_call
 from hf_paged.channel import PackedStep
+from hf_paged.engine import step_threads
 from hf_paged.engine.tensor_parallel import tp_size_of
 from hf_paged.kinds import ChunkedLocalAttentionSpec, FullAttentionSpec, KVSpec, SlidingWindowSpec
 
@@ -188,26 +189,32 @@ class CompiledBody:
             raise RuntimeError(f"a compiled step attended {cursor.next} times for {self.num_layers} layers")
 
     @torch.inference_mode()
-    def warm_up(self, device: torch.device) -> str | None:
+    def warm_up(self, device: torch.device, also_one_thread: bool = False) -> str | None:
         """Compile both graphs (two tokens or more, one token) by running the whole model on dummy
-        tokens, as a step calls it; returns why that failed (None: compiled)."""
+        tokens, as a step calls it, and (``also_one_thread``) both again for steps run on one thread
+        (:mod:`hf_paged.engine.step_threads`: Dynamo guards on the thread count); returns why that
+        failed (None: compiled)."""
+        threads = [contextlib.nullcontext] + ([step_threads.one_thread] if also_one_thread else [])
         try:
-            for tokens in (2, 1):
-                ids = torch.ones(1, tokens, dtype=torch.long, device=device)
-                with paged_call(self.model, COMPILED_ATTN_IMPLEMENTATION), self.active(None):
-                    self.model(input_ids=ids, position_ids=torch.arange(tokens, device=device)[None], use_cache=False)
+            for context in threads:
+                for tokens in (2, 1):
+                    ids = torch.ones(1, tokens, dtype=torch.long, device=device)
+                    with paged_call(self.model, COMPILED_ATTN_IMPLEMENTATION), self.active(None), context():
+                        self.model(input_ids=ids, position_ids=torch.arange(tokens, device=device)[None],
+                                   use_cache=False)
         except Exception as error:  # noqa: BLE001 - any failure to compile leaves the engine eager
             return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
-        if self.calls != 2:
+        if self.calls != 2 * len(threads):
             return f"{type(self.model).__name__}'s forward does not run its decoder body (get_decoder()) once per call"
         return None
 
 
 def compiled_body(model: PreTrainedModel, specs: list[KVSpec | None], attend: Callable, compile: bool | None,
-                  recurrent: bool = False) -> tuple[CompiledBody | None, str | None]:
+                  recurrent: bool = False, also_one_thread: bool = False) -> tuple[CompiledBody | None, str | None]:
     """The engine's compiled body, or None and why not. ``compile``: None compiles where
     :func:`unsupported` allows it (and ``HF_PAGED_COMPILE`` is not ``0``); True must compile
-    (``ValueError`` naming why it cannot); False never does."""
+    (``ValueError`` naming why it cannot); False never does. ``also_one_thread``: some steps will
+    run on one thread, which needs graphs of their own."""
     if compile is False or (compile is None and not default_on()):
         return None, "off (compile=False)" if compile is False else f"off ({COMPILE_ENV}=0)"
     reason = unsupported(model, specs, recurrent)
@@ -216,7 +223,7 @@ def compiled_body(model: PreTrainedModel, specs: list[KVSpec | None], attend: Ca
             raise ValueError(f"compile=True: {reason}")
         return None, reason
     body = CompiledBody(model, attend, len(specs))
-    failure = body.warm_up(model.device)
+    failure = body.warm_up(model.device, also_one_thread)
     if failure is not None:
         if compile:
             raise RuntimeError(f"compile=True: torch.compile failed: {failure}")

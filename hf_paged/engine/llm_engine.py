@@ -79,12 +79,12 @@ class LLMEngine:
             CPU for models whose layers are all plain attention layers, unless the environment has
             ``HF_PAGED_COMPILE=0``; True: compile or raise naming why not; False: eager steps.
             ``stats()["compiled"]`` says which, :attr:`compile_note` why not.
-        serial_small_gemms: models on CPU with MKL: steps whose largest layer GEMM is small run
-            MKL's GEMMs on the stepping thread alone (:mod:`hf_paged.engine.mkl_threads`: with
-            passive OpenMP waits each parallel region pays a wake-up that small GEMMs do not earn
-            back). ``None`` (default): when ``OMP_WAIT_POLICY=PASSIVE`` and torch runs more than one
-            thread, as under ``hf-paged serve`` with the engine on every core; True / False: always
-            / never. ``stats()["serial_gemm_max_tokens"]`` says up to which step size (0: never).
+        serial_small_steps: models on CPU with more than one torch thread: steps whose largest
+            layer GEMM is small run on the stepping thread alone (:mod:`hf_paged.engine.step_threads`:
+            with passive OpenMP waits each parallel region pays a wake-up that small work does not
+            earn back). ``None`` (default): when ``OMP_WAIT_POLICY=PASSIVE``, as under ``hf-paged
+            serve`` with the engine on every core; True / False: always / never.
+            ``stats()["serial_step_max_tokens"]`` says up to which step size (0: none).
         preemption_mode: ``"recompute"`` or ``"swap"`` (to ``swap_space_blocks`` CPU blocks).
         max_consecutive_failures: failed steps in a row after which :attr:`healthy` is False (a
             step fails when its forward, block moves or processing raise, or when every logits
@@ -106,7 +106,7 @@ class LLMEngine:
         preemption_mode: str = "recompute", swap_space_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None, max_consecutive_failures: int = 3,
         num_state_slots: int | None = None, prepack_lm_head: bool | None = None, tune_malloc: bool | None = None,
-        compile: bool | None = None, serial_small_gemms: bool | None = None,
+        compile: bool | None = None, serial_small_steps: bool | None = None,
     ):
         check_engine_supported(model)  # generate()-only models are refused here, naming why
         check_block_options(block_size, num_blocks)
@@ -164,7 +164,7 @@ class LLMEngine:
         swap_storage = PagedKVStorage(block_size, device="cpu", pin_memory=model.device.type == "cuda")
         self.runner = ModelRunner(model, PagedKVStorage(block_size), swap_storage, swap_space_blocks, groups=groups,
                                   states=states, swap_states=swap_states, prepack_lm_head=prepack_lm_head,
-                                  compile=compile, serial_small_gemms=serial_small_gemms)
+                                  compile=compile, serial_small_steps=serial_small_steps)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.max_positions = max_positions(self.config)
         # structured outputs and logit_bias: grammars compiled off this thread, masks and matchers per step
@@ -599,7 +599,7 @@ class LLMEngine:
             "healthy": self.healthy, "failed_steps": self._counters["failed_steps"],
             "consecutive_failed_steps": self._counters["consecutive_failed_steps"],
             "prefix_caching": self.kv.enable_prefix_caching, "compiled": self.runner.compiled is not None,
-            "serial_gemm_max_tokens": self.runner.serial_gemms.max_tokens if self.runner.serial_gemms else 0,
+            "serial_step_max_tokens": self.runner.serial_steps.max_tokens if self.runner.serial_steps else 0,
             "state_slots_total": kv["state_slots_total"], "state_slots_used": kv["state_slots_used"],
             "state_slots_free": kv["state_slots_free"], "swap_state_slots_used": kv["swap_state_slots_used"],
             "state_bytes_per_slot": self.runner.states.bytes_per_slot() if self.runner.states else 0,

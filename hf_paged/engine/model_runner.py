@@ -27,9 +27,9 @@ from hf_paged.attention import ATTN_IMPLEMENTATION, COMPILED_ATTN_IMPLEMENTATION
 from hf_paged.channel import clear_active_cache, packed_forward
 from hf_paged.engine import compiled_body
 from hf_paged.engine.cpu_linear import onednn_linears, prepacked_lm_head, switchable_lm_head
-from hf_paged.engine.mkl_threads import SerialGemms
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.step_cache import PackedStepCache, host_tensor
+from hf_paged.engine.step_threads import SerialSmallSteps
 from hf_paged.kernels import cpu_decode
 from hf_paged.kinds import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, attention_heads
 from hf_paged.layer_groups import LayerGroup, layer_groups
@@ -45,7 +45,7 @@ class ModelRunner:
                  swap_space_blocks: int | list[int] = 0, *, groups: list[LayerGroup] | None = None,
                  states: StatePool | None = None, swap_states: StatePool | None = None,
                  prepack_lm_head: bool | None = None, compile: bool | None = None,
-                 serial_small_gemms: bool | None = None):
+                 serial_small_steps: bool | None = None):
         self.model, self.storage, self.swap_storage = model, storage, swap_storage
         self.states, self.swap_states = states, swap_states
         self.per_sequence = states is not None
@@ -62,14 +62,15 @@ class ModelRunner:
         # the float32 CPU LM head runs through oneDNN (hf_paged.engine.cpu_linear)
         self._onednn_linears = tuple(m for m in (switchable_lm_head(model),) if m is not None)
         self._prepacked = tuple(p for p in (prepacked_lm_head(model, prepack_lm_head),) if p is not None)
-        # small steps' GEMMs on the stepping thread alone (hf_paged.engine.mkl_threads); None: every step splits
-        self.serial_gemms = SerialGemms.of(model, serial_small_gemms)
+        # small steps on the stepping thread alone (hf_paged.engine.step_threads); None: every step splits
+        self.serial_steps = SerialSmallSteps.of(model, serial_small_steps)
         # the CPU reads of float32 steps: "auto" (the C reads, hf_paged.kernels.cpu_decode / cpu_prefill,
         # where they build), or "gather" (gather + SDPA) / "sdpa" (SDPA per sequence); see PackedStep
         self.decode_read = self.prefill_read = "auto"
         # packed steps through a torch.compile'd decoder body (hf_paged.engine.compiled_body)
-        self.compiled, self.compiled_note = compiled_body.compiled_body(model, self.specs, packed_attention, compile,
-                                                                        recurrent=self.per_sequence)
+        self.compiled, self.compiled_note = compiled_body.compiled_body(
+            model, self.specs, packed_attention, compile, recurrent=self.per_sequence,
+            also_one_thread=self.serial_steps is not None)
         self._build_cpu_reads()
 
     def _build_cpu_reads(self) -> None:
@@ -126,7 +127,7 @@ class ModelRunner:
         with (packed_forward(), paged_call(self.model, implementation),
               self.compiled.active(step_cache) if compiled else contextlib.nullcontext(),
               onednn_linears(self._onednn_linears, self._prepacked),
-              self.serial_gemms.step(step.num_scheduled_tokens) if self.serial_gemms else contextlib.nullcontext()):
+              self.serial_steps.step(step.num_scheduled_tokens) if self.serial_steps else contextlib.nullcontext()):
             logits = self.model(**forward).logits
         clear_active_cache()
         step_cache.check_no_pending()

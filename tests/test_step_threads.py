@@ -1,0 +1,105 @@
+"""Small engine steps run on one thread (hf_paged.engine.step_threads): which steps, that the
+setting ends with the step, compiled graphs for both thread counts, and tokens equal to stock
+generate()."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_paged import LLMEngine, SamplingParams
+from hf_paged.engine import step_threads
+from hf_paged.engine.step_threads import SERIAL_STEP_MAX_MACS, SerialSmallSteps
+from tests.helpers.tiny_models import build
+
+pytestmark = pytest.mark.skipif(not step_threads.available(), reason="this torch's thread counts cannot be set per thread")
+
+PROMPTS = [list(range(3, 40)), [5, 6, 7], [9] * 20, list(range(50, 62))]
+
+
+def test_one_thread_holds_inside_the_block_only(threads):
+    threads(2)
+    assert step_threads.current_threads() == (2, 2)
+    with step_threads.one_thread():
+        assert step_threads.current_threads() == (1, 1)
+        assert torch.get_num_threads() == 1  # what torch's own ops and the C reads split by
+        with step_threads.one_thread():
+            assert step_threads.current_threads() == (1, 1)
+        assert step_threads.current_threads() == (1, 1)  # the inner block gives back the outer one's setting
+    assert step_threads.current_threads() == (2, 2) and torch.get_num_threads() == 2
+
+
+def test_default_follows_the_openmp_wait_policy_and_the_thread_count(monkeypatch, threads):
+    model = build("llama")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    threads(2)
+    assert SerialSmallSteps.of(model) is None  # active waits: split steps are faster
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    serial = SerialSmallSteps.of(model)
+    largest = max(m.in_features * m.out_features for m in model.model.modules() if isinstance(m, torch.nn.Linear))
+    assert serial is not None and serial.max_tokens == SERIAL_STEP_MAX_MACS // largest
+    assert step_threads.largest_gemm_macs_per_token(model) == largest  # the body's linears, not the LM head
+    assert SerialSmallSteps.of(model, True) is not None and SerialSmallSteps.of(model, False) is None
+    threads(1)
+    assert SerialSmallSteps.of(model) is None and SerialSmallSteps.of(model, True) is None  # nothing to split
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    threads(2)
+    assert SerialSmallSteps.of(model) is None
+
+
+def _engine_run(model, serial: bool | None, max_tokens: int = 8, compile: bool = False):
+    """Greedy tokens of PROMPTS and, per forward, (tokens in the step, (OpenMP, MKL) threads inside
+    it): seen by the first MLP (eager steps) or by the paged attention the compiled body calls out to."""
+    engine = LLMEngine(model, block_size=8, max_num_batched_tokens=64, serial_small_steps=serial, compile=compile)
+    engine.graphs_after_build = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    if engine.runner.serial_steps is not None:
+        engine.runner.serial_steps.max_tokens = max_tokens
+    seen = []
+    if compile:
+        attend = engine.runner.compiled.attend
+
+        def watched(step, layer, query, *args, **kwargs):
+            if layer == 0:
+                seen.append((query.shape[-2], step_threads.current_threads()))
+            return attend(step, layer, query, *args, **kwargs)
+
+        engine.runner.compiled.attend = watched
+        undo = lambda: setattr(engine.runner.compiled, "attend", attend)  # noqa: E731
+    else:
+        undo = model.model.layers[0].mlp.register_forward_pre_hook(
+            lambda module, args: seen.append((args[0].shape[-2], step_threads.current_threads()))).remove
+    try:
+        outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0), use_tqdm=False)
+    finally:
+        undo()
+    assert engine.kv.num_used_blocks() == 0
+    return [o.outputs[0].token_ids for o in outs], seen, engine
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_small_steps_run_on_one_thread_and_tokens_equal_stock_generate(threads, compile):
+    threads(2)
+    model = build("llama")
+    stock = [copy.deepcopy(model).generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+             for p in PROMPTS]
+    tokens, seen, engine = _engine_run(model, serial=True, compile=compile)
+    assert engine.stats()["compiled"] == compile
+    assert engine.stats()["serial_step_max_tokens"] == 8
+    assert tokens == stock
+    small = [t for n, t in seen if n <= 8]
+    large = [t for n, t in seen if n > 8]
+    assert small and large, "the run needs steps on both sides of the limit"
+    assert set(small) == {(1, 1)} and set(large) == {(2, 2)}
+    assert step_threads.current_threads() == (2, 2)  # nothing stays set after the steps
+    if compile:  # warmed up at both thread counts as the engine was built: nothing compiles while serving
+        assert engine.runner.compiled.calls == 4 + len(seen)
+        assert engine.graphs_after_build == torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_negative_control_without_the_setting_every_step_splits(threads):
+    threads(2)
+    tokens, seen, engine = _engine_run(build("llama"), serial=False)
+    assert engine.stats()["serial_step_max_tokens"] == 0
+    assert {t for _, t in seen} == {(2, 2)}
