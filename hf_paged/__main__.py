@@ -307,7 +307,7 @@ def serve(args) -> int:
         # this module is __main__, which a spawned process does not import
         build = functools.partial(importlib.import_module("hf_paged.__main__").serving_engine, args)
         try:
-            with _environment(engine_process_env(engine_threads(args.engine_threads)[0])):  # read as it starts
+            with _environment(engine_process_env(engine_threads(args.engine_threads, True)[0])):  # read as it starts
                 engine = EngineProcess(build, tokenizer)
         except RuntimeError as err:
             raise CliError(str(err)) from None
@@ -330,7 +330,7 @@ def serving_engine(args) -> LLMEngine:
     from hf_paged import LLMEngine
     from hf_paged.kernels import cpu_decode
 
-    threads = None if "RANK" in os.environ else engine_threads(args.engine_threads)  # ranks: tensor_parallel's
+    threads = None if "RANK" in os.environ else engine_threads(args.engine_threads, args.engine_process)  # ranks: TP's
     if threads:
         torch.set_num_threads(threads[0])  # before the model compiles: its kernels keep the count they were built for
     model, tokenizer = load_split(args) if "RANK" in os.environ else load(args)
@@ -354,13 +354,23 @@ def serving_engine(args) -> LLMEngine:
     return engine
 
 
-def engine_threads(requested: int | None) -> tuple[int, str]:
+EVERY_CORE_UP_TO = 2  # an engine in its own process on at most this many cores takes them all (measured on 2)
+
+
+def engine_threads(requested: int | None, own_process: bool = True) -> tuple[int, str]:
     """``(torch threads for the served engine, why)``: ``--engine-threads``, else ``OMP_NUM_THREADS``,
     else every core this process may use but one. The server's own process (HTTP, tokenization,
     detokenization, and on a small machine often the clients too) needs a core: when the engine's
     OpenMP threads take them all, every wake-up of the server preempts one of them and the others
     wait for it at the end of each parallel region. vLLM reserves a core for the same reason
-    (``VLLM_CPU_NUM_OF_RESERVED_CPU``)."""
+    (``VLLM_CPU_NUM_OF_RESERVED_CPU``).
+
+    Except on a machine of ``EVERY_CORE_UP_TO`` cores with the engine in a process of its own,
+    where a reserved core is half the machine: there the engine takes every core, waits passively
+    (:func:`engine_process_env`) and runs small steps on one thread (:mod:`hf_paged.engine.step_threads`),
+    so decode steps leave a core to the server while prompts get both. 32 streaming clients on 2
+    cores: 1,638-1,800 tok/s against 1,633-1,737 with one thread, time to the first token of a burst
+    of new prompts (p99) 0.41-0.42 s against 0.61-0.67 s (benchmarks/RESULTS.md, ninth run)."""
     if requested is not None:
         if requested < 1:
             raise CliError("--engine-threads must be positive")
@@ -370,6 +380,8 @@ def engine_threads(requested: int | None) -> tuple[int, str]:
     cores = _usable_cores()
     if cores == 1:
         return 1, "the only core"
+    if own_process and cores <= EVERY_CORE_UP_TO:
+        return cores, f"every one of {cores} cores, waiting passively; --engine-threads to change"
     return cores - 1, f"{cores} cores, one left to the server's process; --engine-threads to change"
 
 
@@ -459,7 +471,7 @@ def parser() -> argparse.ArgumentParser:
                         "parallelism): in one process they contend for the GIL and the cores")
     s.add_argument("--engine-threads", type=int, default=None,
                    help="torch threads of the engine (default: $OMP_NUM_THREADS, else every core but one, which "
-                        "the server's process keeps)")
+                        "the server's process keeps; on 2 cores, both for an engine in its own process)")
     s.add_argument("--enforce-eager", action="store_true",
                    help="run engine steps eager (default: compiled with torch.compile at start where supported)")
     s.add_argument("--max-consecutive-failures", type=int, default=3,

@@ -122,7 +122,7 @@ def test_models_with_other_layers_stay_eager_and_compile_true_names_why(monkeypa
 
 def test_a_failed_compile_warns_and_steps_run_eager(monkeypatch):
     model = build("llama")
-    monkeypatch.setattr(compiled_body.CompiledBody, "warm_up", lambda self, device: "BackendCompilerFailed: no")
+    monkeypatch.setattr(compiled_body.CompiledBody, "warm_up", lambda self, *args: "BackendCompilerFailed: no")
     monkeypatch.setenv(compiled_body.COMPILE_ENV, "1")
     with pytest.warns(UserWarning, match="steps stay eager, torch.compile failed: BackendCompilerFailed"):
         engine = LLMEngine(model)

@@ -244,3 +244,16 @@ def test_hf_paged_serve_starts_its_engine_process_with_that_policy(user_policy):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert _wait_gone(engine_pid, timeout=30)
+
+
+def test_engine_threads_default_takes_every_core_only_on_two_cores_in_a_process_of_its_own(monkeypatch):
+    import hf_paged.__main__ as cli
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for cores, own, expected in [(1, True, 1), (2, True, 2), (2, False, 1), (4, True, 3), (4, False, 3)]:
+        monkeypatch.setattr(cli, "_usable_cores", lambda: cores)
+        assert cli.engine_threads(None, own)[0] == expected, (cores, own)
+    assert cli.engine_threads(3, True) == (3, "--engine-threads")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(cli, "_usable_cores", lambda: 2)
+    assert cli.engine_threads(None, True) == (1, "OMP_NUM_THREADS")
