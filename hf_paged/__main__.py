@@ -370,7 +370,7 @@ def engine_threads(requested: int | None, own_process: bool = True) -> tuple[int
     (:func:`engine_process_env`) and runs small steps on one thread (:mod:`hf_paged.engine.step_threads`),
     so decode steps leave a core to the server while prompts get both. 32 streaming clients on 2
     cores: 1,638-1,800 tok/s against 1,633-1,737 with one thread, time to the first token of a burst
-    of new prompts (p99) 0.41-0.42 s against 0.61-0.67 s (benchmarks/RESULTS.md, ninth run)."""
+    of new prompts (p99) 0.41-0.42 s against 0.61-0.67 s (benchmarks/RESULTS.md, tenth run)."""
     if requested is not None:
         if requested < 1:
             raise CliError("--engine-threads must be positive")

@@ -9,14 +9,18 @@ layer GEMMs of 17-120 us each), the rest from the compiled kernels, the C reads 
 each region costing about what splitting its work saves. A step of at most ``max_tokens`` tokens
 therefore runs on the stepping thread alone (OpenMP's and MKL's thread counts of that thread),
 leaving the other cores to the server and the clients, while prompt-sized steps keep every thread.
-Served to 32 streaming clients on 2 cores (benchmarks/RESULTS.md, ninth run), the engine on both
-cores now streams as fast as on one and answers a burst of new prompts ~35% sooner.
+Served to 32 streaming clients on 2 cores, the engine on both cores then streams as fast as on one
+and answers a burst of new prompts ~35% sooner (benchmarks/RESULTS.md, tenth run). Alone on the
+machine such steps are slower (32 sequences, passive waits: 14.5 ms against 11.8 ms with only
+MKL on one thread and ~13 ms with every op split): the gain is the core left to the others.
 
-Which steps: those whose largest layer GEMM multiplies at most ``SERIAL_STEP_MAX_MACS`` (the split
-GEMMs were 7-9% faster in-process at 128 sequences and more). With active waits (the OpenMP default,
-an engine alone in its process) split steps are faster, so by default nothing switches then. A
-compiled body keeps one graph per thread count (Dynamo guards on it), both compiled as the engine
-is built. Results are those of the same operations in another order, as a compiled step's are.
+Which steps: those whose largest layer GEMM multiplies at most ``SERIAL_STEP_MAX_MACS`` (95 tokens
+for the issue-22 model; with only MKL on one thread, split GEMMs were 7-9% faster in-process at 128
+sequences and more). With active waits (the OpenMP default, an engine alone in its process) split
+steps are faster, so by default nothing switches then. Dynamo's global-state guard records the
+thread count, so a compiled body is warmed up at both counts as the engine is built (nothing
+compiles while serving: tested). Results are those of the same operations in another order, as a
+compiled step's are.
 """
 
 from __future__ import annotations
