@@ -307,7 +307,8 @@ def serve(args) -> int:
         # this module is __main__, which a spawned process does not import
         build = functools.partial(importlib.import_module("hf_paged.__main__").serving_engine, args)
         try:
-            with _environment(engine_process_env(engine_threads(args.engine_threads, True)[0])):  # read as it starts
+            threads, _ = engine_threads(args.engine_threads, own_process=True)
+            with _environment(engine_process_env(threads)):  # read as the engine process starts
                 engine = EngineProcess(build, tokenizer)
         except RuntimeError as err:
             raise CliError(str(err)) from None

@@ -192,8 +192,8 @@ class CompiledBody:
     def warm_up(self, device: torch.device, also_one_thread: bool = False) -> str | None:
         """Compile both graphs (two tokens or more, one token) by running the whole model on dummy
         tokens, as a step calls it, and (``also_one_thread``) both again for steps run on one thread
-        (:mod:`hf_paged.engine.step_threads`: Dynamo guards on the thread count); returns why that
-        failed (None: compiled)."""
+        (:mod:`hf_paged.engine.step_threads`: Dynamo's global-state guard records the thread count);
+        returns why that failed (None: compiled)."""
         threads = [contextlib.nullcontext] + ([step_threads.one_thread] if also_one_thread else [])
         try:
             for context in threads:
@@ -214,7 +214,7 @@ def compiled_body(model: PreTrainedModel, specs: list[KVSpec | None], attend: Ca
     """The engine's compiled body, or None and why not. ``compile``: None compiles where
     :func:`unsupported` allows it (and ``HF_PAGED_COMPILE`` is not ``0``); True must compile
     (``ValueError`` naming why it cannot); False never does. ``also_one_thread``: some steps will
-    run on one thread, which needs graphs of their own."""
+    run on one thread, warmed up too."""
     if compile is False or (compile is None and not default_on()):
         return None, "off (compile=False)" if compile is False else f"off ({COMPILE_ENV}=0)"
     reason = unsupported(model, specs, recurrent)
