@@ -76,9 +76,9 @@ def current_threads() -> tuple[int, int]:
     return gomp.omp_get_max_threads(), mkl.mkl_get_max_threads()
 
 
-def passive_waits(environ: dict | None = None) -> bool:
+def passive_waits() -> bool:
     """Whether this process's OpenMP threads sleep while idle (read as the OpenMP runtime started)."""
-    return (os.environ if environ is None else environ).get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
 
 
 @contextlib.contextmanager
