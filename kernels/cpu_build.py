@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_prefill.c"))
+HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by both sources: part of the cache key
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")
 _libraries: dict[tuple, ctypes.CDLL | None] = {}
 _failure: str | None = None
@@ -105,7 +106,7 @@ def _build(layout: tuple) -> Path:
     """The shared library for ``layout``, compiled unless the cache already has it."""
     kv_heads, group, head_dim, block_size = layout
     defines = [f"-DKV_HEADS={kv_heads}", f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}", f"-DBLOCK_SIZE={block_size}"]
-    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES), _cpu_flags(),
+    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES + HEADERS), _cpu_flags(),
                                      " ".join(FLAGS + tuple(defines)).encode()]))
     path = _cache_dir() / f"cpu_attention-{key.hexdigest()[:20]}.so"
     if path.exists():

@@ -7,7 +7,8 @@ inductor (this read's predecessor) reads the blocks in place but spends most of 
 per-block tiles and guards. This loop reads each block once, while it is in cache, for all K/V
 heads of the sequence, with an online softmax: on 2 cores at 32 sequences of ~1,100 tokens, keys
 coming from DRAM, 1.8-2.0 ms per layer against 2.6-3.0 ms for the compiled FlexAttention read and
-~4 ms for the gather read.
+~4 ms for the gather read (that first version; the 16-key path of ``cpu_decode.c`` took another 18%
+off the engine's decode reads on the long-prompt benchmark).
 
 Built with the prefill read into one library per layout by :mod:`cpu_build` (cached on disk; where
 no compiler works, :func:`failure` says why and :func:`ready` answers False: callers keep their

@@ -44,7 +44,8 @@ def _case(kv_heads, group, head_dim, block_size, num_seqs, seed=0):
     return q, k_pool, v_pool, tables, lens, sinks
 
 
-@pytest.mark.parametrize("kv_heads,group,head_dim,block_size", [(2, 4, 16, 32), (4, 1, 8, 16), (1, 3, 32, 16)])
+@pytest.mark.parametrize("kv_heads,group,head_dim,block_size",  # the 16-key path: spans of 128 keys, whole blocks;
+                         [(2, 4, 16, 32), (4, 1, 8, 16), (1, 3, 32, 16), (2, 2, 64, 128)])  # plain loops: dim 8
 @pytest.mark.parametrize("num_seqs", [2, 7])  # fewer sequences than 2x threads: split by K/V head
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 5}, {"sinks": True}, {"sliding_window": 19, "sinks": True}],
                          ids=["causal", "window", "sinks", "window+sinks"])
@@ -63,6 +64,26 @@ def test_the_read_equals_the_reference_on_scattered_blocks(kv_heads, group, head
     bumped[0] += 1
     wrong = cpu_decode.paged_decode_cpu(q, k_pool, v_pool, tables, bumped, 0.3, **kwargs)
     assert not torch.allclose(wrong[0], ref[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads,group,head_dim,block_size", [(2, 4, 32, 16), (4, 1, 8, 16)])
+def test_slots_past_the_length_weigh_nothing(kv_heads, group, head_dim, block_size):
+    """The unwritten end of a sequence's last block may hold anything (another sequence's old keys,
+    or NaN after a failed step): the read's output does not change."""
+    _built_or_skip(kv_heads, group, head_dim, block_size)
+    q, k_pool, v_pool, tables, lens, _ = _case(kv_heads, group, head_dim, block_size, num_seqs=7)
+    ref = cpu_decode.paged_decode_cpu(q, k_pool, v_pool, tables, lens, 0.3)
+    for i, n in enumerate(lens.tolist()):
+        if n % block_size:
+            k_pool[tables[i, n // block_size], n % block_size:] = float("nan")
+            v_pool[tables[i, n // block_size], n % block_size:] = float("nan")
+    out = cpu_decode.paged_decode_cpu(q, k_pool, v_pool, tables, lens, 0.3)
+    assert torch.equal(out, ref)
+    # negative controls: a key or a value the sequence sees does reach its output
+    k_pool[tables[2, 0], 0] += 3.0
+    assert not torch.allclose(cpu_decode.paged_decode_cpu(q, k_pool, v_pool, tables, lens, 0.3)[2], ref[2])
+    v_pool[tables[2, 0], 0] = float("nan")
+    assert cpu_decode.paged_decode_cpu(q, k_pool, v_pool, tables, lens, 0.3)[2].isnan().any()
 
 
 def test_tables_and_lengths_outside_the_pool_are_refused_before_anything_is_read():
