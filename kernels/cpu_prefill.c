@@ -15,8 +15,9 @@
  * block serves TILE_TOK * GROUP rows. Per block, 32 rows at a time: scores = Q.K^T with the rows in
  * vector lanes (Q packed transposed once per item, each key element broadcast), the causal / window
  * mask only on blocks that cross a row's bounds, an online softmax per row (in base 2, with the
- * inline exp2 of cpu_vec.h), then P.V with the head dimension in vector lanes. Explicit vector types give the compiler the register blocking that
- * plain loops do not get (4x faster measured than the same loops left to the vectorizer). */
+ * inline exp2 of cpu_vec.h), then P.V with the head dimension in vector lanes. Explicit vector
+ * types give the compiler the register blocking that plain loops do not get (4x faster measured
+ * than the same loops left to the vectorizer). */
 #include <stdint.h>
 #include <stdlib.h>
 

@@ -44,8 +44,8 @@ def _case(kv_heads, group, head_dim, block_size, num_seqs, seed=0):
     return q, k_pool, v_pool, tables, lens, sinks
 
 
-@pytest.mark.parametrize("kv_heads,group,head_dim,block_size",  # the 16-key path: spans of 128 keys, whole blocks;
-                         [(2, 4, 16, 32), (4, 1, 8, 16), (1, 3, 32, 16), (2, 2, 64, 128)])  # plain loops: dim 8
+@pytest.mark.parametrize("kv_heads,group,head_dim,block_size",  # head dim 8: the plain loops; the rest the 16-key
+                         [(2, 4, 16, 32), (4, 1, 8, 16), (1, 3, 32, 16), (2, 2, 64, 128)])  # path (blocks of 16+)
 @pytest.mark.parametrize("num_seqs", [2, 7])  # fewer sequences than 2x threads: split by K/V head
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 5}, {"sinks": True}, {"sliding_window": 19, "sinks": True}],
                          ids=["causal", "window", "sinks", "window+sinks"])
