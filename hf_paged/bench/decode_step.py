@@ -18,6 +18,8 @@ import warnings
 import torch
 import transformers
 
+from hf_paged.model_info import cache_kwarg
+
 # The benchmark model: a random-init 19M-parameter Llama.
 LLAMA_19M = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2, vocab_size=32000, max_position_embeddings=2048, initializer_range=0.05)
@@ -67,16 +69,17 @@ def plain_decode_steps(model, prompts: list[list[int]], steps: int) -> list[floa
     longest = max(map(len, prompts))
     ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
     mask = (torch.arange(longest)[None] >= torch.tensor([longest - len(p) for p in prompts])[:, None]).long()
-    out = model(input_ids=ids, attention_mask=mask, past_key_values=transformers.DynamicCache(config=model.config),
-                use_cache=True)
-    cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    cache = transformers.DynamicCache(config=model.config)
+    keyword = cache_kwarg(model)  # the cache's keyword in this transformers: no deprecation warning
+    out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{keyword: cache})
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
     positions = mask.sum(-1, keepdim=True)
     times = []
     for _ in range(steps):
         mask = torch.cat([mask, torch.ones_like(token)], dim=1)
         start = time.perf_counter()
-        out = model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                    use_cache=True, logits_to_keep=1)
+        out = model(input_ids=token, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                    **{keyword: cache})
         times.append(time.perf_counter() - start)
         token, positions = out.logits[:, -1].argmax(-1, keepdim=True), positions + 1
     return times
