@@ -23,7 +23,8 @@ from hf_paged.engine.outputs import CompletionOutput
 from hf_paged.serve.detokenize import IncrementalDetokenizer, TextStream
 from hf_paged.serve.server import exposure_warning
 from tests.helpers.serving import (ENGINE_PLACES, MODEL, NUM_BLOCKS, assert_all_free, client, engine,  # noqa: F401
-                                   fail_next_step, free_port, serving, single_threaded_torch, tiny_model, wait_idle,
+                                   fail_next_step, free_port, mend_forwards, serving, single_threaded_torch, slow_forwards,
+                                   tiny_model, wait_idle,
                                    wait_until_healthy)
 
 TOKENIZER = byte_tokenizer()
@@ -243,6 +244,35 @@ def test_models_health_and_metrics(client, served):
         assert count >= 1 and f'hf_paged_{hist}_bucket{{le="+Inf"}} {count}' in text
 
 
+def test_reset_prefix_cache_forgets_cached_prompts_and_waits_for_requests_in_flight(client, served):
+    server, loop = served
+    prompt = "A prompt long enough to fill a few blocks of sixteen tokens each. " * 2  # 134 bytes: 8 full blocks
+
+    def hits_of_one_request() -> int:
+        before = loop.call(LLMEngine.stats).result(timeout=30)["prefix_cache_hit_tokens"]
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        return loop.call(LLMEngine.stats).result(timeout=30)["prefix_cache_hit_tokens"] - before
+
+    hits_of_one_request()
+    assert hits_of_one_request() >= 7 * 16  # the prompt's blocks are cached
+    reset = httpx.post(server.url + "/reset_prefix_cache")
+    assert (reset.status_code, reset.json()) == (200, {"reset": True})
+    assert hits_of_one_request() == 0  # forgotten (and cached again by this request)
+
+    loop.call(slow_forwards).result(10)  # the streamed request below stays in flight
+    try:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as resp:
+            lines = resp.iter_lines()  # held: a dropped iterator closes the response (an abort)
+            assert next(lines).startswith("data: ")
+            refused = httpx.post(server.url + "/reset_prefix_cache")
+    finally:
+        loop.call(mend_forwards).result(10)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "requests_in_flight"
+    assert wait_idle(loop, timeout=10)["running"] == 0
+    assert hits_of_one_request() >= 7 * 16  # the refused reset changed nothing
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_serving_benchmark_loops_agree(client, served, engine, stream):
     import asyncio
@@ -323,6 +353,7 @@ CHAT = "/v1/chat/completions"
 BAD = {  # name -> (path, body or raw bytes, headers, status, param)
     "no key": ("/v1/completions", completion(), {"Authorization": ""}, 401, None),
     "wrong key": ("/v1/completions", completion(), {"Authorization": "Bearer sekrit-test-key-43"}, 401, None),
+    "reset_prefix_cache without the key": ("/reset_prefix_cache", {}, {"Authorization": ""}, 401, None),
     "unknown model": ("/v1/completions", completion(model="gpt-4"), {}, 404, "model"),
     "models of another name": ("/v1/models/gpt-4", None, {}, 404, "model"),
     "malformed JSON": ("/v1/completions", b'{"model": "tiny", "prompt": ', {}, 422, None),

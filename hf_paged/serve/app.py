@@ -123,6 +123,7 @@ def build_app(engine: LLMEngine | EngineProcess, settings: ServerSettings = Serv
     app.add_api_route("/metrics", serving.metrics, methods=["GET"])
     app.add_api_route("/v1/models", serving.models, methods=["GET"], dependencies=auth)
     app.add_api_route("/v1/models/{model_id:path}", serving.model, methods=["GET"], dependencies=auth)
+    app.add_api_route("/reset_prefix_cache", serving.reset_prefix_cache, methods=["POST"], dependencies=auth)
     bodies = {"/v1/completions": (serving.completions, CompletionRequest),
               "/v1/chat/completions": (serving.chat, ChatCompletionRequest)}
     for path, (handler, _) in bodies.items():
@@ -272,6 +273,22 @@ class _OpenAIServing:
         except asyncio.TimeoutError:
             raise APIError(503, "the engine loop did not answer") from None
         return PlainTextResponse(self.loop.metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    async def reset_prefix_cache(self) -> Response:
+        """Forget every cached prefix block (vLLM's route of the same name; benchmarks call it between
+        runs, operators after changing the weights). The engine does it between steps, and only
+        when no request is in flight (their blocks would enter the cache again): a 409 otherwise."""
+        problem = self._unavailable()
+        if problem is not None:
+            raise problem
+        try:
+            done = await asyncio.wait_for(asyncio.wrap_future(self.loop.call(LLMEngine.reset_prefix_cache)), 30)
+        except asyncio.TimeoutError:
+            raise APIError(503, "the engine loop did not answer") from None
+        if not done:
+            raise APIError(409, "requests are in flight: the prefix cache is reset only when none are",
+                           code="requests_in_flight")
+        return JSONResponse({"reset": True})
 
     def _model_card(self) -> dict:
         return {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "hf_paged",

@@ -110,6 +110,17 @@ def break_forwards(engine: LLMEngine) -> None:
     engine.runner.execute, engine.runner.real_execute = failing, real
 
 
+def slow_forwards(engine: LLMEngine, seconds: float = 0.05) -> None:
+    """Every forward takes at least ``seconds`` (requests stay in flight), until :func:`mend_forwards`."""
+    real = engine.runner.execute
+
+    def slow(step):
+        time.sleep(seconds)
+        return real(step)
+
+    engine.runner.execute, engine.runner.real_execute = slow, real
+
+
 def mend_forwards(engine: LLMEngine) -> None:
     engine.runner.execute = engine.runner.real_execute
 
