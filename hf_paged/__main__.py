@@ -257,7 +257,7 @@ def generate(args) -> int:
 
 def bench(args) -> int:
     """Side-by-side benchmarks on the same model and requests (see hf_paged/bench)."""
-    from hf_paged import bench as suite
+    from hf_paged.bench import suite
 
     if args.section == "hybrid":  # its own models (a Qwen3.5-like hybrid and an attention-only twin)
         from hf_paged.bench import hybrid

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from hf_paged.bench import memory, run, sustainable_rates, systems, workloads
+from hf_paged.bench import memory, systems, workloads
+from hf_paged.bench.suite import run, sustainable_rates
 from hf_paged.bench.workloads import Request, Workload
 from tests.helpers.tiny_models import build
 
