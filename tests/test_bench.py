@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from hf_paged.bench import memory, systems, workloads
 from hf_paged.bench.suite import run, sustainable_rates
@@ -148,3 +149,35 @@ def test_beam_search_and_parallel_sampling_runs(model):
         assert [len(t) for t in result.tokens] == [6, 6, 6]
         summary = result.summary(sampled)
         assert summary["tpot_s_p50"] > 0 and summary["normalized_latency_s_p99"] >= summary["normalized_latency_s_p50"]
+
+
+def test_decode_step_times_both_sides_and_profiles_where_their_host_time_goes():
+    from hf_paged.bench import decode_step
+
+    result = decode_step.run(num_seqs=4, steps=2, rounds=1, shape="tiny", profile=2, log=lambda *_: None)
+    assert result["engine_step_ms"] > 0 and result["plain_forward_ms"] > 0 and result["ratio"] > 0
+    for side in ("profile_engine", "profile_plain"):  # no device on the CPU: nothing launched, synced or copied
+        prof = result[side]
+        assert prof["steps"] == 2
+        assert prof["launches_per_step"] == prof["syncs_per_step"] == prof["copies_per_step"] == 0
+        assert 0 < len(prof["host_ops"]) <= 15
+    assert "busiest operators" in decode_step.profile_report(result)
+
+    # every operator, per step: the engine (eager here, HF_PAGED_COMPILE=0) writes each layer's new K and V
+    # into its pools (index_copy_) and reads them with the C read, no SDPA; the plain forward grows its
+    # DynamicCache by concatenation (K and V of each layer) and reads it through SDPA
+    model = decode_step._model("tiny", torch.device("cpu"), torch.float32)
+    layers = model.config.num_hidden_layers
+    prompts = decode_step._prompts(4, 16, 40, model.config.vocab_size)
+
+    def calls(step) -> dict[str, float]:
+        ops = decode_step.profile_steps(step, 2, model.device, top=1000)["host_ops"]
+        return {op["name"]: op["calls_per_step"] for op in ops}
+
+    with decode_step.engine_decoding(model, prompts, 2, block_size=16) as step:
+        engine = calls(step)
+    with decode_step.plain_decoding(model, prompts) as forward:
+        plain = calls(forward)
+    assert engine["aten::index_copy_"] == 2 * layers and not any("scaled_dot_product" in name for name in engine)
+    assert plain["aten::cat"] >= 2 * layers and plain["aten::scaled_dot_product_attention"] == layers
+    assert "aten::index_copy_" not in plain

@@ -23,9 +23,8 @@ from hf_paged.engine.outputs import CompletionOutput
 from hf_paged.serve.detokenize import IncrementalDetokenizer, TextStream
 from hf_paged.serve.server import exposure_warning
 from tests.helpers.serving import (ENGINE_PLACES, MODEL, NUM_BLOCKS, assert_all_free, client, engine,  # noqa: F401
-                                   fail_next_step, free_port, mend_forwards, serving, single_threaded_torch, slow_forwards,
-                                   tiny_model, wait_idle,
-                                   wait_until_healthy)
+                                   fail_next_step, free_port, mend_forwards, serving, single_threaded_torch,
+                                   slow_forwards, tiny_model, wait_idle, wait_until_healthy)
 
 TOKENIZER = byte_tokenizer()
 

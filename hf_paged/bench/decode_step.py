@@ -4,16 +4,24 @@ Issue 22's target: an ``LLMEngine`` decode step at 64 sequences (schedule, forwa
 all of ``engine.step()``) within 1.15x a plain ``[64, 1]`` forward of the same weights with a stock
 ``DynamicCache`` holding the same context lengths (left-padded, with its attention mask). Both sides
 run in this process, interleaved, on the issue's 19M-parameter Llama; medians are reported.
+
+On an accelerator (``--device cuda --dtype bfloat16 --shape tinyllama``) both sides are timed
+between device syncs. There a step is bound by its host work (benchmarks/RESULTS.md, the H200
+run), so ``--profile N`` also runs N more steps of each side under torch's profiler and reports,
+per step, the host time of the busiest operators and the device launches, syncs and copies it
+made: what a step spends its host time on, side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import time
 import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 import transformers
@@ -23,6 +31,9 @@ from hf_paged.model_info import cache_kwarg
 # The issue's benchmark model: a random-init 19M-parameter Llama.
 LLAMA_19M = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2, vocab_size=32000, max_position_embeddings=2048, initializer_range=0.05)
+# runtime calls that launch device work or wait for the device, counted per step by --profile
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 def llama_19m(seed: int = 0, dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:
@@ -41,9 +52,15 @@ def _prompts(num: int, low: int, high: int, vocab: int, seed: int = 0) -> list[l
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(low, high))] for _ in range(num)]
 
 
-@torch.inference_mode()
-def engine_decode_steps(model, prompts: list[list[int]], steps: int, **engine_kwargs) -> list[float]:
-    """Seconds per ``engine.step()`` once every sequence decodes (prefills are done first)."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def engine_decoding(model, prompts: list[list[int]], steps: int, **engine_kwargs) -> Iterator[Callable[[], None]]:
+    """An engine whose every sequence decodes (prefills done); yields ``engine.step`` for up to ``steps``
+    calls, then finishes the requests."""
     from hf_paged import LLMEngine, SamplingParams
 
     engine = LLMEngine(model, **engine_kwargs)
@@ -53,43 +70,97 @@ def engine_decode_steps(model, prompts: list[list[int]], steps: int, **engine_kw
     while any(s.num_computed_tokens < s.num_tokens - 1 for r in engine.scheduler.running for s in r.live_seqs) \
             or engine.scheduler.waiting:
         engine.step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
+    yield engine.step
     while engine.has_unfinished_requests():
         engine.step()
-    return times
 
 
-@torch.inference_mode()
-def plain_decode_steps(model, prompts: list[list[int]], steps: int) -> list[float]:
-    """Seconds per ``[rows, 1]`` forward with a left-padded ``DynamicCache`` of the prompts."""
+@contextlib.contextmanager
+def plain_decoding(model, prompts: list[list[int]]) -> Iterator[Callable[[], None]]:
+    """A left-padded ``DynamicCache`` of the prompts; yields a function that runs one ``[rows, 1]``
+    greedy decode forward (the next token's mask column and position are built outside it)."""
+    device = model.device
     longest = max(map(len, prompts))
-    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
-    mask = (torch.arange(longest)[None] >= torch.tensor([longest - len(p) for p in prompts])[:, None]).long()
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
+    mask = (torch.arange(longest)[None] >= torch.tensor([longest - len(p) for p in prompts])[:, None]).long().to(device)
     cache = transformers.DynamicCache(config=model.config)
     keyword = cache_kwarg(model)  # the cache's keyword in this transformers: no deprecation warning
-    out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{keyword: cache})
-    token = out.logits[:, -1].argmax(-1, keepdim=True)
-    positions = mask.sum(-1, keepdim=True)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{keyword: cache})
+    state = {"token": out.logits[:, -1].argmax(-1, keepdim=True), "mask": mask, "positions": mask.sum(-1, keepdim=True)}
+
+    @torch.inference_mode()
+    def forward() -> None:
+        state["mask"] = torch.cat([state["mask"], torch.ones_like(state["token"])], dim=1)
+        out = model(input_ids=state["token"], attention_mask=state["mask"], position_ids=state["positions"],
+                    use_cache=True, logits_to_keep=1, **{keyword: cache})
+        state["token"], state["positions"] = out.logits[:, -1].argmax(-1, keepdim=True), state["positions"] + 1
+
+    yield forward
+
+
+def _timed(step: Callable[[], None], steps: int, device: torch.device) -> list[float]:
     times = []
     for _ in range(steps):
-        mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+        _sync(device)
         start = time.perf_counter()
-        out = model(input_ids=token, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-                    **{keyword: cache})
+        step()
+        _sync(device)
         times.append(time.perf_counter() - start)
-        token, positions = out.logits[:, -1].argmax(-1, keepdim=True), positions + 1
     return times
+
+
+def engine_decode_steps(model, prompts: list[list[int]], steps: int, **engine_kwargs) -> list[float]:
+    """Seconds per ``engine.step()`` once every sequence decodes (prefills are done first)."""
+    with engine_decoding(model, prompts, steps, **engine_kwargs) as step:
+        return _timed(step, steps, model.device)
+
+
+def plain_decode_steps(model, prompts: list[list[int]], steps: int) -> list[float]:
+    """Seconds per ``[rows, 1]`` forward with a left-padded ``DynamicCache`` of the prompts."""
+    with plain_decoding(model, prompts) as forward:
+        return _timed(forward, steps, model.device)
+
+
+def profile_steps(step: Callable[[], None], steps: int, device: torch.device, top: int = 15) -> dict:
+    """``steps`` calls of ``step`` under torch's profiler: per step, the operators with the most host
+    self time (ms, calls), and the device launches, syncs and host-device copies the host made."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    _sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    events = prof.key_averages()
+    busiest = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {
+        "steps": steps,
+        "host_ops": [{"name": e.key, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+                      "calls_per_step": e.count / steps} for e in busiest],
+        "launches_per_step": sum(e.count for e in events if e.key in _LAUNCHES) / steps,
+        "syncs_per_step": sum(e.count for e in events if e.key in _SYNCS) / steps,
+        "copies_per_step": sum(e.count for e in events if e.key.startswith("cudaMemcpy")) / steps,
+    }
+
+
+def _model(shape: str, device: torch.device, dtype: torch.dtype) -> transformers.PreTrainedModel:
+    if shape == "issue" and device.type == "cpu":
+        return llama_19m(dtype=dtype)
+    from hf_paged.bench.on_device import build_model
+
+    return build_model(shape, device, dtype)
 
 
 def run(num_seqs: int = 64, low: int = 16, high: int = 512, steps: int = 32, rounds: int = 3,
-        threads: int | None = None, log=print) -> dict:
+        threads: int | None = None, device: str = "cpu", dtype: str = "float32", shape: str = "issue",
+        profile: int = 0, log=print) -> dict:
     if threads:
         torch.set_num_threads(threads)
-    model = llama_19m()
+    device = torch.device(device)
+    model = _model(shape, device, getattr(torch, dtype))
+    high = min(high, model.config.max_position_embeddings // 2)  # room to decode (the tiny shape has 512 positions)
     prompts = _prompts(num_seqs, low, high, model.config.vocab_size)
     engine_kwargs = dict(block_size=16, max_num_batched_tokens=2048, max_num_seqs=256)
     engine_runs, plain_runs = [], []
@@ -100,12 +171,33 @@ def run(num_seqs: int = 64, low: int = 16, high: int = 512, steps: int = 32, rou
             f"{plain_runs[-1] * 1e3:.2f} ms, ratio {engine_runs[-1] / plain_runs[-1]:.3f}")
     ratios = [e / p for e, p in zip(engine_runs, plain_runs)]
     result = {"num_seqs": num_seqs, "prompt_lengths": [low, high], "steps": steps, "threads": torch.get_num_threads(),
+              "device": str(device), "dtype": dtype, "shape": shape,
               "engine_step_ms": statistics.median(engine_runs) * 1e3,
               "plain_forward_ms": statistics.median(plain_runs) * 1e3,
               "ratio": statistics.median(ratios), "ratio_per_round": ratios,
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
     log(f"engine decode step / plain forward: {result['ratio']:.3f} (median of {rounds} rounds)")
+    if profile:
+        with engine_decoding(model, prompts, profile + 1, **engine_kwargs) as step:
+            step()  # one step outside the profile: the profiler's own first-call costs
+            result["profile_engine"] = profile_steps(step, profile, device)
+        with plain_decoding(model, prompts) as forward:
+            forward()
+            result["profile_plain"] = profile_steps(forward, profile, device)
+        log(profile_report(result))
     return result
+
+
+def profile_report(result: dict) -> str:
+    """The two profiles of :func:`run` as text tables."""
+    lines = []
+    for side in ("engine", "plain"):
+        prof = result[f"profile_{side}"]
+        lines += [f"{side}: per step {prof['launches_per_step']:.0f} device launches, {prof['syncs_per_step']:.1f} "
+                  f"syncs, {prof['copies_per_step']:.1f} copies; busiest operators (host self ms, calls, per step):"]
+        lines += [f"  {op['self_ms_per_step']:8.3f}  {op['calls_per_step']:7.1f}  {op['name']}"
+                  for op in prof["host_ops"]]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,9 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--shape", default="issue", help="issue (the 19M Llama), tinyllama (1.1B), tiny")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile N more steps of each side")
     parser.add_argument("--out", help="write the result as JSON")
     args = parser.parse_args(argv)
-    result = run(args.num_seqs, steps=args.steps, rounds=args.rounds, threads=args.threads)
+    result = run(args.num_seqs, steps=args.steps, rounds=args.rounds, threads=args.threads, device=args.device,
+                 dtype=args.dtype, shape=args.shape, profile=args.profile)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)
