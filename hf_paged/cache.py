@@ -646,29 +646,46 @@ class PagedKVCache(StashingCache):
         run = self._runs[group]
         if run is not None:
             return heads_view(k_rows, run + offset, 1, length), heads_view(v_rows, run + offset, 1, length)
-        keys, values = self._gather(group, offset, length, k_rows, v_rows, layer_idx not in self._kv_sources)
+        if torch.is_grad_enabled() or layer_idx in self._kv_sources:  # results kept: fresh tensors
+            index = self._gather_index(group, offset, length, k_rows.device)
+            keys, values = k_rows.index_select(0, index), v_rows.index_select(0, index)
+            k_view, v_view = heads_view(keys, 0, rows, length), heads_view(values, 0, rows, length)
+        else:
+            index, keys, values, k_view, v_view = self._shared_read(group, offset, length, k_rows, v_rows)
+            torch.index_select(k_rows, 0, index, out=keys)
+            torch.index_select(v_rows, 0, index, out=values)
         if plan.new_valid is not None and plan.new_kv[0] == layer_idx:
             new_k, new_v = plan.new_kv[3:]
             keys.view(rows, length, *k_rows.shape[1:])[:, -q_len:] = new_k.view(rows, q_len, *new_k.shape[1:])
             values.view(rows, length, *v_rows.shape[1:])[:, -q_len:] = new_v.view(rows, q_len, *new_v.shape[1:])
-        return heads_view(keys, 0, rows, length), heads_view(values, 0, rows, length)
+        return k_view, v_view
 
-    def _gather(self, group: int, offset: int, length: int, k_rows: torch.Tensor, v_rows: torch.Tensor,
-                reuse_buffers: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of columns ``offset .. offset + length`` of every row, ``[rows * length, kv_heads,
-        head_dim]`` (pads read slot 0: masked). The slots are worked out once per layer group and
-        forward; without autograd the reads go into buffers of this cache that every layer and step
-        reuses (each layer's attention is done with its K/V before the next layer reads), except
-        a KV-sharing source's (``reuse_buffers`` False): later layers attend with what it returned."""
-        key = (group, offset, length, k_rows.device)
+    def _gather_index(self, group: int, offset: int, length: int, device: torch.device) -> torch.Tensor:
+        """The slots of columns ``offset .. offset + length`` of every row, row after row (pads read
+        slot 0: masked), worked out once per layer group and forward."""
+        key = (group, offset, length, device)
         index = self._plan.reads.get(key)
         if index is None:
-            index = self._slot_map(group)[:, offset : offset + length].clamp(min=0).reshape(-1).to(k_rows.device)
+            index = self._slot_map(group)[:, offset : offset + length].clamp(min=0).reshape(-1).to(device)
             self._plan.reads[key] = index
-        if torch.is_grad_enabled() or not reuse_buffers:
-            return k_rows.index_select(0, index), v_rows.index_select(0, index)
-        k_buf, v_buf = self._read_buffers(index.shape[0], k_rows, v_rows)
-        return torch.index_select(k_rows, 0, index, out=k_buf), torch.index_select(v_rows, 0, index, out=v_buf)
+        return index
+
+    def _shared_read(self, group: int, offset: int, length: int, k_rows: torch.Tensor, v_rows: torch.Tensor) -> tuple:
+        """(index, K and V buffers ``[rows * length, kv_heads, head_dim]``, their ``[rows, kv_heads,
+        length, head_dim]`` views) of a read that layers of this forward share: each layer's
+        attention is done with its K/V before the next layer gathers into the same buffers
+        (without autograd; a KV-sharing source's are its own, later layers attend with them).
+        Worked out once per forward for each window and pool shape: a decode step's layers then
+        only gather."""
+        key = ("read", group, offset, length, k_rows.device, k_rows.dtype, k_rows.shape[1:], v_rows.shape[1:])
+        read = self._plan.reads.get(key)
+        if read is None:
+            index = self._gather_index(group, offset, length, k_rows.device)
+            keys, values = self._read_buffers(index.shape[0], k_rows, v_rows)
+            rows = len(self._rows)
+            read = self._plan.reads[key] = (index, keys, values, heads_view(keys, 0, rows, length),
+                                            heads_view(values, 0, rows, length))
+        return read
 
     def _read_buffers(self, slots: int, k_like: torch.Tensor, v_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[slots, kv_heads, head_dim]`` buffers shaped like ``k_like``'s and ``v_like``'s rows (an
