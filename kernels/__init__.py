@@ -35,6 +35,7 @@ Importing this package never imports triton; the Triton modules load on first us
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from typing import Optional, Sequence
@@ -125,13 +126,20 @@ def use_triton(tensor: torch.Tensor, backend: Optional[str] = None) -> bool:
     return tensor.is_cuda and triton_available()
 
 
+@functools.lru_cache(maxsize=None)
+def _launcher_module(module: str):
+    """A launcher's module of this package, imported once (``importlib.import_module`` costs ~10 us
+    a call: two per layer of every engine step on a GPU, where steps are bound by host work)."""
+    return importlib.import_module(f".{module}", __name__)
+
+
 def _dispatch(tensor, backend, launcher: str, reference, args, out=None, **launch_options):
     """Run one operation on ``args``: the Triton ``launcher`` (``"module:function"`` of this
     package, imported on first use) with ``out=`` (when given) and ``launch_options``, or the
     torch ``reference``, whose result is copied into ``out`` when one is given."""
     if use_triton(tensor, backend):
         module, name = launcher.split(":")
-        fn = getattr(importlib.import_module(f".{module}", __name__), name)
+        fn = getattr(_launcher_module(module), name)
         if out is not None:
             launch_options["out"] = out
         return fn(*args, **launch_options)
