@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 import torch
 import transformers
 
+from hf_paged.bench.on_device import build_model, sync_device
 from hf_paged.model_info import cache_kwarg
 
 # The issue's benchmark model: a random-init 19M-parameter Llama.
@@ -50,11 +51,6 @@ def llama_19m(seed: int = 0, dtype: torch.dtype = torch.float32) -> transformers
 def _prompts(num: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(low, high))] for _ in range(num)]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @contextlib.contextmanager
@@ -102,10 +98,10 @@ def plain_decoding(model, prompts: list[list[int]]) -> Iterator[Callable[[], Non
 def _timed(step: Callable[[], None], steps: int, device: torch.device) -> list[float]:
     times = []
     for _ in range(steps):
-        _sync(device)
+        sync_device(device)
         start = time.perf_counter()
         step()
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - start)
     return times
 
@@ -128,11 +124,11 @@ def profile_steps(step: Callable[[], None], steps: int, device: torch.device, to
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    _sync(device)
+    sync_device(device)
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
             step()
-        _sync(device)
+        sync_device(device)
     events = prof.key_averages()
     busiest = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     return {
@@ -148,8 +144,6 @@ def profile_steps(step: Callable[[], None], steps: int, device: torch.device, to
 def _model(shape: str, device: torch.device, dtype: torch.dtype) -> transformers.PreTrainedModel:
     if shape == "issue" and device.type == "cpu":
         return llama_19m(dtype=dtype)
-    from hf_paged.bench.on_device import build_model
-
     return build_model(shape, device, dtype)
 
 

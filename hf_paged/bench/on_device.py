@@ -58,7 +58,8 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int 
     return model.to(dtype).eval()
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait until ``device`` has done the work queued on it (CUDA; nothing to wait for elsewhere)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -76,10 +77,10 @@ def run_engine(model, requests: list[dict], kv_bytes: int) -> tuple[list[list[in
 
     engine = LLMEngine(model, kv_cache_bytes=kv_bytes)
     params = [SamplingParams(max_new_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in requests]
-    _sync(model.device)
+    sync_device(model.device)
     t0 = time.perf_counter()
     outs = engine.generate([r["prompt"] for r in requests], params, use_tqdm=False)
-    _sync(model.device)
+    sync_device(model.device)
     wall = time.perf_counter() - t0
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     if engine.kv.stats()["blocks_used"]:
@@ -101,11 +102,11 @@ def run_stock(model, requests: list[dict]) -> tuple[list[list[int]], float]:
         ids[i, width - len(r["prompt"]):] = torch.tensor(r["prompt"])
         mask[i, width - len(r["prompt"]):] = 1
     longest = max(r["max_tokens"] for r in requests)
-    _sync(model.device)
+    sync_device(model.device)
     t0 = time.perf_counter()
     out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), do_sample=False,
                          max_new_tokens=longest, min_new_tokens=longest, eos_token_id=None, pad_token_id=0)
-    _sync(model.device)
+    sync_device(model.device)
     wall = time.perf_counter() - t0
     return [out[i, width: width + r["max_tokens"]].tolist() for i, r in enumerate(requests)], wall
 
@@ -125,7 +126,7 @@ def run_cb(model, requests: list[dict], memory_share: float) -> tuple[list[list[
     results = {}
     with model.continuous_batching_context_manager(generation_config=config, continuous_batching_config=cb,
                                                    warmup=on_gpu) as manager:
-        _sync(model.device)
+        sync_device(model.device)
         t0 = time.perf_counter()
         for i, r in enumerate(requests):
             manager.add_request(r["prompt"], request_id=str(i), max_new_tokens=r["max_tokens"])
@@ -139,7 +140,7 @@ def run_cb(model, requests: list[dict], memory_share: float) -> tuple[list[list[
             idle_since = time.monotonic()
             if result.is_finished():
                 results[result.request_id] = result
-        _sync(model.device)
+        sync_device(model.device)
         wall = time.perf_counter() - t0
     return [list(results[str(i)].generated_tokens) for i in range(len(requests))], wall
 
