@@ -166,9 +166,9 @@ def test_decode_step_times_both_sides_and_profiles_where_their_host_time_goes():
     # every operator, per step: the engine (eager here, HF_PAGED_COMPILE=0) writes each layer's new K and V
     # into its pools (index_copy_) and reads them with the C read, no SDPA; the plain forward grows its
     # DynamicCache by concatenation (K and V of each layer) and reads it through SDPA
-    model = decode_step._model("tiny", torch.device("cpu"), torch.float32)
+    model = decode_step.bench_model("tiny", torch.device("cpu"), torch.float32)
     layers = model.config.num_hidden_layers
-    prompts = decode_step._prompts(4, 16, 40, model.config.vocab_size)
+    prompts = decode_step.random_prompts(4, 16, 40, model.config.vocab_size)
 
     def calls(step) -> dict[str, float]:
         ops = decode_step.profile_steps(step, 2, model.device, top=1000)["host_ops"]

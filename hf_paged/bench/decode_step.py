@@ -48,7 +48,8 @@ def llama_19m(seed: int = 0, dtype: torch.dtype = torch.float32) -> transformers
     return model
 
 
-def _prompts(num: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def random_prompts(num: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """``num`` prompts of ``low`` to ``high`` random token ids (no special ids below 3)."""
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(low, high))] for _ in range(num)]
 
@@ -141,7 +142,8 @@ def profile_steps(step: Callable[[], None], steps: int, device: torch.device, to
     }
 
 
-def _model(shape: str, device: torch.device, dtype: torch.dtype) -> transformers.PreTrainedModel:
+def bench_model(shape: str, device: torch.device, dtype: torch.dtype) -> transformers.PreTrainedModel:
+    """The benchmark's model: the issue's 19M Llama on CPU, else :func:`on_device.build_model`'s ``shape``."""
     if shape == "issue" and device.type == "cpu":
         return llama_19m(dtype=dtype)
     return build_model(shape, device, dtype)
@@ -153,9 +155,9 @@ def run(num_seqs: int = 64, low: int = 16, high: int = 512, steps: int = 32, rou
     if threads:
         torch.set_num_threads(threads)
     device = torch.device(device)
-    model = _model(shape, device, getattr(torch, dtype))
+    model = bench_model(shape, device, getattr(torch, dtype))
     high = min(high, model.config.max_position_embeddings // 2)  # room to decode (the tiny shape has 512 positions)
-    prompts = _prompts(num_seqs, low, high, model.config.vocab_size)
+    prompts = random_prompts(num_seqs, low, high, model.config.vocab_size)
     engine_kwargs = dict(block_size=16, max_num_batched_tokens=2048, max_num_seqs=256)
     engine_runs, plain_runs = [], []
     for round_ in range(rounds):
