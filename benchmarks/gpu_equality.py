@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.helpers
+# the repository root (tests.helpers) in place of this script's folder, whose kernels.py would shadow
+# Hugging Face's `kernels` package that transformers imports
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import hf_paged  # noqa: E402
 from hf_paged import kernels  # noqa: E402
@@ -103,14 +105,17 @@ def check_model_equality(out_dir: str | os.PathLike | None = None) -> dict:
 
 
 def check_engine_equality(counter: dict) -> list[dict]:
-    """LLMEngine on CUDA (packed decode + varlen prefill kernels, preemption) vs per-request CPU generate()."""
+    """LLMEngine on CUDA (packed decode + varlen prefill kernels, preemption; eager steps, and steps
+    through the compiled decoder body) vs per-request CPU generate()."""
     from hf_paged import LLMEngine, SamplingParams
 
     results = []
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 96, (int(n),), generator=g).tolist() for n in torch.randint(1, 100, (16,), generator=g)]
-    for arch, mode, num_blocks in (("llama", "recompute", 40), ("gemma2", "swap", 40), ("qwen2", "recompute", None)):
-        row = {"arch": arch, "mode": f"engine-{mode}", "block_size": 8}
+    for arch, mode, num_blocks, compile in (("llama", "recompute", 40, False), ("gemma2", "swap", 40, False),
+                                            ("qwen2", "recompute", None, False), ("llama", "recompute", 40, True),
+                                            ("gemma2", "swap", 40, True)):
+        row = {"arch": arch, "mode": f"engine-{mode}" + ("-compiled" if compile else ""), "block_size": 8}
         try:
             model = build(arch)
             refs = [model.generate(input_ids=torch.tensor([p]), max_new_tokens=16, do_sample=False,
@@ -119,7 +124,8 @@ def check_engine_equality(counter: dict) -> list[dict]:
             before = dict(counter)
             start = time.perf_counter()
             engine = LLMEngine(model, block_size=8, num_blocks=num_blocks, max_num_batched_tokens=128,
-                               preemption_mode=mode)
+                               preemption_mode=mode, compile=compile)
+            row["compiled"] = engine.stats()["compiled"]
             outs = engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True),
                                    use_tqdm=False)
             row["cuda_s"] = round(time.perf_counter() - start, 3)

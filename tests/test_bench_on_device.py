@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hf_paged.bench import on_device
 
 
@@ -24,12 +26,22 @@ def test_on_cpu_every_system_runs_and_the_engine_equals_stock(tmp_path):
             run = section["runs"][system]
             assert "failed" not in run and len(run["tokens_per_s"]) == 2 and run["median_tokens_per_s"] > 0
             assert run["generated_tokens"] == asked and run["all_requested_tokens"]
-        # float32 on CPU: the engine's greedy tokens are stock generate()'s, request by request
-        agree = section["agreement_with_stock"]["engine"]
-        assert agree["identical"] == agree["of"] == section["workload"]["requests"]
+        assert section["compile_notes"] == {"engine": "off (compile=False)", "engine_compiled": None}
+        # float32 on CPU: both engines' greedy tokens are stock generate()'s, request by request
+        for engine in ("engine", "engine_compiled"):
+            agree = section["agreement_with_stock"][engine]
+            assert agree["identical"] == agree["of"] == section["workload"]["requests"]
         assert set(section["engine_vs"]) == {"stock_generate", "transformers_cb"}
+        assert set(section["engine_compiled_vs"]) == {"stock_generate", "transformers_cb", "engine"}
         assert len(section["engine_vs"]["stock_generate"]["per_round"]) == 2
     assert "engine / stock_generate" in on_device.report(results)
+    assert "engine_compiled / engine" in on_device.report(results)
+
+
+def test_systems_can_be_chosen_and_an_unknown_one_is_named():
+    assert on_device.systems_of("stock_generate, engine_compiled") == ("engine_compiled", "stock_generate")
+    with pytest.raises(ValueError, match=r"unknown \['engine_eager'\]"):
+        on_device.systems_of("engine_eager,engine")
 
 
 def test_the_agreement_it_reports_can_fail():

@@ -46,6 +46,33 @@ def test_compiled_steps_give_stock_tokens(arch):
     assert _engine_tokens(engine) == _stock(model)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_compiled_steps_on_the_triton_kernels_give_stock_tokens(arch, triton_launches):
+    """The route a GPU's compiled steps take: the custom op reads and writes the blocks through the
+    Triton kernels (the interpreter here), inside the compiled body; launches are counted, so a
+    fallback to the torch reads fails."""
+    model = build(arch)
+    model.generation_config.eos_token_id = None
+    engine = LLMEngine(model, compile=True, max_num_batched_tokens=16)
+    assert engine.stats()["compiled"]
+    prompts = PROMPTS[:3]
+    assert _engine_tokens(engine, prompts) == _stock(model, prompts)
+    layers = model.config.num_hidden_layers
+    assert triton_launches["paged_attention_prefill"] >= layers
+    assert triton_launches["paged_attention_decode"] >= (MAX_NEW - 1) * layers
+    assert engine.runner.compiled.calls > MAX_NEW
+
+
+def test_off_the_cpu_compiled_steps_are_opt_in(monkeypatch):
+    """Off the CPU the default stays eager (not yet measured on a device) and says so; compile=True
+    is not refused for the device."""
+    monkeypatch.setenv(compiled_body.COMPILE_ENV, "1")
+    model = build("llama").to("meta")
+    body, note = compiled_body.compiled_body(model, [], lambda *a, **k: None, None)
+    assert body is None and note == "off by default on meta (compile=True opts in)"
+    assert compiled_body.unsupported(model, []) is None
+
+
 def test_negative_control_a_cursor_stuck_on_the_first_layer_changes_tokens():
     model = build("llama")
     engine = LLMEngine(model, compile=True)

@@ -151,14 +151,14 @@ def bench_model(shape: str, device: torch.device, dtype: torch.dtype) -> transfo
 
 def run(num_seqs: int = 64, low: int = 16, high: int = 512, steps: int = 32, rounds: int = 3,
         threads: int | None = None, device: str = "cpu", dtype: str = "float32", shape: str = "issue",
-        profile: int = 0, log=print) -> dict:
+        profile: int = 0, compile: bool | None = None, log=print) -> dict:
     if threads:
         torch.set_num_threads(threads)
     device = torch.device(device)
     model = bench_model(shape, device, getattr(torch, dtype))
     high = min(high, model.config.max_position_embeddings // 2)  # room to decode (the tiny shape has 512 positions)
     prompts = random_prompts(num_seqs, low, high, model.config.vocab_size)
-    engine_kwargs = dict(block_size=16, max_num_batched_tokens=2048, max_num_seqs=256)
+    engine_kwargs = dict(block_size=16, max_num_batched_tokens=2048, max_num_seqs=256, compile=compile)
     engine_runs, plain_runs = [], []
     for round_ in range(rounds):
         engine_runs.append(statistics.median(engine_decode_steps(model, prompts, steps, **engine_kwargs)))
@@ -167,7 +167,7 @@ def run(num_seqs: int = 64, low: int = 16, high: int = 512, steps: int = 32, rou
             f"{plain_runs[-1] * 1e3:.2f} ms, ratio {engine_runs[-1] / plain_runs[-1]:.3f}")
     ratios = [e / p for e, p in zip(engine_runs, plain_runs)]
     result = {"num_seqs": num_seqs, "prompt_lengths": [low, high], "steps": steps, "threads": torch.get_num_threads(),
-              "device": str(device), "dtype": dtype, "shape": shape,
+              "device": str(device), "dtype": dtype, "shape": shape, "compile": compile,
               "engine_step_ms": statistics.median(engine_runs) * 1e3,
               "plain_forward_ms": statistics.median(plain_runs) * 1e3,
               "ratio": statistics.median(ratios), "ratio_per_round": ratios,
@@ -206,10 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--shape", default="issue", help="issue (the 19M Llama), tinyllama (1.1B), tiny")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile N more steps of each side")
+    parser.add_argument("--compile", choices=("default", "on", "off"), default="default",
+                        help="the engine's compile= (default: its own, compiled on CPU, eager elsewhere)")
     parser.add_argument("--out", help="write the result as JSON")
     args = parser.parse_args(argv)
     result = run(args.num_seqs, steps=args.steps, rounds=args.rounds, threads=args.threads, device=args.device,
-                 dtype=args.dtype, shape=args.shape, profile=args.profile)
+                 dtype=args.dtype, shape=args.shape, profile=args.profile,
+                 compile={"default": None, "on": True, "off": False}[args.compile])
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)

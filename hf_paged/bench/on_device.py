@@ -14,7 +14,10 @@ Why it is built this way:
   ratios are reported. Each system is warmed up on other prompts first (Triton compiles,
   transformers' CUDA-graph capture), and only the generate call is timed, between device syncs.
 * **Each system as its users would run it**: the engine at its defaults but for a fixed KV budget
-  (``--kv-gib``, so the systems do not each claim 90% of the card in turn); stock ``generate()``
+  (``--kv-gib``, so the systems do not each claim 90% of the card in turn), with eager steps (the
+  default off the CPU) and with its decoder body compiled (``compile=True``: the host work per layer
+  bounds eager steps on a GPU); each engine is built (and compiled) once per model and kept across
+  rounds, as a server keeps it, its prefix cache emptied before every run; stock ``generate()``
   on one left-padded batch of every request (the fastest way it has for an offline batch, each
   request's tokens taken up to its own length); continuous batching warmed up (CUDA graphs) with
   its memory share capped by ``--cb-memory``. Nothing else is tuned.
@@ -43,7 +46,8 @@ from hf_paged.bench.vllm_worker import versions
 SHAPES = {**vs_vllm.SHAPES,
           "tinyllama": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                             num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)}
-SYSTEMS = ("engine", "stock_generate", "transformers_cb")
+SYSTEMS = ("engine", "engine_compiled", "stock_generate", "transformers_cb")
+ENGINES = {"engine": False, "engine_compiled": True}  # system -> LLMEngine(compile=...)
 
 
 def build_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -70,12 +74,23 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-@torch.inference_mode()
-def run_engine(model, requests: list[dict], kv_bytes: int) -> tuple[list[list[int]], float]:
-    """``LLMEngine.generate`` on a fresh engine (its defaults, ``kv_bytes`` of KV); (tokens, seconds)."""
-    from hf_paged import LLMEngine, SamplingParams
+def build_engine(model, kv_bytes: int, compile: bool):
+    """An ``LLMEngine`` at its defaults but ``kv_bytes`` of KV and ``compile`` (True: the decoder body
+    through ``torch.compile``, compiled here; False: eager steps)."""
+    from hf_paged import LLMEngine
 
-    engine = LLMEngine(model, kv_cache_bytes=kv_bytes)
+    return LLMEngine(model, kv_cache_bytes=kv_bytes, compile=compile)
+
+
+@torch.inference_mode()
+def run_engine(engine, requests: list[dict]) -> tuple[list[list[int]], float]:
+    """``engine.generate`` of the requests, its prefix cache emptied first (each run starts cold, as a
+    fresh engine would); (tokens, seconds)."""
+    from hf_paged import SamplingParams
+
+    model = engine.model
+    if not engine.reset_prefix_cache():
+        raise RuntimeError("the engine has unfinished requests")
     params = [SamplingParams(max_new_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in requests]
     sync_device(model.device)
     t0 = time.perf_counter()
@@ -85,7 +100,6 @@ def run_engine(model, requests: list[dict], kv_bytes: int) -> tuple[list[list[in
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     if engine.kv.stats()["blocks_used"]:
         raise RuntimeError("the engine kept blocks after its requests finished")
-    del engine
     return tokens, wall
 
 
@@ -145,9 +159,15 @@ def run_cb(model, requests: list[dict], memory_share: float) -> tuple[list[list[
     return [list(results[str(i)].generated_tokens) for i in range(len(requests))], wall
 
 
-def _system(name: str, opts: argparse.Namespace):
-    if name == "engine":
-        return lambda model, reqs: run_engine(model, reqs, int(opts.kv_gib * 2**30))
+def _system(name: str, opts: argparse.Namespace, engines: dict):
+    """``name``'s run as a function of (model, requests); an engine is built on its first run and
+    kept in ``engines`` for the later ones (built, and compiled, once per model, as a server would)."""
+    if name in ENGINES:
+        def run_held(model, reqs):
+            if name not in engines:
+                engines[name] = build_engine(model, int(opts.kv_gib * 2**30), ENGINES[name])
+            return run_engine(engines[name], reqs)
+        return run_held
     if name == "stock_generate":
         return run_stock
     return lambda model, reqs: run_cb(model, reqs, opts.cb_memory)
@@ -165,13 +185,16 @@ def run(opts: argparse.Namespace, log=print) -> dict:
     device, dtype = torch.device(opts.device), getattr(torch, opts.dtype)
     deadline = time.monotonic() + opts.budget_s
     sizes = vs_vllm.SIZES[opts.sizes]
+    systems = systems_of(opts.systems)
     results: dict = {"date": time.strftime("%Y-%m-%d"), "device": _device_name(device), "dtype": opts.dtype,
                      "versions": versions("hf_paged", "torch", "transformers", "triton"),
                      "settings": {"kv_gib_engine": opts.kv_gib, "cb_max_memory_percent": opts.cb_memory,
-                                  "rounds": opts.rounds, "sizes": opts.sizes}, "models": {}}
+                                  "rounds": opts.rounds, "sizes": opts.sizes, "systems": list(systems)},
+                     "models": {}}
     out = Path(opts.out) if opts.out else None
     for shape in opts.shapes.split(","):
         model = build_model(shape, device, dtype)
+        engines: dict = {}  # system -> its engine for this model
         entry = results["models"][shape] = {"shape": SHAPES[shape],
                                             "parameters": sum(p.numel() for p in model.parameters()), "workloads": {}}
         for wname, (reqs, warm) in workloads_for(model.config.vocab_size, sizes).items():
@@ -180,18 +203,20 @@ def run(opts: argparse.Namespace, log=print) -> dict:
                 section["skipped"] = "the budget was spent"
                 continue
             tokens, last_cost = {}, {}
-            for name in SYSTEMS:  # warm-up, untimed: compiles, graph captures, allocator and cuBLAS for these shapes
+            for name in systems:  # warm-up, untimed: compiles, graph captures, allocator and cuBLAS for these shapes
                 t0 = time.monotonic()
                 try:
-                    _system(name, opts)(model, warm)
-                    _system(name, opts)(model, reqs)
+                    _system(name, opts, engines)(model, warm)
+                    _system(name, opts, engines)(model, reqs)
                 except Exception as err:  # noqa: BLE001 - one system failing must not hide the others
                     section["runs"][name] = {"failed": f"{type(err).__name__}: {err}"}
                     log(f"{shape} {wname} {name} failed in its warm-up: {type(err).__name__}: {err}")
                 section["warmup_s"][name] = last_cost[name] = round(time.monotonic() - t0, 2)
+                if name in engines:  # whether its steps run compiled (None), or why not
+                    section.setdefault("compile_notes", {})[name] = engines[name].compile_note
                 _release(device)
             for round_ in range(opts.rounds):
-                order = SYSTEMS if round_ % 2 == 0 else SYSTEMS[::-1]
+                order = systems if round_ % 2 == 0 else systems[::-1]
                 for name in order:
                     run_ = section["runs"].setdefault(name, {"tokens_per_s": [], "wall_s": []})
                     if "failed" in run_:
@@ -202,7 +227,7 @@ def run(opts: argparse.Namespace, log=print) -> dict:
                         continue
                     started = time.monotonic()
                     try:
-                        toks, wall = _system(name, opts)(model, reqs)
+                        toks, wall = _system(name, opts, engines)(model, reqs)
                     except Exception as err:  # noqa: BLE001
                         run_["failed"] = f"{type(err).__name__}: {err}"
                         log(f"{shape} {wname} {name} failed: {run_['failed']}")
@@ -217,11 +242,20 @@ def run(opts: argparse.Namespace, log=print) -> dict:
             _summarize(section, tokens, reqs)
             if out:
                 _write(out, results)
-        del model
+        del model, engines
         _release(device)
     if out:
         _write(out, results)
     return results
+
+
+def systems_of(names: str) -> tuple[str, ...]:
+    """The systems named (comma-separated), in :data:`SYSTEMS`' order; ValueError naming an unknown one."""
+    asked = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = sorted(set(asked) - set(SYSTEMS))
+    if unknown or not asked:
+        raise ValueError(f"--systems: unknown {unknown or 'none given'}; choose from {', '.join(SYSTEMS)}")
+    return tuple(n for n in SYSTEMS if n in asked)
 
 
 def _summarize(section: dict, tokens: dict, reqs: list[dict]) -> None:
@@ -233,13 +267,14 @@ def _summarize(section: dict, tokens: dict, reqs: list[dict]) -> None:
     for run_ in runs.values():
         if run_.get("tokens_per_s"):
             run_["median_tokens_per_s"] = statistics.median(run_["tokens_per_s"])
-    engine = runs.get("engine", {})
-    section["engine_vs"] = {}
-    for other in ("stock_generate", "transformers_cb"):
-        a, b = engine.get("tokens_per_s", []), runs.get(other, {}).get("tokens_per_s", [])
-        if a and b:
-            section["engine_vs"][other] = {"median_ratio": round(statistics.median(a) / statistics.median(b), 3),
-                                           "per_round": [round(x / y, 3) for x, y in zip(a, b)]}
+    for engine_name in ENGINES:
+        engine = runs.get(engine_name, {})
+        ratios = section[f"{engine_name}_vs"] = {}
+        for other in ("stock_generate", "transformers_cb") + (("engine",) if engine_name != "engine" else ()):
+            a, b = engine.get("tokens_per_s", []), runs.get(other, {}).get("tokens_per_s", [])
+            if a and b:
+                ratios[other] = {"median_ratio": round(statistics.median(a) / statistics.median(b), 3),
+                                 "per_round": [round(x / y, 3) for x, y in zip(a, b)]}
     section["agreement_with_stock"] = {name: vs_vllm.agreement(toks, tokens["stock_generate"])
                                        for name, toks in tokens.items()
                                        if name != "stock_generate" and "stock_generate" in tokens}
@@ -264,8 +299,9 @@ def report(results: dict) -> str:
                     lines.append(f"  {name:<16} failed: {run_['failed']}")
                 elif run_.get("tokens_per_s"):
                     lines.append(f"  {name:<16} {run_['median_tokens_per_s']:10.1f} tok/s  rounds {run_['tokens_per_s']}")
-            for other, ratio in section.get("engine_vs", {}).items():
-                lines.append(f"  engine / {other}: {ratio['median_ratio']}x (per round {ratio['per_round']})")
+            for engine_name in ENGINES:
+                for other, ratio in section.get(f"{engine_name}_vs", {}).items():
+                    lines.append(f"  {engine_name} / {other}: {ratio['median_ratio']}x (per round {ratio['per_round']})")
             for name, agree in section.get("agreement_with_stock", {}).items():
                 lines.append(f"  {name} tokens identical to stock: {agree['identical']}/{agree['of']}")
     return "\n".join(lines)
@@ -280,6 +316,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-gib", type=float, default=16.0, help="the engine's KV budget")
     parser.add_argument("--cb-memory", type=float, default=0.5, help="transformers CB: share of free memory for KV")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, in this order: {', '.join(SYSTEMS)}")
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no run that would end past this")
     parser.add_argument("--out", help="write on_device.json here")
     return parser

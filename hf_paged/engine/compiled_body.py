@@ -16,6 +16,10 @@ more, and a step of a single token has one of its own (sizes of 1 are specialise
 compiled when the engine is built (seconds; inductor caches its output on disk, so a later process
 compiles faster), as vLLM compiles before it serves.
 
+On a GPU the same body compiles to inductor's Triton kernels around the paged Triton kernels,
+which cuts the host work per layer that bounds eager steps there (benchmarks/RESULTS.md, the H200
+run of 2026-12-04); it is opt-in (``compile=True``) until measured on a device.
+
 Inductor's fused loops round differently from eager kernels in the last bits, so compiled steps
 are not bit-identical to stock ``generate()``; their tokens are compared with stock in the tests.
 """
@@ -127,12 +131,10 @@ def _engine_guards(entries: list) -> list[bool]:
 
 
 def unsupported(model: PreTrainedModel, specs: list[KVSpec | None], recurrent: bool = False) -> str | None:
-    """Why the engine's steps of ``model`` cannot run compiled (None: they can): CPU only (the
-    only device it is measured and tested on), and every layer a plain attention layer that stores
-    its own K/V (no latent or KV-sharing layers, and no ``recurrent`` state beside attention, as
-    Falcon-H1's layers have: those steps take other routes)."""
-    if model.device.type != "cpu":
-        return f"compiled steps run on CPU only (the model is on {model.device.type})"
+    """Why the engine's steps of ``model`` cannot run compiled (None: they can): every layer a
+    plain attention layer that stores its own K/V (no latent or KV-sharing layers, and no
+    ``recurrent`` state beside attention, as Falcon-H1's layers have: those steps take other
+    routes), and no tensor parallelism."""
     if tp_size_of(model) > 1:
         return "compiled steps do not run under tensor parallelism"
     kinds = {type(spec).__name__ if spec is not None else "a layer without K/V" for spec in specs
@@ -211,12 +213,15 @@ class CompiledBody:
 
 def compiled_body(model: PreTrainedModel, specs: list[KVSpec | None], attend: Callable, compile: bool | None,
                   recurrent: bool = False, also_one_thread: bool = False) -> tuple[CompiledBody | None, str | None]:
-    """The engine's compiled body, or None and why not. ``compile``: None compiles where
-    :func:`unsupported` allows it (and ``HF_PAGED_COMPILE`` is not ``0``); True must compile
+    """The engine's compiled body, or None and why not. ``compile``: None compiles on CPU where
+    :func:`unsupported` allows it (and ``HF_PAGED_COMPILE`` is not ``0``; on other devices the
+    default stays eager until compiled steps are measured there); True must compile
     (``ValueError`` naming why it cannot); False never does. ``also_one_thread``: some steps will
     run on one thread, warmed up too."""
     if compile is False or (compile is None and not default_on()):
         return None, "off (compile=False)" if compile is False else f"off ({COMPILE_ENV}=0)"
+    if compile is None and model.device.type != "cpu":
+        return None, f"off by default on {model.device.type} (compile=True opts in)"
     reason = unsupported(model, specs, recurrent)
     if reason is not None:
         if compile:

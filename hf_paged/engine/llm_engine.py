@@ -77,7 +77,8 @@ class LLMEngine:
             custom op (:mod:`hf_paged.engine.compiled_body`; compiled here, seconds; tokens may
             differ from eager steps where the last bits decide a near-tie). ``None`` (default): on
             CPU for models whose layers are all plain attention layers, unless the environment has
-            ``HF_PAGED_COMPILE=0``; True: compile or raise naming why not; False: eager steps.
+            ``HF_PAGED_COMPILE=0`` (on a GPU steps stay eager by default: compiled ones are not
+            yet measured there); True: compile or raise naming why not; False: eager steps.
             ``stats()["compiled"]`` says which, :attr:`compile_note` why not.
         serial_small_steps: models on CPU with more than one torch thread: steps whose largest
             layer GEMM is small run on the stepping thread alone (:mod:`hf_paged.engine.step_threads`:
