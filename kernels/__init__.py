@@ -127,10 +127,12 @@ def use_triton(tensor: torch.Tensor, backend: Optional[str] = None) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _launcher_module(module: str):
-    """A launcher's module of this package, imported once (``importlib.import_module`` costs ~10 us
-    a call: two per layer of every engine step on a GPU, where steps are bound by host work)."""
-    return importlib.import_module(f".{module}", __name__)
+def _launcher(launcher: str):
+    """The Triton launcher ``"module:function"`` of this package, its module imported once
+    (``importlib.import_module`` costs ~10 us a call: two per layer of every engine step on a GPU,
+    where steps are bound by host work)."""
+    module, name = launcher.split(":")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
 
 
 def _dispatch(tensor, backend, launcher: str, reference, args, out=None, **launch_options):
@@ -138,8 +140,7 @@ def _dispatch(tensor, backend, launcher: str, reference, args, out=None, **launc
     package, imported on first use) with ``out=`` (when given) and ``launch_options``, or the
     torch ``reference``, whose result is copied into ``out`` when one is given."""
     if use_triton(tensor, backend):
-        module, name = launcher.split(":")
-        fn = getattr(_launcher_module(module), name)
+        fn = _launcher(launcher)
         if out is not None:
             launch_options["out"] = out
         return fn(*args, **launch_options)

@@ -3,7 +3,7 @@
 Device helpers (``@triton.jit``): :func:`dot`, :func:`load_2d`.  Host helpers: the argument
 checks and coercions of the attention launchers (:func:`check_cache`,
 :func:`prepare_attention_args`, :func:`dot_modes`), launching with a shared-memory fallback
-(:func:`launch_with_stage_fallback`), :func:`sm_count` and :func:`next_pow2`.
+(:func:`launch_with_stage_fallback`), :func:`sm_count`, :func:`next_pow2` and :func:`ceil_div`.
 
 Like every module of the package except ``__init__``, this one imports triton at import time.
 """
@@ -27,6 +27,7 @@ __all__ = [
     "launch_with_stage_fallback",
     "sm_count",
     "next_pow2",
+    "ceil_div",
     "check_cache",
     "as_int32",
     "prepare_attention_args",
@@ -113,6 +114,12 @@ def sm_count(device: torch.device) -> int:
 
 def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host ints (``triton.cdiv`` is a constexpr function in recent Triton:
+    ~8 us a call from host code, paid per layer of every step)."""
+    return -(-a // b)
 
 
 # --------------------------------------------------------------------------------------------

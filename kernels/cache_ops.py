@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import ceil_div, next_pow2
 
 
 @triton.jit
@@ -68,7 +68,7 @@ def reshape_and_cache_triton(key, value, k_cache, v_cache, slot_mapping) -> None
     hd = num_kv_heads * head_dim
     block_e = min(next_pow2(hd), 2048)
     block_t = max(1, 4096 // block_e)
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hd, block_e))
+    grid = (ceil_div(num_tokens, block_t), ceil_div(hd, block_e))
     _reshape_and_cache_kernel[grid](
         key, value, k_cache, v_cache, slot_mapping, num_tokens,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -143,7 +143,7 @@ def copy_blocks_triton(k_caches, v_caches, block_mapping) -> None:
     offsets, align = cache_offsets(caches)
     block_numel = ref[0].numel()
     chunk = min(next_pow2(block_numel), 4096)
-    grid = (mapping.shape[0], len(caches), triton.cdiv(block_numel, chunk))
+    grid = (mapping.shape[0], len(caches), ceil_div(block_numel, chunk))
     _copy_blocks_kernel[grid](
         ref, offsets, mapping, block_numel, ref.stride(0), CHUNK=chunk, ALIGN=align,
         num_warps=4,
