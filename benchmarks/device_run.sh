@@ -2,7 +2,8 @@
 # Issue 22's device checks as one script for a lent GPU (a session's device time is minutes):
 #   1. float32 token equality of the Triton paths on CUDA, eager and compiled engine steps included
 #   2. an engine decode step at 64 sequences against a plain forward, eager and compiled (TinyLlama shape, bf16)
-#   3. the workloads: the engine eager and compiled against stock generate() (and CB if time is left)
+#   3. the workloads: the engine eager and compiled against stock generate() (SYSTEMS adds
+#      transformers_cb: its warm-up alone took ~50 s for the 1.1B model on 2026-12-04)
 # Every result goes under $OUT (default benchmarks/out); each part has its own deadline, so one slow
 # part leaves the others their time. TOTAL_S (default 480) is what the script may use in all.
 # A dry run on CPU: DEVICE=cpu DTYPE=float32 SHAPE=tiny SHAPES=tiny SIZES=tiny KV_GIB=0.05 benchmarks/device_run.sh
@@ -11,6 +12,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out}
 TOTAL_S=${TOTAL_S:-480}
 DEVICE=${DEVICE:-cuda} DTYPE=${DTYPE:-bfloat16} SHAPE=${SHAPE:-tinyllama} SHAPES=${SHAPES:-tinyllama,issue} SIZES=${SIZES:-full} KV_GIB=${KV_GIB:-16}
+SYSTEMS=${SYSTEMS:-engine,engine_compiled,stock_generate}
 mkdir -p "$OUT"
 start=$(date +%s)
 left() { echo $(( TOTAL_S - ($(date +%s) - start) )); }
@@ -25,7 +27,7 @@ log "gpu_equality rc=$? $(tail -1 "$OUT/gpu_equality.txt")"
 
 for mode in off on; do
   log "2/3 decode_step --compile $mode"
-  timeout 90 python -m hf_paged.bench.decode_step --device "$DEVICE" --dtype "$DTYPE" --shape "$SHAPE" --num-seqs 64 \
+  timeout $([ "$mode" = on ] && echo 150 || echo 90) python -m hf_paged.bench.decode_step --device "$DEVICE" --dtype "$DTYPE" --shape "$SHAPE" --num-seqs 64 \
     --steps 24 --rounds 3 --profile 10 --compile "$mode" --out "$OUT/decode_step_$mode.json" \
     > "$OUT/decode_step_$mode.txt" 2>&1
   log "decode_step $mode rc=$? $(grep 'engine decode step / plain' "$OUT/decode_step_$mode.txt")"
@@ -34,7 +36,7 @@ done
 budget=$(( $(left) - 20 ))
 log "3/3 on_device, ${budget}s"
 timeout $(( budget + 15 )) python -m hf_paged.bench.on_device --device "$DEVICE" --dtype "$DTYPE" --shapes "$SHAPES" --sizes "$SIZES" --kv-gib "$KV_GIB" \
-  --systems engine,engine_compiled,stock_generate,transformers_cb --rounds 2 --budget-s "$budget" --out "$OUT" \
+  --systems "$SYSTEMS" --rounds 2 --budget-s "$budget" --out "$OUT" \
   > "$OUT/on_device.txt" 2>&1
 log "on_device rc=$?"
 tail -40 "$OUT/on_device.txt"

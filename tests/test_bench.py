@@ -152,6 +152,7 @@ def test_beam_search_and_parallel_sampling_runs(model):
 
 
 def test_decode_step_times_both_sides_and_profiles_where_their_host_time_goes():
+    from hf_paged import LLMEngine
     from hf_paged.bench import decode_step
 
     result = decode_step.run(num_seqs=4, steps=2, rounds=1, shape="tiny", profile=2, log=lambda *_: None)
@@ -174,7 +175,7 @@ def test_decode_step_times_both_sides_and_profiles_where_their_host_time_goes():
         ops = decode_step.profile_steps(step, 2, model.device, top=1000)["host_ops"]
         return {op["name"]: op["calls_per_step"] for op in ops}
 
-    with decode_step.engine_decoding(model, prompts, 2, block_size=16) as step:
+    with decode_step.engine_decoding(LLMEngine(model, block_size=16), prompts, 2) as step:
         engine = calls(step)
     with decode_step.plain_decoding(model, prompts) as forward:
         plain = calls(forward)

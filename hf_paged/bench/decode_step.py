@@ -55,12 +55,14 @@ def random_prompts(num: int, low: int, high: int, vocab: int, seed: int = 0) -> 
 
 
 @contextlib.contextmanager
-def engine_decoding(model, prompts: list[list[int]], steps: int, **engine_kwargs) -> Iterator[Callable[[], None]]:
-    """An engine whose every sequence decodes (prefills done); yields ``engine.step`` for up to ``steps``
-    calls, then finishes the requests."""
-    from hf_paged import LLMEngine, SamplingParams
+def engine_decoding(engine, prompts: list[list[int]], steps: int) -> Iterator[Callable[[], None]]:
+    """``engine`` (idle) with every sequence of ``prompts`` decoding (prefills done, its prefix cache
+    emptied first); yields ``engine.step`` for up to ``steps`` calls, then finishes the requests.
+    One engine serves every round: a compiled one compiles once."""
+    from hf_paged import SamplingParams
 
-    engine = LLMEngine(model, **engine_kwargs)
+    if not engine.reset_prefix_cache():
+        raise RuntimeError("the engine has unfinished requests")
     params = SamplingParams(max_new_tokens=steps + 2, temperature=0, ignore_eos=True)
     for prompt in prompts:
         engine.add_request(prompt, params)
@@ -107,10 +109,10 @@ def _timed(step: Callable[[], None], steps: int, device: torch.device) -> list[f
     return times
 
 
-def engine_decode_steps(model, prompts: list[list[int]], steps: int, **engine_kwargs) -> list[float]:
+def engine_decode_steps(engine, prompts: list[list[int]], steps: int) -> list[float]:
     """Seconds per ``engine.step()`` once every sequence decodes (prefills are done first)."""
-    with engine_decoding(model, prompts, steps, **engine_kwargs) as step:
-        return _timed(step, steps, model.device)
+    with engine_decoding(engine, prompts, steps) as step:
+        return _timed(step, steps, engine.model.device)
 
 
 def plain_decode_steps(model, prompts: list[list[int]], steps: int) -> list[float]:
@@ -158,23 +160,26 @@ def run(num_seqs: int = 64, low: int = 16, high: int = 512, steps: int = 32, rou
     model = bench_model(shape, device, getattr(torch, dtype))
     high = min(high, model.config.max_position_embeddings // 2)  # room to decode (the tiny shape has 512 positions)
     prompts = random_prompts(num_seqs, low, high, model.config.vocab_size)
-    engine_kwargs = dict(block_size=16, max_num_batched_tokens=2048, max_num_seqs=256, compile=compile)
+    from hf_paged import LLMEngine
+
+    engine = LLMEngine(model, block_size=16, max_num_batched_tokens=2048, max_num_seqs=256, compile=compile)
     engine_runs, plain_runs = [], []
     for round_ in range(rounds):
-        engine_runs.append(statistics.median(engine_decode_steps(model, prompts, steps, **engine_kwargs)))
+        engine_runs.append(statistics.median(engine_decode_steps(engine, prompts, steps)))
         plain_runs.append(statistics.median(plain_decode_steps(model, prompts, steps)))
         log(f"  round {round_ + 1}: engine step {engine_runs[-1] * 1e3:.2f} ms, plain [{num_seqs}, 1] forward "
             f"{plain_runs[-1] * 1e3:.2f} ms, ratio {engine_runs[-1] / plain_runs[-1]:.3f}")
     ratios = [e / p for e, p in zip(engine_runs, plain_runs)]
     result = {"num_seqs": num_seqs, "prompt_lengths": [low, high], "steps": steps, "threads": torch.get_num_threads(),
               "device": str(device), "dtype": dtype, "shape": shape, "compile": compile,
+              "compile_note": engine.compile_note,
               "engine_step_ms": statistics.median(engine_runs) * 1e3,
               "plain_forward_ms": statistics.median(plain_runs) * 1e3,
               "ratio": statistics.median(ratios), "ratio_per_round": ratios,
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
     log(f"engine decode step / plain forward: {result['ratio']:.3f} (median of {rounds} rounds)")
     if profile:
-        with engine_decoding(model, prompts, profile + 1, **engine_kwargs) as step:
+        with engine_decoding(engine, prompts, profile + 1) as step:
             step()  # one step outside the profile: the profiler's own first-call costs
             result["profile_engine"] = profile_steps(step, profile, device)
         with plain_decoding(model, prompts) as forward:
