@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 22's device checks as one script for a lent GPU (a session's device time is minutes):
-#   1. float32 token equality of the Triton paths on CUDA, eager and compiled engine steps included
-#   2. an engine decode step at 64 sequences against a plain forward, eager and compiled (TinyLlama shape, bf16)
-#   3. the workloads: the engine eager and compiled against stock generate() (SYSTEMS adds
+#   1. float32 token equality of the Triton paths on CUDA, engine steps eager, compiled and from CUDA graphs
+#   2. an engine decode step at 64 sequences against a plain forward: eager, compiled, CUDA graphs
+#      (TinyLlama shape, bf16)
+#   3. the workloads: the engine eager, compiled and with graphs against stock generate() (SYSTEMS adds
 #      transformers_cb: its warm-up alone took ~50 s for the 1.1B model on 2026-12-04)
 # Every result goes under $OUT (default benchmarks/out); each part has its own deadline, so one slow
 # part leaves the others their time. TOTAL_S (default 480) is what the script may use in all.
@@ -12,7 +13,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out}
 TOTAL_S=${TOTAL_S:-480}
 DEVICE=${DEVICE:-cuda} DTYPE=${DTYPE:-bfloat16} SHAPE=${SHAPE:-tinyllama} SHAPES=${SHAPES:-tinyllama,issue} SIZES=${SIZES:-full} KV_GIB=${KV_GIB:-16}
-SYSTEMS=${SYSTEMS:-engine,engine_compiled,stock_generate}
+SYSTEMS=${SYSTEMS:-engine,engine_compiled,engine_graphs,stock_generate}
 mkdir -p "$OUT"
 start=$(date +%s)
 left() { echo $(( TOTAL_S - ($(date +%s) - start) )); }
@@ -25,10 +26,15 @@ log "1/3 gpu_equality"
 timeout 150 python benchmarks/gpu_equality.py --out "$OUT" > "$OUT/gpu_equality.txt" 2>&1
 log "gpu_equality rc=$? $(tail -1 "$OUT/gpu_equality.txt")"
 
-for mode in off on; do
-  log "2/3 decode_step --compile $mode"
-  timeout $([ "$mode" = on ] && echo 150 || echo 90) python -m hf_paged.bench.decode_step --device "$DEVICE" --dtype "$DTYPE" --shape "$SHAPE" --num-seqs 64 \
-    --steps 24 --rounds 3 --profile 10 --compile "$mode" --out "$OUT/decode_step_$mode.json" \
+for mode in off on graphs; do
+  log "2/3 decode_step $mode"
+  case $mode in
+    off) args=(--compile off); limit=90 ;;
+    on) args=(--compile on); limit=150 ;;
+    graphs) args=(--compile off --cuda-graphs); limit=120 ;;
+  esac
+  timeout $limit python -m hf_paged.bench.decode_step --device "$DEVICE" --dtype "$DTYPE" --shape "$SHAPE" --num-seqs 64 \
+    --steps 24 --rounds 3 --profile 10 "${args[@]}" --out "$OUT/decode_step_$mode.json" \
     > "$OUT/decode_step_$mode.txt" 2>&1
   log "decode_step $mode rc=$? $(grep 'engine decode step / plain' "$OUT/decode_step_$mode.txt")"
 done

@@ -105,17 +105,21 @@ def check_model_equality(out_dir: str | os.PathLike | None = None) -> dict:
 
 
 def check_engine_equality(counter: dict) -> list[dict]:
-    """LLMEngine on CUDA (packed decode + varlen prefill kernels, preemption; eager steps, and steps
-    through the compiled decoder body) vs per-request CPU generate()."""
+    """LLMEngine on CUDA (packed decode + varlen prefill kernels, preemption; eager steps, steps
+    through the compiled decoder body, decode steps replayed from CUDA graphs) vs per-request CPU
+    generate()."""
     from hf_paged import LLMEngine, SamplingParams
 
     results = []
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 96, (int(n),), generator=g).tolist() for n in torch.randint(1, 100, (16,), generator=g)]
-    for arch, mode, num_blocks, compile in (("llama", "recompute", 40, False), ("gemma2", "swap", 40, False),
-                                            ("qwen2", "recompute", None, False), ("llama", "recompute", 40, True),
-                                            ("gemma2", "swap", 40, True)):
-        row = {"arch": arch, "mode": f"engine-{mode}" + ("-compiled" if compile else ""), "block_size": 8}
+    for arch, mode, num_blocks, compile, graphs in (
+            ("llama", "recompute", 40, False, False), ("gemma2", "swap", 40, False, False),
+            ("qwen2", "recompute", None, False, False), ("llama", "recompute", 40, True, False),
+            ("gemma2", "swap", 40, True, False), ("llama", "recompute", 40, False, True),
+            ("gemma2", "swap", 40, True, True)):
+        row = {"arch": arch, "mode": f"engine-{mode}" + ("-compiled" if compile else "") + ("-graphs" if graphs else ""),
+               "block_size": 8}
         try:
             model = build(arch)
             refs = [model.generate(input_ids=torch.tensor([p]), max_new_tokens=16, do_sample=False,
@@ -124,8 +128,9 @@ def check_engine_equality(counter: dict) -> list[dict]:
             before = dict(counter)
             start = time.perf_counter()
             engine = LLMEngine(model, block_size=8, num_blocks=num_blocks, max_num_batched_tokens=128,
-                               preemption_mode=mode, compile=compile)
+                               preemption_mode=mode, compile=compile, cuda_graphs=graphs and model.device.type == "cuda")
             row["compiled"] = engine.stats()["compiled"]
+            row["cuda_graphs"] = engine.stats()["cuda_graphs"]
             outs = engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True),
                                    use_tqdm=False)
             row["cuda_s"] = round(time.perf_counter() - start, 3)

@@ -153,7 +153,7 @@ def bench_model(shape: str, device: torch.device, dtype: torch.dtype) -> transfo
 
 def run(num_seqs: int = 64, low: int = 16, high: int = 512, steps: int = 32, rounds: int = 3,
         threads: int | None = None, device: str = "cpu", dtype: str = "float32", shape: str = "issue",
-        profile: int = 0, compile: bool | None = None, log=print) -> dict:
+        profile: int = 0, compile: bool | None = None, cuda_graphs: bool = False, log=print) -> dict:
     if threads:
         torch.set_num_threads(threads)
     device = torch.device(device)
@@ -162,7 +162,9 @@ def run(num_seqs: int = 64, low: int = 16, high: int = 512, steps: int = 32, rou
     prompts = random_prompts(num_seqs, low, high, model.config.vocab_size)
     from hf_paged import LLMEngine
 
-    engine = LLMEngine(model, block_size=16, max_num_batched_tokens=2048, max_num_seqs=256, compile=compile)
+    budget = {"kv_cache_bytes": 16 << 30} if cuda_graphs else {}  # graphs allocate the pools whole
+    engine = LLMEngine(model, block_size=16, max_num_batched_tokens=2048, max_num_seqs=256, compile=compile,
+                       cuda_graphs=cuda_graphs, **budget)
     engine_runs, plain_runs = [], []
     for round_ in range(rounds):
         engine_runs.append(statistics.median(engine_decode_steps(engine, prompts, steps)))
@@ -172,7 +174,7 @@ def run(num_seqs: int = 64, low: int = 16, high: int = 512, steps: int = 32, rou
     ratios = [e / p for e, p in zip(engine_runs, plain_runs)]
     result = {"num_seqs": num_seqs, "prompt_lengths": [low, high], "steps": steps, "threads": torch.get_num_threads(),
               "device": str(device), "dtype": dtype, "shape": shape, "compile": compile,
-              "compile_note": engine.compile_note,
+              "compile_note": engine.compile_note, "cuda_graphs": cuda_graphs,
               "engine_step_ms": statistics.median(engine_runs) * 1e3,
               "plain_forward_ms": statistics.median(plain_runs) * 1e3,
               "ratio": statistics.median(ratios), "ratio_per_round": ratios,
@@ -213,11 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile N more steps of each side")
     parser.add_argument("--compile", choices=("default", "on", "off"), default="default",
                         help="the engine's compile= (default: its own, compiled on CPU, eager elsewhere)")
+    parser.add_argument("--cuda-graphs", action="store_true", help="the engine replays decode steps from CUDA graphs")
     parser.add_argument("--out", help="write the result as JSON")
     args = parser.parse_args(argv)
     result = run(args.num_seqs, steps=args.steps, rounds=args.rounds, threads=args.threads, device=args.device,
                  dtype=args.dtype, shape=args.shape, profile=args.profile,
-                 compile={"default": None, "on": True, "off": False}[args.compile])
+                 compile={"default": None, "on": True, "off": False}[args.compile], cuda_graphs=args.cuda_graphs)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)

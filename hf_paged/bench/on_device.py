@@ -15,8 +15,9 @@ Why it is built this way:
   transformers' CUDA-graph capture), and only the generate call is timed, between device syncs.
 * **Each system as its users would run it**: the engine at its defaults but for a fixed KV budget
   (``--kv-gib``, so the systems do not each claim 90% of the card in turn), with eager steps (the
-  default off the CPU) and with its decoder body compiled (``compile=True``: the host work per layer
-  bounds eager steps on a GPU); each engine is built (and compiled) once per model and kept across
+  default off the CPU), with its decoder body compiled (``compile=True``) and with decode steps
+  replayed from CUDA graphs (``cuda_graphs=True``): the host work per layer bounds eager steps on a
+  GPU; each engine is built (and compiled) once per model and kept across
   rounds, as a server keeps it, its prefix cache emptied before every run; stock ``generate()``
   on one left-padded batch of every request (the fastest way it has for an offline batch, each
   request's tokens taken up to its own length); continuous batching warmed up (CUDA graphs) with
@@ -46,8 +47,9 @@ from hf_paged.bench.vllm_worker import versions
 SHAPES = {**vs_vllm.SHAPES,
           "tinyllama": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                             num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)}
-SYSTEMS = ("engine", "engine_compiled", "stock_generate", "transformers_cb")
-ENGINES = {"engine": False, "engine_compiled": True}  # system -> LLMEngine(compile=...)
+SYSTEMS = ("engine", "engine_compiled", "engine_graphs", "stock_generate", "transformers_cb")
+ENGINES = {"engine": {"compile": False}, "engine_compiled": {"compile": True},  # system -> LLMEngine keywords
+           "engine_graphs": {"compile": False, "cuda_graphs": True}}
 
 
 def build_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -74,12 +76,13 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def build_engine(model, kv_bytes: int, compile: bool):
-    """An ``LLMEngine`` at its defaults but ``kv_bytes`` of KV and ``compile`` (True: the decoder body
-    through ``torch.compile``, compiled here; False: eager steps)."""
+def build_engine(model, kv_bytes: int, **options):
+    """An ``LLMEngine`` at its defaults but ``kv_bytes`` of KV and ``options`` (:data:`ENGINES`:
+    ``compile``, the decoder body through ``torch.compile``; ``cuda_graphs``, decode steps replayed
+    from CUDA graphs; both set up here)."""
     from hf_paged import LLMEngine
 
-    return LLMEngine(model, kv_cache_bytes=kv_bytes, compile=compile)
+    return LLMEngine(model, kv_cache_bytes=kv_bytes, **options)
 
 
 @torch.inference_mode()
@@ -165,7 +168,7 @@ def _system(name: str, opts: argparse.Namespace, engines: dict):
     if name in ENGINES:
         def run_held(model, reqs):
             if name not in engines:
-                engines[name] = build_engine(model, int(opts.kv_gib * 2**30), ENGINES[name])
+                engines[name] = build_engine(model, int(opts.kv_gib * 2**30), **ENGINES[name])
             return run_engine(engines[name], reqs)
         return run_held
     if name == "stock_generate":
@@ -214,6 +217,7 @@ def run(opts: argparse.Namespace, log=print) -> dict:
                 section["warmup_s"][name] = last_cost[name] = round(time.monotonic() - t0, 2)
                 if name in engines:  # whether its steps run compiled (None), or why not
                     section.setdefault("compile_notes", {})[name] = engines[name].compile_note
+                    section.setdefault("cuda_graphs", {})[name] = engines[name].stats()["cuda_graphs"]
                 _release(device)
             for round_ in range(opts.rounds):
                 order = systems if round_ % 2 == 0 else systems[::-1]

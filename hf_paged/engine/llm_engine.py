@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 
 from hf_paged.block_manager import check_block_options
 from hf_paged.engine import host_malloc
+from hf_paged.engine.cuda_graphs import DecodeGraphs
 from hf_paged.engine.intake import RequestIntake
 from hf_paged.engine.kv_cache_manager import KVCacheManager
 from hf_paged.engine.model_runner import ModelRunner
@@ -86,6 +87,10 @@ class LLMEngine:
             earn back). ``None`` (default): when ``OMP_WAIT_POLICY=PASSIVE``, as under ``hf-paged
             serve`` with the engine on every core; True / False: always / never.
             ``stats()["serial_step_max_tokens"]`` says up to which step size (0: none).
+        cuda_graphs: models on CUDA: pure-decode steps replay CUDA graphs captured here at bucketed
+            batch sizes (:mod:`hf_paged.engine.cuda_graphs`; the pools are allocated whole).
+            ``None`` / False (default): eager steps (graphs are not yet measured on a device);
+            True: capture, or raise naming why not.
         preemption_mode: ``"recompute"`` or ``"swap"`` (to ``swap_space_blocks`` CPU blocks).
         max_consecutive_failures: failed steps in a row after which :attr:`healthy` is False (a
             step fails when its forward, block moves or processing raise, or when every logits
@@ -107,7 +112,7 @@ class LLMEngine:
         preemption_mode: str = "recompute", swap_space_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None, max_consecutive_failures: int = 3,
         num_state_slots: int | None = None, prepack_lm_head: bool | None = None, tune_malloc: bool | None = None,
-        compile: bool | None = None, serial_small_steps: bool | None = None,
+        compile: bool | None = None, serial_small_steps: bool | None = None, cuda_graphs: bool | None = None,
     ):
         check_engine_supported(model)  # generate()-only models are refused here, naming why
         check_block_options(block_size, num_blocks)
@@ -168,6 +173,11 @@ class LLMEngine:
                                   compile=compile, serial_small_steps=serial_small_steps)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.max_positions = max_positions(self.config)
+        if cuda_graphs:
+            if num_blocks is None:
+                raise ValueError("cuda_graphs=True needs a KV budget (num_blocks or kv_cache_bytes): graphs keep "
+                                 "the pools at one address, so they are allocated whole")
+            self.runner.graphs = DecodeGraphs(self.runner, max_num_seqs, list(self.kv.pool_sizes), self.max_positions)
         # structured outputs and logit_bias: grammars compiled off this thread, masks and matchers per step
         self.structured = StructuredOutputManager(tokenizer, self.config.vocab_size, self.eos_token_ids, model.device)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_positions, self.structured)
@@ -600,6 +610,7 @@ class LLMEngine:
             "healthy": self.healthy, "failed_steps": self._counters["failed_steps"],
             "consecutive_failed_steps": self._counters["consecutive_failed_steps"],
             "prefix_caching": self.kv.enable_prefix_caching, "compiled": self.runner.compiled is not None,
+            "cuda_graphs": self.runner.graphs is not None,
             "serial_step_max_tokens": self.runner.serial_steps.max_tokens if self.runner.serial_steps else 0,
             "state_slots_total": kv["state_slots_total"], "state_slots_used": kv["state_slots_used"],
             "state_slots_free": kv["state_slots_free"], "swap_state_slots_used": kv["swap_state_slots_used"],

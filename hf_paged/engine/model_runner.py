@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 from hf_paged.attention import ATTN_IMPLEMENTATION, COMPILED_ATTN_IMPLEMENTATION, packed_attention, paged_call
 from hf_paged.channel import clear_active_cache, packed_forward
 from hf_paged.engine import compiled_body
+from hf_paged.engine.cuda_graphs import DecodeGraphs
 from hf_paged.engine.cpu_linear import onednn_linears, prepacked_lm_head, switchable_lm_head
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.step_cache import PackedStepCache, host_tensor
@@ -57,8 +58,8 @@ class ModelRunner:
         self.swap_space_blocks = (list(swap_space_blocks) if isinstance(swap_space_blocks, (list, tuple))
                                   else [swap_space_blocks] * len(self.groups))  # per group
         self.device = model.device
-        self._cache_kwarg = cache_kwarg(model)
-        self._logits_to_keep = takes_logits_to_keep(model)
+        self.cache_kwarg = cache_kwarg(model)
+        self.takes_logits_to_keep = takes_logits_to_keep(model)
         # the float32 CPU LM head runs through oneDNN (hf_paged.engine.cpu_linear)
         self._onednn_linears = tuple(m for m in (switchable_lm_head(model),) if m is not None)
         self._prepacked = tuple(p for p in (prepacked_lm_head(model, prepack_lm_head),) if p is not None)
@@ -72,6 +73,7 @@ class ModelRunner:
             model, self.specs, packed_attention, compile, recurrent=self.per_sequence,
             also_one_thread=self.serial_steps is not None)
         self._build_cpu_reads()
+        self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs (LLMEngine(cuda_graphs=True))
 
     def _build_cpu_reads(self) -> None:
         """Build (or load from the disk cache) the C reads for the attention layers' layouts now,
@@ -95,6 +97,8 @@ class ModelRunner:
         self._run_state_moves(step)
         if not step.sequences:
             return None
+        if self.graphs is not None and self.graphs.applies(step):
+            return self.graphs.run(step)
         if not self.per_sequence:
             return self._forward(step, rows=False)
         return torch.cat([self._forward(part, rows) for part, rows in _row_parts(step, self._batch_rows)])
@@ -108,13 +112,13 @@ class ModelRunner:
         forward = {
             "input_ids": host_tensor(step.input_ids).to(self.device).view(shape),
             "position_ids": positions,
-            self._cache_kwarg: step_cache,
+            self.cache_kwarg: step_cache,
             "use_cache": True,
         }
         keep_index = host_tensor(step.logits_indices).to(self.device)
         if rows:  # every row is one decode token that needs its logits
             keep_index = torch.zeros(1, dtype=torch.long, device=self.device)
-        if self._logits_to_keep:
+        if self.takes_logits_to_keep:
             forward["logits_to_keep"] = keep_index
         state_layers, slots = None, None
         if self.states is not None:
@@ -122,23 +126,34 @@ class ModelRunner:
             state_layers = self.states.layers_for(slots, has_previous=step.sequences[0].start > 0)
             for layer, held in state_layers.items():
                 step_cache.layers[layer] = held
-        compiled = self.compiled is not None and not rows
-        implementation = COMPILED_ATTN_IMPLEMENTATION if compiled else ATTN_IMPLEMENTATION
-        with (packed_forward(), paged_call(self.model, implementation),
-              self.compiled.active(step_cache) if compiled else contextlib.nullcontext(),
-              onednn_linears(self._onednn_linears, self._prepacked),
-              self.serial_steps.step(step.num_scheduled_tokens) if self.serial_steps else contextlib.nullcontext()):
-            logits = self.model(**forward).logits
-        clear_active_cache()
-        step_cache.check_no_pending()
+        logits = self.run_model(forward, step_cache, compiled=self.compiled is not None and not rows,
+                                num_tokens=step.num_scheduled_tokens)
         if state_layers is not None:
             self.states.store(state_layers, slots)
         return self._kept(logits, step, rows, keep_index).float()
 
+    def run_model(self, forward: dict, step_cache: PackedStepCache, compiled: bool, num_tokens: int) -> torch.Tensor:
+        """``model(**forward).logits`` with the paged attention reading and writing ``step_cache``'s
+        blocks (through the compiled body when ``compiled``)."""
+        implementation = COMPILED_ATTN_IMPLEMENTATION if compiled else ATTN_IMPLEMENTATION
+        with (packed_forward(), paged_call(self.model, implementation),
+              self.compiled.active(step_cache) if compiled else contextlib.nullcontext(),
+              onednn_linears(self._onednn_linears, self._prepacked),
+              self.serial_steps.step(num_tokens) if self.serial_steps else contextlib.nullcontext()):
+            logits = self.model(**forward).logits
+        clear_active_cache()
+        step_cache.check_no_pending()
+        return logits
+
+    def packed_logits(self, logits: torch.Tensor, keep_index: torch.Tensor) -> torch.Tensor:
+        """The rows ``keep_index`` of a packed forward's logits (already kept where the model took
+        ``logits_to_keep``)."""
+        return logits[0] if self.takes_logits_to_keep else logits[0].index_select(0, keep_index)
+
     def _kept(self, logits: torch.Tensor, step: SchedulerOutput, rows: bool, keep_index: torch.Tensor) -> torch.Tensor:
         """The logits of the sequences with ``needs_logits``, one row each."""
         if not rows:
-            return logits[0] if self._logits_to_keep else logits[0].index_select(0, keep_index)
+            return self.packed_logits(logits, keep_index)
         logits = logits[:, -1]
         if len(step.logits_indices) < len(step.sequences):  # a 1-token chunk of a recompute needs none
             keep = [i for i, s in enumerate(step.sequences) if s.needs_logits]

@@ -1,0 +1,97 @@
+"""Decode steps from the graphs' static buffers at bucketed batch sizes (``hf_paged.engine.cuda_graphs``).
+
+No GPU here: the graphs are built with ``capture=False`` (same static buffers, buckets, pad rows
+and scratch block; the recorded forward runs eagerly instead of replaying) and the Triton kernels
+are forced (the interpreter: the route a GPU takes). Greedy tokens must equal per-request stock
+``generate()`` while the batch shrinks through the buckets; negative controls show that pad rows
+writing outside the scratch block, or stale static rows, change tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged import LLMEngine, SamplingParams
+from hf_paged.engine.cuda_graphs import DecodeGraphs
+from tests.helpers.tiny_models import build
+
+PROMPTS = [list(range(3, 3 + n)) for n in (21, 9, 3, 14, 6)]
+MAX_NEW = [9, 4, 12, 6, 2]  # requests finish at different steps: 5, 4, 3, 2, 1 rows (buckets 8, 4, 4, 2, 1)
+
+
+def _stock(model):
+    return [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)[0, len(p):].tolist() for p, n in zip(PROMPTS, MAX_NEW)]
+
+
+def _engine(model, **kwargs):
+    engine = LLMEngine(model, block_size=4, num_blocks=64, max_num_seqs=8, **kwargs)
+    engine.runner.graphs = DecodeGraphs(engine.runner, 8, list(engine.kv.pool_sizes), engine.max_positions,
+                                        capture=False)
+    return engine
+
+
+def _tokens(engine):
+    params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in MAX_NEW]
+    outs = engine.generate(PROMPTS, params, use_tqdm=False)
+    assert engine.kv.num_used_blocks() == 0
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("arch, compile", [("llama", False), ("llama", True), ("gemma2", False)])
+def test_decode_steps_from_static_buffers_give_stock_tokens(arch, compile, triton_launches):
+    """gemma2: two layer groups (sliding window 9 and full attention), each with its own buffers
+    and scratch block; compile: the compiled body at every bucket size."""
+    model = build(arch)
+    engine = _engine(model, compile=compile)
+    graphs = engine.runner.graphs
+    assert graphs.buckets == (1, 2, 4, 8) and graphs.width == -(-model.config.max_position_embeddings // 4)
+    assert _tokens(engine) == _stock(model)
+    assert graphs.replayed >= max(MAX_NEW) - 1  # every pure-decode step (prefills and mixed steps run eager)
+    assert triton_launches["paged_attention_decode"] > 0
+    pools = engine.runner.storage.key_pools
+    assert all(pool.shape[0] == 64 + 1 for pool in pools.values())  # whole from the start, plus the scratch block
+    assert engine.stats()["cuda_graphs"]
+
+
+def test_negative_control_pad_rows_writing_into_a_live_block_change_tokens(triton_launches):
+    model = build("llama")
+    engine = _engine(model)
+    engine.runner.graphs.scratch = [0]  # pad rows write into block 0, which the first request owns
+    assert _tokens(engine) != _stock(model)
+
+
+def test_negative_control_a_bucket_whose_rows_are_not_refilled_changes_tokens(triton_launches, monkeypatch):
+    model = build("llama")
+    engine = _engine(model)
+    graphs = engine.runner.graphs
+    fill = graphs._fill
+    filled = set()
+
+    def first_fill_only(bucket, step):  # later steps of a bucket replay the first step's rows
+        if step is None or bucket not in filled:
+            filled.add(bucket)
+            fill(bucket, step)
+
+    monkeypatch.setattr(graphs, "_fill", first_fill_only)
+    assert _tokens(engine) != _stock(model)
+
+
+def test_steps_that_do_not_fit_run_eager():
+    """A prefill, a mixed step and more sequences than the largest bucket run the eager forward."""
+    model = build("llama")
+    engine = LLMEngine(model, block_size=4, num_blocks=64, max_num_seqs=8)
+    engine.runner.graphs = DecodeGraphs(engine.runner, 2, list(engine.kv.pool_sizes), engine.max_positions,
+                                        capture=False)
+    assert engine.runner.graphs.buckets == (1, 2)
+    assert _tokens(engine) == _stock(model)  # up to 5 rows: 3 or more decode eager
+    assert 0 < engine.runner.graphs.replayed < max(MAX_NEW) - 1
+
+
+def test_cuda_graphs_refusals_name_why():
+    model = build("llama")
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a KV budget"):
+        LLMEngine(model, cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs=True: CUDA graphs need a model on a CUDA device"):
+        LLMEngine(model, num_blocks=64, cuda_graphs=True)
+    assert not LLMEngine(model, num_blocks=64).stats()["cuda_graphs"]
