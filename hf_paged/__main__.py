@@ -335,10 +335,14 @@ def serving_engine(args) -> LLMEngine:
     if threads:
         torch.set_num_threads(threads[0])  # before the model compiles: its kernels keep the count they were built for
     model, tokenizer = load_split(args) if "RANK" in os.environ else load(args)
-    engine = LLMEngine(model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
-                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_consecutive_failures=args.max_consecutive_failures, num_state_slots=args.num_state_slots,
-                       compile=False if args.enforce_eager else None)
+    try:
+        engine = LLMEngine(model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
+                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                           max_consecutive_failures=args.max_consecutive_failures,
+                           num_state_slots=args.num_state_slots, compile=False if args.enforce_eager else None,
+                           cuda_graphs=args.cuda_graphs)
+    except ValueError as err:  # an option the model or device rules out
+        raise CliError(str(err)) from None
     if engine.tp and not engine.tp.is_driver:
         return engine
     print(f"hf-paged serve: model {_model_name(model, args)}", flush=True)
@@ -475,6 +479,9 @@ def parser() -> argparse.ArgumentParser:
                         "the server's process keeps; on 2 cores, both for an engine in its own process)")
     s.add_argument("--enforce-eager", action="store_true",
                    help="run engine steps eager (default: compiled with torch.compile at start where supported)")
+    s.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA: replay decode steps from CUDA graphs captured at start (opt-in; needs --num-blocks "
+                        "or the default GPU budget)")
     s.add_argument("--max-consecutive-failures", type=int, default=3,
                    help="failed engine steps in a row after which /health answers 503 (a clean step resets it)")
     return top

@@ -13,6 +13,7 @@ from hf_paged.__main__ import main
     (["--model", "/no/such/dir"], "--model '/no/such/dir'"),
     (["generate"], "no prompts"),
     (["generate", "--file", "/no/such/file"], "--file"),
+    (["serve", "--no-engine-process", "--cuda-graphs", "--num-blocks", "64"], "CUDA graphs need a model on a CUDA"),
 ])
 def test_bad_arguments_are_reported(argv, message, capsys):
     assert main(argv) == 2
