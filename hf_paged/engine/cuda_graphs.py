@@ -178,8 +178,13 @@ class DecodeGraphs:
             return
         torch.cuda.synchronize(runner.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = step()
+        try:  # thread_local: CUDA calls of the process's other threads (servers, compilers) do not void it
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                logits = step()
+        except Exception as err:  # e.g. a host sync or a host-to-device copy in the model's forward
+            first_line = (str(err).strip().splitlines() or [""])[0]
+            raise RuntimeError(f"cuda_graphs=True: capturing a decode step of {bucket} sequences failed "
+                               f"({type(err).__name__}: {first_line}); build the engine with cuda_graphs=False") from err
 
         def replay() -> torch.Tensor:
             graph.replay()
