@@ -88,7 +88,7 @@ class DecodeGraphs:
         top = self.buckets[-1]
         self.scratch = list(pool_blocks)  # one block past each group's managed blocks
         self.pool_blocks = [n + 1 for n in pool_blocks]
-        self.width = min(pool_blocks) if max_positions is None else -(-max_positions // bs)
+        self.width = max(pool_blocks) if max_positions is None else -(-max_positions // bs)
         groups = len(pool_blocks)
         # one int64 and one int32 buffer, each filled by one copy per replay
         self._long = torch.zeros(2 + groups, top, dtype=torch.long, device=device)  # ids, positions, slots
