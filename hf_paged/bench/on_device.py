@@ -17,8 +17,8 @@ Why it is built this way:
   (``--kv-gib``, so the systems do not each claim 90% of the card in turn), with eager steps (the
   default off the CPU), with its decoder body compiled (``compile=True``) and with decode steps
   replayed from CUDA graphs (``cuda_graphs=True``): the host work per layer bounds eager steps on a
-  GPU; each engine is built (and compiled) once per model and kept across
-  rounds, as a server keeps it, its prefix cache emptied before every run; stock ``generate()``
+  GPU; each engine is built (compiled, captured) once per model and kept across rounds, as a server
+  keeps it, its prefix cache emptied before every run; stock ``generate()``
   on one left-padded batch of every request (the fastest way it has for an offline batch, each
   request's tokens taken up to its own length); continuous batching warmed up (CUDA graphs) with
   its memory share capped by ``--cb-memory``. Nothing else is tuned.
