@@ -24,15 +24,15 @@ def _stock(model):
                            eos_token_id=None)[0, len(p):].tolist() for p, n in zip(PROMPTS, MAX_NEW)]
 
 
-def _engine(model, **kwargs):
-    engine = LLMEngine(model, block_size=4, num_blocks=64, max_num_seqs=8, **kwargs)
+def _engine(model, num_blocks=64, **kwargs):
+    engine = LLMEngine(model, block_size=4, num_blocks=num_blocks, max_num_seqs=8, **kwargs)
     engine.runner.graphs = DecodeGraphs(engine.runner, 8, list(engine.kv.pool_sizes), engine.max_positions,
                                         capture=False)
     return engine
 
 
-def _tokens(engine):
-    params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in MAX_NEW]
+def _tokens(engine, params=None):
+    params = params or [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in MAX_NEW]
     outs = engine.generate(PROMPTS, params, use_tqdm=False)
     assert engine.kv.num_used_blocks() == 0
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -52,6 +52,25 @@ def test_decode_steps_from_static_buffers_give_stock_tokens(arch, compile, trito
     pools = engine.runner.storage.key_pools
     assert all(pool.shape[0] == 64 + 1 for pool in pools.values())  # whole from the start, plus the scratch block
     assert engine.stats()["cuda_graphs"]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_sequences_come_back_through_the_graphs(mode, triton_launches):
+    """10 blocks of 4 tokens cannot hold every sequence to its end: some are preempted (recomputed, or
+    swapped out and back into the same pools) and decode from the static buffers again."""
+    model = build("llama")
+    engine = _engine(model, num_blocks=10, preemption_mode=mode)
+    assert _tokens(engine) == _stock(model)
+    assert engine.stats()[f"preemptions_{mode}"] > 0 and engine.runner.graphs.replayed > 0
+
+
+def test_seeded_sampling_equals_eager_steps(triton_launches):
+    model = build("llama")
+    params = [SamplingParams(max_new_tokens=n, temperature=0.8, top_k=20, seed=i, ignore_eos=True)
+              for i, n in enumerate(MAX_NEW)]
+    graphs = _engine(model)
+    assert _tokens(graphs, params) == _tokens(LLMEngine(model, block_size=4, num_blocks=64, max_num_seqs=8), params)
+    assert graphs.runner.graphs.replayed > 0
 
 
 def test_negative_control_pad_rows_writing_into_a_live_block_change_tokens(triton_launches):
