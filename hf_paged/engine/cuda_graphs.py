@@ -65,10 +65,10 @@ class _StaticStep(PackedStepCache):
         self._static, self._pool_blocks = metadata, pool_blocks
 
     def num_blocks_for(self, layer_idx: int) -> int:
-        return self._pool_blocks[self._group_of[layer_idx]]
+        return self._pool_blocks[self.group_index(layer_idx)]
 
     def metadata_for(self, layer_idx: int, device: torch.device) -> AttentionMetadata:
-        return self._static[self._group_of[layer_idx]]
+        return self._static[self.group_index(layer_idx)]
 
 
 class DecodeGraphs:

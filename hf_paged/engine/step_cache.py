@@ -42,6 +42,10 @@ class PackedStepCache(PackedStep):
         self._moved: dict[tuple, AttentionMetadata] = {}
         self._decode_groups: dict[tuple, list[DecodeGroup]] = {}
 
+    def group_index(self, layer_idx: int) -> int:
+        """The layer group (index into the step's groups) that a layer's K/V belong to."""
+        return self._group_of[layer_idx]
+
     def num_blocks_for(self, layer_idx: int) -> int:
         return self._step.groups[self._group_of[layer_idx]].num_blocks
 
