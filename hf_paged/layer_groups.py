@@ -182,8 +182,9 @@ class GroupedBlockManager:
 
     def append_many(self, requests: list[tuple[SeqId, int]]) -> list[tuple[list[list[int]], list[tuple[int, int]]]]:
         """``BlockManager.append_many`` in every group: (slots per request, copies) per group. All or
-        nothing: with fixed budgets every group is checked before any allocates."""
-        for manager in self.managers:
+        nothing: with fixed budgets every group is checked before any allocates (one group checks
+        itself before it allocates)."""
+        for manager in self.managers if len(self.managers) > 1 else ():
             if not manager.can_append(requests):
                 raise NoFreeBlocksError(manager.blocks_needed(requests), manager.num_free_blocks, manager.num_blocks)
         return [manager.append_many(requests) for manager in self.managers]

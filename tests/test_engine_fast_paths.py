@@ -1,6 +1,7 @@
-"""The engine's fast paths (issue 22): the two-pass argmax, log-probabilities only when asked for,
-the LM head through oneDNN in engine forwards only (on a prepacked copy), and glibc's malloc
-thresholds set for a CPU engine's process."""
+"""The engine's fast paths (issue 22): the two-pass argmax (its chunk maxima shared with the
+non-finite check), plain greedy tokens appended with a one-line undo, log-probabilities only when
+asked for, the LM head through oneDNN in engine forwards only (on a prepacked copy), and glibc's
+malloc thresholds set for a CPU engine's process."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from hf_paged import LLMEngine, SamplingParams
-from hf_paged.engine import cpu_linear, host_malloc, sampler
+from hf_paged.engine import cpu_linear, host_malloc, output_processor, sampler
+from hf_paged.engine.structured import StructuredOutputManager
 from tests.helpers.tiny_models import VOCAB, build
 
 
@@ -42,6 +44,81 @@ def test_argmax_rows_negative_control_the_last_maximum_is_not_the_first():
     logits[0, 10] = logits[0, 900] = 1.0
     assert int(sampler.argmax_rows(logits)) == 10
     assert int(logits.flip(-1).argmax(-1)) != 989, "a wrong tie rule would have been caught above"
+
+
+@pytest.mark.parametrize("vocab", [32000, 32001, 1000])
+def test_nonfinite_rows_read_from_the_chunk_maxima_find_what_a_full_read_finds(vocab):
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(1))
+    logits[1, 7] = float("nan")
+    logits[2, vocab - 1] = float("inf")  # in the last (partial) chunk
+    logits[4] = float("-inf")
+    maxima = sampler.chunk_maxima(logits)
+    assert maxima is not None and maxima.shape == (6, -(-vocab // sampler.ARGMAX_CHUNK))
+    assert output_processor.nonfinite_rows(logits, maxima) == output_processor.nonfinite_rows(logits) == [1, 2, 4]
+    assert torch.equal(sampler.argmax_rows(logits[[0, 3, 5]], maxima[[0, 3, 5]]), logits[[0, 3, 5]].argmax(-1))
+    logits[5, 0] = float("nan")  # negative control: maxima taken before the change miss it
+    assert output_processor.nonfinite_rows(logits, maxima) != output_processor.nonfinite_rows(logits)
+
+
+GREEDY8 = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+
+
+class Interrupt(BaseException):
+    """Raised inside a step's processing (like a KeyboardInterrupt)."""
+
+
+@pytest.mark.parametrize("undo", [True, False], ids=["undone", "negative-control-not-undone"])
+def test_plain_greedy_tokens_of_an_abandoned_step_are_undone(model, monkeypatch, undo):
+    """Plain greedy rows take their tokens before the sampled rows are processed; when processing
+    then raises, the step is rolled back: the failed outputs hold only the earlier steps' tokens."""
+    prompts = PROMPTS + [[40, 41, 42]]
+    clean = LLMEngine(model, block_size=4).generate(PROMPTS, GREEDY8, use_tqdm=False)
+    sampled = SamplingParams(max_new_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
+    process, calls = sampler.process, [0]
+
+    def interrupted(logits, params, *args):
+        calls[0] += params is sampled
+        if calls[0] == 3:  # the sampled request's third token: every plain request has two
+            raise Interrupt()
+        return process(logits, params, *args)
+
+    monkeypatch.setattr(sampler, "process", interrupted)
+    if not undo:
+        monkeypatch.setattr(output_processor._Appended, "restore", lambda self, request: None)
+    engine = LLMEngine(model, block_size=4)
+    for prompt, params in zip(prompts, [GREEDY8] * 3 + [sampled]):
+        engine.add_request(prompt, params)
+    for _ in range(2):
+        engine.step()
+    with pytest.raises(Interrupt):
+        engine.step()
+    failed = sorted(engine.step(), key=lambda out: int(out.request_id))
+    assert [out.error_kind for out in failed] == ["fault"] * 4
+    got = [out.outputs[0].token_ids for out in failed[:3]]
+    assert (got == [out.outputs[0].token_ids[:2] for out in clean]) == undo
+    assert not engine.has_unfinished_requests() and engine.kv.num_used_blocks() == 0
+
+
+def test_a_plain_greedy_token_is_taken_back_when_its_request_fails_later_in_the_step(model, monkeypatch):
+    """A greedy request with a logit bias is a plain row (its row biased in place) whose matcher
+    step comes after the tokens: failing it there takes its fast-lane token back; the others go on."""
+    biased = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, logit_bias={5: 0.0})
+    clean = LLMEngine(model, block_size=4).generate(PROMPTS, GREEDY8, use_tqdm=False)
+    advance, calls = StructuredOutputManager.advance, [0]
+
+    def failing(self, changed, forks, fail):
+        calls[0] += 1
+        if calls[0] == 4:
+            fail(next(r for r in changed if r.structured is not None), "injected matcher fault")
+        return advance(self, changed, forks, fail)
+
+    monkeypatch.setattr(StructuredOutputManager, "advance", failing)
+    engine = LLMEngine(model, block_size=4)
+    outs = engine.generate(PROMPTS, [GREEDY8, biased, GREEDY8], use_tqdm=False)
+    assert outs[1].error_kind == "fault" and "injected matcher fault" in outs[1].error
+    assert outs[1].outputs[0].token_ids == clean[1].outputs[0].token_ids[:3]  # not the failed step's fourth
+    assert [o.outputs[0].token_ids for o in (outs[0], outs[2])] == [o.outputs[0].token_ids for o in (clean[0], clean[2])]
+    assert engine.kv.num_used_blocks() == 0
 
 
 def test_log_probabilities_only_when_asked_for(model):

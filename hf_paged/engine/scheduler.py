@@ -42,8 +42,11 @@ class _StepPlan:
         self.copies, self.swap_out, self.swap_in = ([[] for _ in range(self.num_groups)] for _ in range(3))
 
     def add(self, request: Request, work: list[tuple[Sequence, int]]) -> int:
-        self.work += [(request, seq, n) for seq, n in work]
-        return sum(n for _, n in work)
+        total = 0
+        for seq, n in work:
+            self.work.append((request, seq, n))
+            total += n
+        return total
 
     @staticmethod
     def extend(into: list[BlockPairs], per_group: list[BlockPairs]) -> None:
@@ -124,8 +127,10 @@ class Scheduler:
         their beam siblings) are left out.
         """
         work = []
-        for seq in request.live_seqs:
-            n = seq.num_tokens - seq.num_computed_tokens
+        for seq in request.seqs:
+            if seq.finish_reason is not None:
+                continue
+            n = len(seq.token_ids) - seq.num_computed_tokens
             if self.split_prompts or n <= 1:
                 n = min(n, budget)
             elif n > budget and n <= self.max_num_batched_tokens:
@@ -156,12 +161,14 @@ class Scheduler:
         at a time). Returns the budget left, or None (nothing planned) when they do not fit."""
         budget = self.max_num_batched_tokens
         works = []
+        every = []
         for request in self.running:
             work = self._work(request, budget)
             if work:
                 works.append((request, work))
-                budget -= sum(n for _, n in work)
-        every = [item for _, work in works for item in work]
+                every += work
+                for _, n in work:
+                    budget -= n
         self.kv.release_out_of_window(every)
         if not self.kv.can_append(every):
             return None

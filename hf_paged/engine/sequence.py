@@ -96,7 +96,10 @@ class Request:
 
     def sequence(self, seq_id: int) -> Sequence:
         """The running sequence with this id."""
-        return next(s for s in self.seqs if s.seq_id == seq_id)
+        for seq in self.seqs:
+            if seq.seq_id == seq_id:
+                return seq
+        raise KeyError(f"request {self.request_id} has no running sequence {seq_id}")
 
     @property
     def live_seqs(self) -> list[Sequence]:
