@@ -352,7 +352,9 @@ class OutputProcessor:
     def request_output(self, request: Request, with_text: bool = True) -> RequestOutput:
         """What ``request`` has produced so far (all of it, not a delta). ``with_text=False``: no
         decoding (for a request whose decoding failed)."""
-        seqs = sorted(request.seqs + request.finished_seqs, key=lambda s: s.index)
+        seqs = request.seqs + request.finished_seqs
+        if len(seqs) > 1:
+            seqs.sort(key=lambda s: s.index)
         scored = request.params.logprobs is not None or request.params.beam_search  # else None, as in vLLM
         outputs = []
         for s in seqs:
