@@ -51,6 +51,21 @@ def test_without_vllm_it_says_how_to_make_the_venv_and_runs_hf_paged(tmp_path):
     assert "hf_paged equal" in vs_vllm.report(results)
 
 
+def test_sampled_runs_reach_the_engine_and_are_not_compared_token_by_token(tmp_path):
+    opts = vs_vllm.Options(rounds=2, settings=("equal",), section="offline", sizes=vs_vllm.SIZES["tiny"],
+                           shape="tiny", out=str(tmp_path), log=lambda *a: None, max_other_load=None,
+                           sampling={"temperature": 0.9, "top_p": 0.8})
+    results = vs_vllm.run(opts)
+    assert results["sampling"] == {"temperature": 0.9, "top_p": 0.8}
+    for section in results["offline"].values():
+        # unseeded draws: the second round's tokens differ from the first's (greedy rounds are identical)
+        assert section["agreement"] == {"sampled": {"lengths_equal": True, "rounds_identical": [False]}}
+        run = section["runs"]["hf_paged equal"]
+        assert run["generated_tokens"] == section["workload"]["output_total"]
+    assert "sampled tokens are not compared" in vs_vllm.report(results)
+    assert "sampled ({'temperature': 0.9, 'top_p': 0.8}, unseeded)" in " ".join(results["notes"])
+
+
 def test_workloads_follow_the_issue():
     sizes = vs_vllm.SIZES["full"]
     share = vs_vllm.sharegpt_requests(sizes.requests, sizes, 32000)
@@ -111,7 +126,8 @@ def test_a_disturbed_run_is_repeated_and_the_least_disturbed_kept():
     assert vs_vllm.cleanest(lambda: {"other_load_cores": 3.0}, once, "x")["attempt"] == 1
 
 
-@pytest.mark.parametrize("argv", [["--settings", "equal,nope"], ["--hf-env", "OMP_WAIT_POLICY"]])
+@pytest.mark.parametrize("argv", [["--settings", "equal,nope"], ["--hf-env", "OMP_WAIT_POLICY"], ["--top-p", "0.9"],
+                                  ["--temperature", "-1"]])
 def test_bad_settings_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         vs_vllm.main(argv)

@@ -74,15 +74,14 @@ def test_plain_greedy_tokens_of_an_abandoned_step_are_undone(model, monkeypatch,
     prompts = PROMPTS + [[40, 41, 42]]
     clean = LLMEngine(model, block_size=4).generate(PROMPTS, GREEDY8, use_tqdm=False)
     sampled = SamplingParams(max_new_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
-    process, calls = sampler.process, [0]
+    sample = sampler.sample
 
-    def interrupted(logits, params, *args):
-        calls[0] += params is sampled
-        if calls[0] == 3:  # the sampled request's third token: every plain request has two
+    def interrupted(logits, rows, *args):
+        if any(row.params is sampled and row.num_generated == 2 for row in rows):  # every plain request has two
             raise Interrupt()
-        return process(logits, params, *args)
+        return sample(logits, rows, *args)
 
-    monkeypatch.setattr(sampler, "process", interrupted)
+    monkeypatch.setattr(sampler, "sample", interrupted)
     if not undo:
         monkeypatch.setattr(output_processor._Appended, "restore", lambda self, request: None)
     engine = LLMEngine(model, block_size=4)

@@ -321,21 +321,22 @@ def test_a_nonfinite_request_leaves_nothing_in_the_prefix_cache(model):
 
 def test_an_exception_while_sampling_one_request_fails_it_alone(model, monkeypatch, clean_batch):
     victim = SamplingParams(max_new_tokens=8, temperature=0.8, seed=2, n=2, ignore_eos=True)
-    process, calls = sampler.process, [0]
+    sample, calls = sampler.sample, []
 
-    def flaky(logits, params, *args):
-        if params is victim:
-            calls[0] += 1
-            if calls[0] == 5:  # its third step, second sample: the first sample's token is undone
-                raise Fault("injected sampler fault")
-        return process(logits, params, *args)
+    def flaky(logits, rows, *args):
+        calls.append(len(rows))
+        if any(row.params is victim and row.num_generated == 2 for row in rows):  # its third step
+            raise Fault("injected sampler fault")
+        return sample(logits, rows, *args)
 
-    monkeypatch.setattr(sampler, "process", flaky)
+    monkeypatch.setattr(sampler, "sample", flaky)
     engine = LLMEngine(model, num_blocks=256)
     out = list(run(engine, [*BATCH, (PROMPTS[5], victim)]).values())
     assert tokens(out[:-1]) == clean_batch["one of two samples"][:-1]
     assert out[-1].error_kind == FAULT and "injected sampler fault" in out[-1].error
     assert [len(c.token_ids) for c in out[-1].outputs] == [2, 2]  # the failed step's tokens are not reported
+    # the third step's five sampled rows drew together and raised; then each request drew alone
+    assert calls[:3] == [5, 5, 5] and sorted(calls[3:6]) == [1, 2, 2] and set(calls[6:]) == {3}
     check_no_leak(engine)
 
 

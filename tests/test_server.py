@@ -126,10 +126,10 @@ CASES = {  # request options -> the same request as SamplingParams
                            dict(temperature=0, presence_penalty=1.5, frequency_penalty=1.0)),
     "repetition": (dict(temperature=1.0, seed=2, extra_body={"repetition_penalty": 1.8}),
                    dict(temperature=1.0, seed=2, repetition_penalty=1.8)),
-    "min_tokens": (dict(temperature=1.0, seed=26, extra_body={"min_tokens": 20}),  # seed 26 alone stops at 6
-                   dict(temperature=1.0, seed=26, min_new_tokens=20)),
-    "ignore_eos": (dict(temperature=1.0, seed=26, extra_body={"ignore_eos": True}),
-                   dict(temperature=1.0, seed=26, ignore_eos=True)),
+    "min_tokens": (dict(temperature=1.0, seed=66, extra_body={"min_tokens": 20}),  # seed 66 alone stops at 7
+                   dict(temperature=1.0, seed=66, min_new_tokens=20)),
+    "ignore_eos": (dict(temperature=1.0, seed=66, extra_body={"ignore_eos": True}),
+                   dict(temperature=1.0, seed=66, ignore_eos=True)),
 }
 
 

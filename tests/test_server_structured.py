@@ -73,7 +73,7 @@ def test_json_schema_response_format_equals_the_engine(client, engine):
 
 
 def test_json_object_and_seeded_samples(client):
-    resp = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=120, temperature=1.0, seed=3, n=3,
+    resp = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=120, temperature=1.0, seed=11, n=3,
                                           response_format={"type": "json_object"})
     for choice in resp.choices:
         if choice.finish_reason == "stop":

@@ -113,8 +113,8 @@ def run_offline(spec: dict) -> dict:
 
     def call(requests: list[dict]) -> tuple[list[list[int]], Meter]:
         prompts = [{"prompt_token_ids": r["prompt"]} for r in requests]
-        params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
-                  for r in requests]
+        params = [SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False,
+                                 **spec.get("sampling", {"temperature": 0.0})) for r in requests]
         with Meter() as meter:
             outs = llm.generate(prompts, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs], meter

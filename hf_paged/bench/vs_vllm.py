@@ -27,6 +27,9 @@ Why it is built this way:
   budget, maximum sequences, threads and KV budget; "defaults" leaves each system's own defaults
   (threads excepted: vLLM's default binds one core, so both get every core). vLLM runs compiled
   (its default) and with ``enforce_eager``.
+* **Greedy by default**, so that tokens can be compared across systems; ``--temperature`` (and
+  ``--top-p``) make both sides sample alike (unseeded, as a server's default traffic), which times
+  the samplers too; sampled tokens are not compared, only their counts.
 """
 
 from __future__ import annotations
@@ -149,7 +152,12 @@ class Options:
     max_other_load: float | None = 0.5  # cores other processes may use during a run (None: no check)
     retries: int = 2  # runs repeated when other processes used more
     quiet_wait_s: float = 300.0  # the longest wait for a quiet machine before a run
+    sampling: dict = field(default_factory=lambda: {"temperature": 0.0})  # both systems' sampling options
     log: object = print
+
+    @property
+    def greedy(self) -> bool:
+        return not self.sampling.get("temperature")
 
 
 # ---------------------------------------------------------------------------- the model and requests
@@ -276,7 +284,7 @@ def hf_offline(spec: dict) -> dict:
     engine = LLMEngine(model, **spec["engine"])
 
     def call(requests: list[dict], profile: str | None = None) -> tuple[list[list[int]], Meter]:
-        params = [SamplingParams(max_new_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in requests]
+        params = [SamplingParams(max_new_tokens=r["max_tokens"], ignore_eos=True, **spec["sampling"]) for r in requests]
         prompts = [r["prompt"] for r in requests]
         with Meter() as meter:
             profiler = _start_profile() if profile else None
@@ -317,7 +325,7 @@ def run_offline(config: Config, requests: list[dict], warmup: list[dict], opts: 
         spec = {"model": ctx["model_dir"], "threads": _threads(config, opts.equal) if config.setting == "equal" else 0,
                 "engine": hf_engine_kwargs(config, opts.equal, ctx["kv_bytes_per_token"]), "profile": profile}
         cmd = [sys.executable, "-m", "hf_paged.bench.vs_vllm", "--worker"]
-    spec.update(requests=requests, warmup=warmup)
+    spec.update(requests=requests, warmup=warmup, sampling=opts.sampling)
     result = _subprocess_json(cmd, spec, config.name, system_env(config, opts.equal, opts.hf_env), opts, ctx)
     generated = sum(map(len, result["tokens"]))
     return {**result, "generated_tokens": generated, "tokens_per_s": generated / result["wall_s"],
@@ -404,7 +412,7 @@ def run_online(config: Config, requests: list[dict], warmup: list[dict], opts: O
     """``config``'s server in a fresh process, driven by the load generator in another."""
     with Server(config, opts, ctx) as server:
         spec = {"url": server.url, "server_pid": server.proc.pid, "requests": requests, "warmup": warmup,
-                "concurrency": opts.sizes.concurrency}
+                "concurrency": opts.sizes.concurrency, "sampling": opts.sampling}
         cmd = [sys.executable, "-m", "hf_paged.bench.vs_vllm", "--loadgen"]
         result = _subprocess_json(cmd, spec, f"loadgen for {config.name}", dict(os.environ), opts, ctx)
     generated = sum(map(len, result["tokens"]))
@@ -419,11 +427,11 @@ def _percentiles(name: str, values: list[float]) -> dict:
     return {f"{name}_p50": pick(0.5), f"{name}_p99": pick(0.99)}
 
 
-async def _stream_one(client, request: dict) -> tuple[list[int], float, float]:
+async def _stream_one(client, request: dict, sampling: dict) -> tuple[list[int], float, float]:
     """One streamed completion: its tokens, latency and time to the first token."""
     t0 = time.perf_counter()
     stream = await client.completions.create(
-        model="bench", prompt=request["prompt"], max_tokens=request["max_tokens"], temperature=0.0, stream=True,
+        model="bench", prompt=request["prompt"], max_tokens=request["max_tokens"], stream=True, **sampling,
         extra_body={"ignore_eos": True, "return_token_ids": True})
     tokens, ttft = [], 0.0
     async for chunk in stream:
@@ -434,7 +442,7 @@ async def _stream_one(client, request: dict) -> tuple[list[int], float, float]:
     return tokens, time.perf_counter() - t0, ttft
 
 
-async def closed_loop(url: str, requests: list[dict], concurrency: int) -> dict:
+async def closed_loop(url: str, requests: list[dict], concurrency: int, sampling: dict) -> dict:
     """``concurrency`` streaming ``openai`` clients, each sending its next request when its last one
     is answered; wall time from the first request to the last answer."""
     import httpx
@@ -449,7 +457,7 @@ async def closed_loop(url: str, requests: list[dict], concurrency: int) -> dict:
         async def worker() -> None:
             while todo:
                 i = todo.pop()
-                tokens[i], latency[i], ttft[i] = await _stream_one(client, requests[i])
+                tokens[i], latency[i], ttft[i] = await _stream_one(client, requests[i], sampling)
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(min(concurrency, n))))
@@ -460,9 +468,9 @@ async def closed_loop(url: str, requests: list[dict], concurrency: int) -> dict:
 def loadgen(spec: dict) -> dict:
     """The load generator process: an untimed warm-up, then the timed closed loop, with the server's
     process-tree CPU time read around it (and this process's own)."""
-    asyncio.run(closed_loop(spec["url"], spec["warmup"], spec["concurrency"]))
+    asyncio.run(closed_loop(spec["url"], spec["warmup"], spec["concurrency"], spec["sampling"]))
     with Meter(spec["server_pid"], os.getpid()) as meter:
-        result = asyncio.run(closed_loop(spec["url"], spec["requests"], spec["concurrency"]))
+        result = asyncio.run(closed_loop(spec["url"], spec["requests"], spec["concurrency"], spec["sampling"]))
     return {**result, "server_cpu_s": meter.cpu_s[0], "loadgen_cpu_s": meter.cpu_s[1],
             "other_load_cores": meter.other_load_cores, "versions": versions("openai", "httpx")}
 
@@ -538,9 +546,16 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"identical": same, "of": len(a), "tokens_before_first_difference": prefix / total if total else 1.0}
 
 
-def _agreements(runs: dict[str, list[dict]]) -> dict:
-    """Every pair of configs (first rounds), and each config against its own later rounds."""
+def _agreements(runs: dict[str, list[dict]], greedy: bool = True) -> dict:
+    """Every pair of configs (first rounds), and each config against its own later rounds (sampled
+    runs: each run's token counts per request, which EOS ignored fixes, against the first run's)."""
     names = sorted(runs)
+    if not greedy:  # and whether later rounds drew other tokens than the first (they should)
+        lengths = lambda run: [len(t) for t in run["tokens"]]  # noqa: E731
+        first = lengths(runs[names[0]][0]) if names else []
+        return {"sampled": {"lengths_equal": all(lengths(r) == first for name in names for r in runs[name]),
+                            "rounds_identical": [r["tokens"] == runs[name][0]["tokens"]
+                                                 for name in names for r in runs[name][1:]]}}
     out = {f"{x} | {y}": agreement(runs[x][0]["tokens"], runs[y][0]["tokens"])
            for i, x in enumerate(names) for y in names[i + 1:]}
     for name in names:
@@ -583,7 +598,7 @@ def offline_section(opts: Options, ctx: dict) -> dict:
         opts.log(f"offline, {name}: {describe(requests)}")
         runs = interleaved(configs, lambda c: run_offline(c, requests, warmup, opts, ctx), opts, f"offline {name}")
         out[name] = {"workload": describe(requests), "ratios": _ratios(runs, OFFLINE_PAIRS),
-                     "agreement": _agreements(runs),
+                     "agreement": _agreements(runs, opts.greedy),
                      "runs": {k: {**median_run(v, OFFLINE_KEYS), "resolved": v[0]["resolved"],
                                   **({"engine": v[0]["engine"]} if "engine" in v[0] else {})}
                               for k, v in runs.items()}}
@@ -604,7 +619,7 @@ def online_section(opts: Options, ctx: dict) -> dict:
                              f"in-process, {sizes.concurrency} sequences")
     pairs = [(f"{s}, servers", f"hf_paged {s}", f"vllm {s} compiled") for s in ("equal", "defaults")]
     return {"workload": {**describe(requests), "concurrency": sizes.concurrency, "streaming": True},
-            "ratios": _ratios(served, pairs), "agreement": _agreements(served),
+            "ratios": _ratios(served, pairs), "agreement": _agreements(served, opts.greedy),
             "servers": {k: median_run(v, ONLINE_KEYS) for k, v in served.items()},
             "in_process": {k: median_run(v, OFFLINE_KEYS) for k, v in in_process.items()},
             "server_vs_in_process": _server_vs_in_process(served, in_process)}
@@ -706,11 +721,12 @@ def _header(opts: Options, model: dict, vllm: dict | None) -> dict:
         "versions": {"hf_paged_side": versions("hf_paged", "torch", "transformers", "openai"), "vllm_side": vllm},
         "model": model, "rounds": opts.rounds, "sizes": asdict(opts.sizes), "equal_settings": asdict(opts.equal),
         "hf_env": opts.hf_env, "hf_serve_args": list(opts.hf_serve_args), "max_other_load_cores": opts.max_other_load,
-        "retries": opts.retries,
+        "retries": opts.retries, "sampling": opts.sampling,
         "notes": ["each run in a fresh process; rounds interleaved in alternating order; medians of rounds",
                   "offline: only the generate call is timed (after an untimed warm-up call on other prompts)",
                   "CPU time: the whole process tree (/proc utime + stime), around the same call",
-                  "greedy, ignore_eos, prompts as token ids; vLLM offline without a tokenizer, hf_paged's "
+                  ("greedy" if opts.greedy else f"sampled ({opts.sampling}, unseeded)")
+                  + ", ignore_eos, prompts as token ids; vLLM offline without a tokenizer, hf_paged's "
                   "engine without one; both servers detokenize with the checkpoint's word-level tokenizer"],
     }
 
@@ -770,6 +786,10 @@ def _ratio_lines(ratios: dict) -> list[str]:
 
 def _agreement_lines(agree: dict) -> list[str]:
     """One table row per pair of runs (first rounds), then each run against its own later rounds."""
+    if "sampled" in agree:
+        return [f"sampled tokens are not compared; every request's token count equal in every run: "
+                f"{agree['sampled']['lengths_equal']}; later rounds identical to the first: "
+                f"{agree['sampled']['rounds_identical']}"]
     pairs = {k: a for k, a in agree.items() if "identical" in a}
     lines = ["| greedy tokens, first rounds | sequences identical | tokens before the first difference |",
              "| --- | --- | --- |"] if pairs else []
@@ -814,6 +834,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/out", help="where vs_vllm.json (and the profile) go")
     parser.add_argument("--report", metavar="JSON", help="print the tables of a saved vs_vllm.json and exit")
     parser.add_argument("--work-dir", help="keep the checkpoint, specs and logs here (default: a temporary dir)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="both systems sample at this temperature (0: greedy, tokens compared)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="both systems' top_p (with --temperature > 0)")
     args = parser.parse_args(argv)
     if args.report:
         print(report(json.loads(Path(args.report).read_text())))
@@ -823,13 +846,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--settings {args.settings!r}: a comma-separated list of equal, defaults")
     if any("=" not in kv for kv in args.hf_env):
         parser.error("--hf-env takes KEY=VALUE")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or (args.top_p < 1 and not args.temperature):
+        parser.error(f"--temperature {args.temperature} --top-p {args.top_p}: a temperature >= 0 and a top_p in "
+                     "(0, 1], below 1 only when sampling")
+    sampling = {"temperature": args.temperature, **({"top_p": args.top_p} if args.top_p < 1 else {})}
     opts = Options(vllm_python=args.vllm_python, section=args.section, rounds=1 if args.quick else args.rounds,
                    max_other_load=None if args.max_other_load < 0 else args.max_other_load,
                    retries=args.retries, quiet_wait_s=args.quiet_wait, settings=settings, hf_env=dict(kv.split("=", 1) for kv in args.hf_env),
                    hf_serve_args=tuple(args.hf_serve_arg),
                    sizes=SIZES["tiny" if args.tiny else "quick" if args.quick else "full"],
                    shape="tiny" if args.tiny else "issue", out=args.out, work_dir=args.work_dir,
-                   equal=Equal(args.block_size, args.max_num_batched_tokens, args.max_num_seqs, args.threads))
+                   equal=Equal(args.block_size, args.max_num_batched_tokens, args.max_num_seqs, args.threads),
+                   sampling=sampling)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     results = run(opts)
     results["command"] = " ".join(["python -m hf_paged.bench.vs_vllm", *argv])

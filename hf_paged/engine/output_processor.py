@@ -147,9 +147,10 @@ class OutputProcessor:
             maxima = sampler.chunk_maxima(logits)
             plain, ready = self._rows(step, logits, maxima, requests, outcome)
             self._advance_plain_greedy(plain, logits, maxima, outcome)
+            drawn = self._draw(ready, logits, requests, outcome)
             for request_id, got in ready.items():
                 request = requests[request_id]
-                self._guarded(request, outcome, self._advance, request, got, outcome)
+                self._guarded(request, outcome, self._advance, request, got, logits, drawn.get(request_id), outcome)
             if constrained:  # their matchers follow the new tokens (forks start from their parents')
                 forks = [u for _, u in outcome.updates if isinstance(u, ForkSequence)]
                 self.structured.advance(list(outcome.changed.values()), forks,
@@ -161,12 +162,12 @@ class OutputProcessor:
 
     def _rows(self, step: SchedulerOutput, logits: torch.Tensor | None, maxima: torch.Tensor | None,
               requests: Mapping[str, Request],
-              outcome: _Outcome) -> tuple[list[tuple[Request, Sequence, int]], dict[str, list]]:
+              outcome: _Outcome) -> tuple[list[tuple[Request, Sequence, int]], dict[str, list[tuple[Sequence, int]]]]:
         """Each logits row to its sequence: plain greedy rows (an argmax is all they need) and the
         others by request. Requests with a non-finite row fail here."""
         bad = set(nonfinite_rows(logits, maxima))
         row = 0
-        ready: dict[str, list[tuple[Sequence, torch.Tensor]]] = {}
+        ready: dict[str, list[tuple[Sequence, int]]] = {}
         plain: list[tuple[Request, Sequence, int]] = []
         poisoned: dict[str, Request] = {}
         changed = outcome.changed
@@ -181,7 +182,7 @@ class OutputProcessor:
             elif self._is_plain_greedy(request, seq):
                 plain.append((request, seq, row))
             else:
-                ready.setdefault(request.request_id, []).append((seq, logits[row]))
+                ready.setdefault(request.request_id, []).append((seq, row))
             row += 1
         for request in poisoned.values():
             logger.error("request %s: %s", request.request_id, NONFINITE_LOGITS)
@@ -245,22 +246,56 @@ class OutputProcessor:
         if not request.live_seqs:
             outcome.add(request, FinishRequest(request))
 
-    def _advance(self, request: Request, got: list[tuple[Sequence, torch.Tensor]], outcome: _Outcome) -> None:
+    def _draw(self, ready: dict[str, list[tuple[Sequence, int]]], logits: torch.Tensor,
+              requests: Mapping[str, Request], outcome: _Outcome) -> dict[str, list[list[int]]]:
+        """The tokens of every row of the requests without beams, per request and row: drawn for
+        the whole step at once; when that raises, request by request, so that a fault (a row with
+        nothing left to sample, say) fails its request alone."""
+        sampled = {rid: got for rid, got in ready.items() if requests[rid].beam is None}
+        if not sampled:
+            return {}
+        try:
+            return self._draw_rows(sampled, logits, requests)
+        except Exception:  # noqa: BLE001 - found again below, in the request it belongs to
+            drawn: dict[str, list[list[int]]] = {}
+            for rid, got in sampled.items():
+                self._guarded(requests[rid], outcome,
+                              lambda rid=rid, got=got: drawn.update(self._draw_rows({rid: got}, logits, requests)))
+            return drawn
+
+    def _draw_rows(self, sampled: dict[str, list[tuple[Sequence, int]]], logits: torch.Tensor,
+                   requests: Mapping[str, Request]) -> dict[str, list[list[int]]]:
+        rows, specs = [], []
+        for rid, got in sampled.items():
+            request = requests[rid]
+            width = request.params.n if not request.forked else 1  # the prompt's row: one token per sample
+            for seq, row in got:
+                rows.append(row)
+                specs.append(sampler.RowSpec(request.params, seq.token_ids, seq.num_output_tokens, width,
+                                             request.generator))
+        if rows != list(range(len(logits))):
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        tokens = iter(sampler.sample(logits, specs, self.eos_token_ids))
+        return {rid: [next(tokens) for _ in got] for rid, got in sampled.items()}
+
+    def _advance(self, request: Request, got: list[tuple[Sequence, int]], logits: torch.Tensor,
+                 drawn: list[list[int]] | None, outcome: _Outcome) -> None:
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         if request.beam is not None:
-            self._advance_beams(request, got, outcome)
+            self._advance_beams(request, [(seq, logits[row]) for seq, row in got], outcome)
         else:
-            for seq, logits in got:
-                self._sample(request, seq, logits, outcome)
+            for (seq, row), tokens in zip(got, drawn, strict=True):
+                self._sample(request, seq, logits[row], tokens, outcome)
         if not request.live_seqs:
             outcome.add(request, FinishRequest(request))
 
-    def _sample(self, request: Request, seq: Sequence, logits: torch.Tensor, outcome: _Outcome) -> None:
+    def _sample(self, request: Request, seq: Sequence, logits: torch.Tensor, tokens: list[int],
+                outcome: _Outcome) -> None:
+        """Append ``tokens`` (drawn from ``logits``, the row's raw logits), forking the prompt's
+        sequence into the request's samples at its first token."""
         params = request.params
-        processed = sampler.process(logits, params, seq.token_ids, seq.num_output_tokens, self.eos_token_ids)
-        width = params.n if not request.forked else 1
-        tokens = sampler.choose(processed, params, request.generator, width)
+        width = len(tokens)
         raw = torch.log_softmax(logits, -1) if params.logprobs is not None else None
         if not request.forked:  # the prompt's one sequence becomes n samples sharing its blocks
             request.forked = True
