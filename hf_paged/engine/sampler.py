@@ -5,7 +5,7 @@ draws.
 Every operation is row by row (elementwise, or a reduction along a row), so a row's processed
 logits do not depend on the other rows of the batch. A draw takes one uniform number per token
 from the request's own ``torch.Generator`` when it has a seed (else from torch's global one) and
-picks the token where it falls on the row's cumulative distribution (summed in float64): one
+picks the token where it falls on the row's cumulative distribution (:func:`inverse_cdf`): one
 random number per token rather than one per vocabulary entry (``torch.multinomial`` and the
 exponential race draw 32,000 for a 32,000-word row, ~0.65 ms on a CPU core), so a request's tokens
 depend only on its own logits and its own generator, whatever else is in the batch. Top-p looks for
