@@ -182,3 +182,7 @@ def test_decode_step_times_both_sides_and_profiles_where_their_host_time_goes():
     assert engine["aten::index_copy_"] == 2 * layers and not any("scaled_dot_product" in name for name in engine)
     assert plain["aten::cat"] >= 2 * layers and plain["aten::scaled_dot_product_attention"] == layers
     assert "aten::index_copy_" not in plain
+    # --temperature: the engine's requests draw their tokens (the batched sampler's CDF search), greedy ones do not
+    with decode_step.engine_decoding(LLMEngine(model, block_size=16), prompts, 2, {"temperature": 0.8}) as step:
+        sampled = calls(step)
+    assert sampled["aten::searchsorted"] == 2 and "aten::searchsorted" not in engine

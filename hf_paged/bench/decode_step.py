@@ -10,6 +10,10 @@ between device syncs. There a step is bound by its host work (benchmarks/RESULTS
 run), so ``--profile N`` also runs N more steps of each side under torch's profiler and reports,
 per step, the host time of the busiest operators and the device launches, syncs and copies it
 made: what a step spends its host time on, side by side.
+
+``--temperature`` (with ``--top-p``, ``--top-k``, ``--seed``) makes the engine's requests sample
+instead of taking the argmax; the plain forward is the same, so the ratio then shows what sampling
+adds to a step.
 """
 
 from __future__ import annotations
@@ -55,15 +59,17 @@ def random_prompts(num: int, low: int, high: int, vocab: int, seed: int = 0) -> 
 
 
 @contextlib.contextmanager
-def engine_decoding(engine, prompts: list[list[int]], steps: int) -> Iterator[Callable[[], None]]:
+def engine_decoding(engine, prompts: list[list[int]], steps: int,
+                    sampling: dict | None = None) -> Iterator[Callable[[], None]]:
     """``engine`` (idle) with every sequence of ``prompts`` decoding (prefills done, its prefix cache
     emptied first); yields ``engine.step`` for up to ``steps`` calls, then finishes the requests.
-    One engine serves every round: a compiled one compiles once."""
+    One engine serves every round: a compiled one compiles once. ``sampling``: the requests'
+    ``SamplingParams`` options (default greedy)."""
     from hf_paged import SamplingParams
 
     if not engine.reset_prefix_cache():
         raise RuntimeError("the engine has unfinished requests")
-    params = SamplingParams(max_new_tokens=steps + 2, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=steps + 2, ignore_eos=True, **(sampling or {"temperature": 0}))
     for prompt in prompts:
         engine.add_request(prompt, params)
     while any(s.num_computed_tokens < s.num_tokens - 1 for r in engine.scheduler.running for s in r.live_seqs) \
@@ -109,9 +115,9 @@ def _timed(step: Callable[[], None], steps: int, device: torch.device) -> list[f
     return times
 
 
-def engine_decode_steps(engine, prompts: list[list[int]], steps: int) -> list[float]:
+def engine_decode_steps(engine, prompts: list[list[int]], steps: int, sampling: dict | None = None) -> list[float]:
     """Seconds per ``engine.step()`` once every sequence decodes (prefills are done first)."""
-    with engine_decoding(engine, prompts, steps) as step:
+    with engine_decoding(engine, prompts, steps, sampling) as step:
         return _timed(step, steps, engine.model.device)
 
 
@@ -153,7 +159,8 @@ def bench_model(shape: str, device: torch.device, dtype: torch.dtype) -> transfo
 
 def run(num_seqs: int = 64, low: int = 16, high: int = 512, steps: int = 32, rounds: int = 3,
         threads: int | None = None, device: str = "cpu", dtype: str = "float32", shape: str = "issue",
-        profile: int = 0, compile: bool | None = None, cuda_graphs: bool = False, log=print) -> dict:
+        profile: int = 0, compile: bool | None = None, cuda_graphs: bool = False, sampling: dict | None = None,
+        log=print) -> dict:
     if threads:
         torch.set_num_threads(threads)
     device = torch.device(device)
@@ -167,21 +174,21 @@ def run(num_seqs: int = 64, low: int = 16, high: int = 512, steps: int = 32, rou
                        cuda_graphs=cuda_graphs, **budget)
     engine_runs, plain_runs = [], []
     for round_ in range(rounds):
-        engine_runs.append(statistics.median(engine_decode_steps(engine, prompts, steps)))
+        engine_runs.append(statistics.median(engine_decode_steps(engine, prompts, steps, sampling)))
         plain_runs.append(statistics.median(plain_decode_steps(model, prompts, steps)))
         log(f"  round {round_ + 1}: engine step {engine_runs[-1] * 1e3:.2f} ms, plain [{num_seqs}, 1] forward "
             f"{plain_runs[-1] * 1e3:.2f} ms, ratio {engine_runs[-1] / plain_runs[-1]:.3f}")
     ratios = [e / p for e, p in zip(engine_runs, plain_runs)]
     result = {"num_seqs": num_seqs, "prompt_lengths": [low, high], "steps": steps, "threads": torch.get_num_threads(),
               "device": str(device), "dtype": dtype, "shape": shape, "compile": compile,
-              "compile_note": engine.compile_note, "cuda_graphs": cuda_graphs,
+              "compile_note": engine.compile_note, "cuda_graphs": cuda_graphs, "sampling": sampling or "greedy",
               "engine_step_ms": statistics.median(engine_runs) * 1e3,
               "plain_forward_ms": statistics.median(plain_runs) * 1e3,
               "ratio": statistics.median(ratios), "ratio_per_round": ratios,
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
     log(f"engine decode step / plain forward: {result['ratio']:.3f} (median of {rounds} rounds)")
     if profile:
-        with engine_decoding(engine, prompts, profile + 1) as step:
+        with engine_decoding(engine, prompts, profile + 1, sampling) as step:
             step()  # one step outside the profile: the profiler's own first-call costs
             result["profile_engine"] = profile_steps(step, profile, device)
         with plain_decoding(model, prompts) as forward:
@@ -216,11 +223,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", choices=("default", "on", "off"), default="default",
                         help="the engine's compile= (default: its own, compiled on CPU, eager elsewhere)")
     parser.add_argument("--cuda-graphs", action="store_true", help="the engine replays decode steps from CUDA graphs")
+    parser.add_argument("--temperature", type=float, default=0.0, help="the requests sample at this temperature")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None, help="each request's seed (default: unseeded)")
     parser.add_argument("--out", help="write the result as JSON")
     args = parser.parse_args(argv)
+    sampling = None
+    if args.temperature:
+        sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}
     result = run(args.num_seqs, steps=args.steps, rounds=args.rounds, threads=args.threads, device=args.device,
                  dtype=args.dtype, shape=args.shape, profile=args.profile,
-                 compile={"default": None, "on": True, "off": False}[args.compile], cuda_graphs=args.cuda_graphs)
+                 compile={"default": None, "on": True, "off": False}[args.compile], cuda_graphs=args.cuda_graphs,
+                 sampling=sampling)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)
