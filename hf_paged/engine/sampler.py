@@ -112,13 +112,8 @@ def inverse_cdf(probs: torch.Tensor, owner: torch.Tensor, draw: Callable[[], tor
     A token of probability 0 is never picked; a draw that rounds to the very top takes the last
     possible token. ``draw`` is called once every row is known to have something to sample, so a
     batch that raises here has taken nothing from any generator (its requests draw again alone)."""
-    rows, vocab = probs.shape
-    width = ARGMAX_CHUNK
-    whole = vocab // width
-    masses = probs[:, : whole * width].view(rows, whole, width).sum(-1)
-    if vocab % width:
-        masses = torch.cat([masses, probs[:, whole * width:].sum(-1, keepdim=True)], dim=1)
-    running = masses.cumsum(-1, dtype=torch.float64).index_select(0, owner)
+    vocab, width = probs.shape[-1], ARGMAX_CHUNK
+    running = per_chunk(probs, torch.sum).cumsum(-1, dtype=torch.float64).index_select(0, owner)
     total = running[:, -1:]
     if not bool(((total > 0) & torch.isfinite(total)).all()):
         raise ValueError("nothing left to sample: every token of a row has probability 0 (or NaN) after its "
@@ -175,15 +170,17 @@ def _top_p(logits: torch.Tensor, top_ps: list[float]) -> None:
     probs = logits.softmax(-1)
     vocab = logits.shape[-1]
     limit = torch.tensor(top_ps, dtype=probs.dtype, device=probs.device)[:, None]
-    values, order = torch.topk(probs, min(TOP_P_CANDIDATES, vocab))
-    keep = values.cumsum(-1) - values <= limit
-    beyond = keep[:, -1] if values.shape[-1] < vocab else torch.zeros_like(keep[:, -1])
-    drop = torch.ones_like(probs, dtype=torch.bool).scatter_(1, order, ~keep)
+    def dropped(values: torch.Tensor, order: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """From the most likely tokens (``values`` descending, ``order`` their ids): which tokens of
+        the whole row go, and which of these are kept (to see whether the cut came)."""
+        keep = values.cumsum(-1) - values <= limit
+        return torch.ones(len(values), vocab, dtype=torch.bool, device=values.device).scatter_(1, order, ~keep), keep
+
+    drop, keep = dropped(*torch.topk(probs, min(TOP_P_CANDIDATES, vocab)), limit)
+    beyond = keep[:, -1] if keep.shape[-1] < vocab else torch.zeros_like(keep[:, -1])
     if bool(beyond.any()):
         rows = beyond.nonzero()[:, 0]
-        values, order = torch.sort(probs[rows], descending=True)
-        keep = values.cumsum(-1) - values <= limit[rows]
-        drop[rows] = torch.ones_like(values, dtype=torch.bool).scatter_(1, order, ~keep)
+        drop[rows] = dropped(*torch.sort(probs[rows], descending=True), limit[rows])[0]
     logits.masked_fill_(drop, float("-inf"))
 
 
@@ -208,20 +205,26 @@ def _penalize(logits: torch.Tensor, params: SamplingParams, token_ids: Sequence[
 ARGMAX_CHUNK = 128
 
 
+def per_chunk(x: torch.Tensor, reduce: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """``reduce`` (``torch.amax``, ``torch.sum``) over each chunk of ``ARGMAX_CHUNK`` columns of a
+    contiguous 2D tensor: ``[rows, chunks]``, the last chunk possibly shorter. One vectorized pass."""
+    rows, vocab = x.shape
+    whole = vocab // ARGMAX_CHUNK
+    out = reduce(x[:, : whole * ARGMAX_CHUNK].view(rows, whole, ARGMAX_CHUNK), -1)
+    if vocab % ARGMAX_CHUNK:
+        out = torch.cat([out, reduce(x[:, whole * ARGMAX_CHUNK:], -1, keepdim=True)], dim=1)
+    return out
+
+
 def chunk_maxima(logits: torch.Tensor | None) -> torch.Tensor | None:
-    """The max of each chunk of ``ARGMAX_CHUNK`` columns of a 2D float tensor (``[rows, chunks]``,
-    the last chunk possibly shorter), or None where :func:`argmax_rows` does not use them. A row's
-    max is its chunks' max, so the non-finite check reads these instead of the whole logits again."""
+    """The max of each chunk of ``ARGMAX_CHUNK`` columns of a 2D float tensor (:func:`per_chunk`),
+    or None where :func:`argmax_rows` does not use them. A row's max is its chunks' max, so the
+    non-finite check reads these instead of the whole logits again."""
     if logits is None or logits.dim() != 2 or not logits.is_contiguous():
         return None
-    rows, vocab = logits.shape
-    whole = vocab // ARGMAX_CHUNK
-    if whole < 2 or not rows:
+    if logits.shape[1] // ARGMAX_CHUNK < 2 or not len(logits):
         return None
-    maxima = logits[:, : whole * ARGMAX_CHUNK].view(rows, whole, ARGMAX_CHUNK).amax(-1)
-    if vocab % ARGMAX_CHUNK:
-        maxima = torch.cat([maxima, logits[:, whole * ARGMAX_CHUNK:].amax(-1, keepdim=True)], dim=1)
-    return maxima
+    return per_chunk(logits, torch.amax)
 
 
 def argmax_rows(logits: torch.Tensor, maxima: torch.Tensor | None = None) -> torch.Tensor:
