@@ -1,5 +1,5 @@
 """The engine's fast paths (issue 22): the two-pass argmax (its chunk maxima shared with the
-non-finite check), plain greedy tokens appended with a one-line undo, log-probabilities only when
+non-finite check), plain greedy and forked sampled tokens appended with a one-line undo, log-probabilities only when
 asked for, the LM head through oneDNN in engine forwards only (on a prepacked copy), and glibc's
 malloc thresholds set for a CPU engine's process."""
 
@@ -98,11 +98,47 @@ def test_plain_greedy_tokens_of_an_abandoned_step_are_undone(model, monkeypatch,
     assert not engine.has_unfinished_requests() and engine.kv.num_used_blocks() == 0
 
 
-def test_a_plain_greedy_token_is_taken_back_when_its_request_fails_later_in_the_step(model, monkeypatch):
-    """A greedy request with a logit bias is a plain row (its row biased in place) whose matcher
-    step comes after the tokens: failing it there takes its fast-lane token back; the others go on."""
-    biased = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, logit_bias={5: 0.0})
-    clean = LLMEngine(model, block_size=4).generate(PROMPTS, GREEDY8, use_tqdm=False)
+@pytest.mark.parametrize("undo", [True, False], ids=["undone", "negative-control-not-undone"])
+@pytest.mark.parametrize("lane", ["greedy", "sampled"])
+def test_quietly_appended_tokens_of_an_abandoned_step_are_undone(model, monkeypatch, lane, undo):
+    """Rows of one sequence that nothing can fail (plain greedy rows, and sampled rows once their
+    request has forked) take their tokens with a one-line undo; when a later request's share of
+    the step raises, the step is rolled back and theirs are taken back too."""
+    params = GREEDY8 if lane == "greedy" else SamplingParams(max_new_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
+    clean = LLMEngine(model, block_size=4).generate(PROMPTS, params, use_tqdm=False)
+    scored = SamplingParams(max_new_tokens=8, temperature=0, logprobs=1, ignore_eos=True)  # the guarded path
+    advance = output_processor.OutputProcessor._advance
+
+    def interrupted(self, request, *args):
+        if request.params is scored and request.seqs[0].num_output_tokens == 2:
+            raise Interrupt()
+        return advance(self, request, *args)
+
+    monkeypatch.setattr(output_processor.OutputProcessor, "_advance", interrupted)
+    if not undo:
+        monkeypatch.setattr(output_processor._Appended, "restore", lambda self, request: None)
+    engine = LLMEngine(model, block_size=4)
+    for prompt, p in zip(PROMPTS + [[40, 41, 42]], [params] * 3 + [scored]):
+        engine.add_request(prompt, p)
+    for _ in range(2):
+        engine.step()
+    with pytest.raises(Interrupt):
+        engine.step()
+    failed = sorted(engine.step(), key=lambda out: int(out.request_id))
+    assert [out.error_kind for out in failed] == ["fault"] * 4
+    got = [out.outputs[0].token_ids for out in failed[:3]]
+    assert (got == [out.outputs[0].token_ids[:2] for out in clean]) == undo
+    assert not engine.has_unfinished_requests() and engine.kv.num_used_blocks() == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_a_quietly_appended_token_is_taken_back_when_its_request_fails_later_in_the_step(model, monkeypatch,
+                                                                                        temperature):
+    """A request with a logit bias takes the quiet lane (its row biased in place) and its matcher
+    step comes after the tokens: failing it there takes its token back; the others go on."""
+    plain = SamplingParams(max_new_tokens=8, temperature=temperature, seed=5, ignore_eos=True)
+    biased = SamplingParams(max_new_tokens=8, temperature=temperature, seed=5, ignore_eos=True, logit_bias={5: 0.0})
+    clean = LLMEngine(model, block_size=4).generate(PROMPTS, plain, use_tqdm=False)
     advance, calls = StructuredOutputManager.advance, [0]
 
     def failing(self, changed, forks, fail):
@@ -113,7 +149,7 @@ def test_a_plain_greedy_token_is_taken_back_when_its_request_fails_later_in_the_
 
     monkeypatch.setattr(StructuredOutputManager, "advance", failing)
     engine = LLMEngine(model, block_size=4)
-    outs = engine.generate(PROMPTS, [GREEDY8, biased, GREEDY8], use_tqdm=False)
+    outs = engine.generate(PROMPTS, [plain, biased, plain], use_tqdm=False)
     assert outs[1].error_kind == "fault" and "injected matcher fault" in outs[1].error
     assert outs[1].outputs[0].token_ids == clean[1].outputs[0].token_ids[:3]  # not the failed step's fourth
     assert [o.outputs[0].token_ids for o in (outs[0], outs[2])] == [o.outputs[0].token_ids for o in (clean[0], clean[2])]

@@ -149,8 +149,10 @@ class OutputProcessor:
             self._advance_plain_greedy(plain, logits, maxima, outcome)
             drawn = self._draw(ready, logits, requests, outcome)
             for request_id, got in ready.items():
-                request = requests[request_id]
-                self._guarded(request, outcome, self._advance, request, got, logits, drawn.get(request_id), outcome)
+                request, tokens = requests[request_id], drawn.get(request_id)
+                if not (tokens is not None and len(got) == 1 and request.forked and request.params.logprobs is None
+                        and self._append_quietly(request, got[0][0], tokens[0][0], outcome)):
+                    self._guarded(request, outcome, self._advance, request, got, logits, tokens, outcome)
             if constrained:  # their matchers follow the new tokens (forks start from their parents')
                 forks = [u for _, u in outcome.updates if isinstance(u, ForkSequence)]
                 self.structured.advance(list(outcome.changed.values()), forks,
@@ -219,9 +221,7 @@ class OutputProcessor:
         """All plain greedy rows of a step at once: one argmax for the batch (no log-softmax: these
         requests asked for no log-probabilities).
 
-        The token of a request's only sequence that neither finishes it nor needs stop strings
-        checked (nothing there can raise) is appended in a tight loop with a one-line undo; the
-        others take the guarded path."""
+        Tokens that :meth:`_append_quietly` can take go there; the others take the guarded path."""
         if not plain:
             return
         rows = [r for _, _, r in plain]
@@ -229,17 +229,22 @@ class OutputProcessor:
             index = torch.tensor(rows, device=logits.device)
             logits = logits.index_select(0, index)
             maxima = None if maxima is None else maxima.index_select(0, index)
-        saved, generated = outcome.saved, outcome.generated
         for (request, seq, _), token in zip(plain, sampler.argmax_rows(logits, maxima).tolist()):
-            rid = request.request_id
-            params = request.params
-            if (len(request.seqs) == 1 and rid not in saved and not (params.stop and self.tokenizer is not None)
-                    and self._stop_reason(params, token, seq.num_output_tokens + 1, len(seq.token_ids) + 1) is None):
-                saved[rid] = _Appended(seq)
-                seq.token_ids.append(token)
-                generated[rid] += 1
-            else:
+            if not self._append_quietly(request, seq, token, outcome):
                 self._guarded(request, outcome, self._append_plain, request, seq, token, outcome)
+
+    def _append_quietly(self, request: Request, seq: Sequence, token: int, outcome: _Outcome) -> bool:
+        """Append ``token`` to ``seq``, its request's only sequence, with a one-line undo, where
+        nothing can raise: it does not finish the sequence and no stop strings are checked. False
+        (nothing done): the caller takes the guarded path."""
+        rid, params = request.request_id, request.params
+        if (len(request.seqs) != 1 or rid in outcome.saved or (params.stop and self.tokenizer is not None)
+                or self._stop_reason(params, token, seq.num_output_tokens + 1, len(seq.token_ids) + 1) is not None):
+            return False
+        outcome.saved[rid] = _Appended(seq)
+        seq.token_ids.append(token)
+        outcome.generated[rid] += 1
+        return True
 
     def _append_plain(self, request: Request, seq: Sequence, token: int, outcome: _Outcome) -> None:
         self._append(request, seq, token, None, outcome)
