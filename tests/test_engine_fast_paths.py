@@ -1,7 +1,7 @@
 """The engine's fast paths (issue 22): the two-pass argmax (its chunk maxima shared with the
-non-finite check), plain greedy and forked sampled tokens appended with a one-line undo, log-probabilities only when
-asked for, the LM head through oneDNN in engine forwards only (on a prepacked copy), and glibc's
-malloc thresholds set for a CPU engine's process."""
+non-finite check), plain greedy and forked sampled tokens appended with a one-line undo,
+log-probabilities only when asked for, the LM head through oneDNN in engine forwards only (on a
+prepacked copy), and glibc's malloc thresholds set for a CPU engine's process."""
 
 from __future__ import annotations
 
