@@ -67,11 +67,30 @@ class Interrupt(BaseException):
     """Raised inside a step's processing (like a KeyboardInterrupt)."""
 
 
+def _tokens_after_an_abandoned_third_step(model, monkeypatch, params: SamplingParams, last: SamplingParams,
+                                          undo: bool) -> list[list[int]]:
+    """``PROMPTS`` with ``params`` and one more prompt with ``last``, in one engine whose third step
+    raises ``Interrupt`` (the caller has injected it): every request then fails, with nothing left
+    held; returns the first three's tokens. ``undo`` False: the quiet lane's undo does nothing."""
+    if not undo:
+        monkeypatch.setattr(output_processor._Appended, "restore", lambda self, request: None)
+    engine = LLMEngine(model, block_size=4)
+    for prompt, p in zip(PROMPTS + [[40, 41, 42]], [params] * 3 + [last]):
+        engine.add_request(prompt, p)
+    for _ in range(2):
+        engine.step()
+    with pytest.raises(Interrupt):
+        engine.step()
+    failed = sorted(engine.step(), key=lambda out: int(out.request_id))
+    assert [out.error_kind for out in failed] == ["fault"] * 4
+    assert not engine.has_unfinished_requests() and engine.kv.num_used_blocks() == 0
+    return [out.outputs[0].token_ids for out in failed[:3]]
+
+
 @pytest.mark.parametrize("undo", [True, False], ids=["undone", "negative-control-not-undone"])
 def test_plain_greedy_tokens_of_an_abandoned_step_are_undone(model, monkeypatch, undo):
     """Plain greedy rows take their tokens before the sampled rows are processed; when processing
     then raises, the step is rolled back: the failed outputs hold only the earlier steps' tokens."""
-    prompts = PROMPTS + [[40, 41, 42]]
     clean = LLMEngine(model, block_size=4).generate(PROMPTS, GREEDY8, use_tqdm=False)
     sampled = SamplingParams(max_new_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
     sample = sampler.sample
@@ -82,20 +101,8 @@ def test_plain_greedy_tokens_of_an_abandoned_step_are_undone(model, monkeypatch,
         return sample(logits, rows, *args)
 
     monkeypatch.setattr(sampler, "sample", interrupted)
-    if not undo:
-        monkeypatch.setattr(output_processor._Appended, "restore", lambda self, request: None)
-    engine = LLMEngine(model, block_size=4)
-    for prompt, params in zip(prompts, [GREEDY8] * 3 + [sampled]):
-        engine.add_request(prompt, params)
-    for _ in range(2):
-        engine.step()
-    with pytest.raises(Interrupt):
-        engine.step()
-    failed = sorted(engine.step(), key=lambda out: int(out.request_id))
-    assert [out.error_kind for out in failed] == ["fault"] * 4
-    got = [out.outputs[0].token_ids for out in failed[:3]]
+    got = _tokens_after_an_abandoned_third_step(model, monkeypatch, GREEDY8, sampled, undo)
     assert (got == [out.outputs[0].token_ids[:2] for out in clean]) == undo
-    assert not engine.has_unfinished_requests() and engine.kv.num_used_blocks() == 0
 
 
 @pytest.mark.parametrize("undo", [True, False], ids=["undone", "negative-control-not-undone"])
@@ -115,20 +122,8 @@ def test_quietly_appended_tokens_of_an_abandoned_step_are_undone(model, monkeypa
         return advance(self, request, *args)
 
     monkeypatch.setattr(output_processor.OutputProcessor, "_advance", interrupted)
-    if not undo:
-        monkeypatch.setattr(output_processor._Appended, "restore", lambda self, request: None)
-    engine = LLMEngine(model, block_size=4)
-    for prompt, p in zip(PROMPTS + [[40, 41, 42]], [params] * 3 + [scored]):
-        engine.add_request(prompt, p)
-    for _ in range(2):
-        engine.step()
-    with pytest.raises(Interrupt):
-        engine.step()
-    failed = sorted(engine.step(), key=lambda out: int(out.request_id))
-    assert [out.error_kind for out in failed] == ["fault"] * 4
-    got = [out.outputs[0].token_ids for out in failed[:3]]
+    got = _tokens_after_an_abandoned_third_step(model, monkeypatch, params, scored, undo)
     assert (got == [out.outputs[0].token_ids[:2] for out in clean]) == undo
-    assert not engine.has_unfinished_requests() and engine.kv.num_used_blocks() == 0
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
