@@ -1,6 +1,6 @@
 """Small engine steps run on one thread (hf_paged.engine.step_threads): which steps, that the
-setting ends with the step, compiled graphs for both thread counts, and tokens equal to stock
-generate()."""
+setting ends with the step, the LM head on every thread inside them, compiled graphs for both
+thread counts, and tokens equal to stock generate()."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_paged import LLMEngine, SamplingParams
-from hf_paged.engine import step_threads
+from hf_paged.engine import cpu_linear, step_threads
 from hf_paged.engine.step_threads import SERIAL_STEP_MAX_MACS, SerialSmallSteps
 from tests.helpers.tiny_models import build
 
@@ -49,13 +49,16 @@ def test_default_follows_the_openmp_wait_policy_and_the_thread_count(monkeypatch
     assert SerialSmallSteps.of(model) is None
 
 
-def _engine_run(model, serial: bool | None, max_tokens: int = 8, compile: bool = False):
+def _engine_run(model, serial: bool | None, max_tokens: int = 8, compile: bool = False, heads: list | None = None,
+                head_threads: int | None = None):
     """Greedy tokens of PROMPTS and, per forward, (tokens in the step, (OpenMP, MKL) threads inside
-    it): seen by the first MLP (eager steps) or by the paged attention the compiled body calls out to."""
+    it): seen by the first MLP (eager steps) or by the paged attention the compiled body calls out to.
+    ``heads`` gets the same pair as seen inside the LM head's oneDNN call, per forward."""
     engine = LLMEngine(model, block_size=8, max_num_batched_tokens=64, serial_small_steps=serial, compile=compile)
     engine.graphs_after_build = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     if engine.runner.serial_steps is not None:
         engine.runner.serial_steps.max_tokens = max_tokens
+        engine.runner.serial_steps.head_threads = head_threads or engine.runner.serial_steps.head_threads
     seen = []
     if compile:
         attend = engine.runner.compiled.attend
@@ -70,10 +73,19 @@ def _engine_run(model, serial: bool | None, max_tokens: int = 8, compile: bool =
     else:
         undo = model.model.layers[0].mlp.register_forward_pre_hook(
             lambda module, args: seen.append((args[0].shape[-2], step_threads.current_threads()))).remove
+    head_op = torch.ops.mkldnn._linear_pointwise
+
+    def watched_head(*args):
+        if heads is not None:
+            heads.append((seen[-1][0], step_threads.current_threads()))
+        return head_op(*args)
+
+    torch.ops.mkldnn._linear_pointwise = watched_head
     try:
         outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0), use_tqdm=False)
     finally:
         undo()
+        torch.ops.mkldnn._linear_pointwise = head_op
     assert engine.kv.num_used_blocks() == 0
     return [o.outputs[0].token_ids for o in outs], seen, engine
 
@@ -84,7 +96,8 @@ def test_small_steps_run_on_one_thread_and_tokens_equal_stock_generate(threads, 
     model = build("llama")
     stock = [copy.deepcopy(model).generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
              for p in PROMPTS]
-    tokens, seen, engine = _engine_run(model, serial=True, compile=compile)
+    heads = []
+    tokens, seen, engine = _engine_run(model, serial=True, compile=compile, heads=heads)
     assert engine.stats()["compiled"] == compile
     assert engine.stats()["serial_step_max_tokens"] == 8
     assert tokens == stock
@@ -92,6 +105,8 @@ def test_small_steps_run_on_one_thread_and_tokens_equal_stock_generate(threads, 
     large = [t for n, t in seen if n > 8]
     assert small and large, "the run needs steps on both sides of the limit"
     assert set(small) == {(1, 1)} and set(large) == {(2, 2)}
+    if cpu_linear.available():  # the LM head keeps both threads in every step (one oneDNN region)
+        assert len(heads) == len(seen) and {t for _, t in heads} == {(2, 2)}
     assert step_threads.current_threads() == (2, 2)  # nothing stays set after the steps
     if compile:  # warmed up at both thread counts as the engine was built: nothing compiles while serving
         assert engine.runner.compiled.calls == 4 + len(seen)
@@ -100,6 +115,18 @@ def test_small_steps_run_on_one_thread_and_tokens_equal_stock_generate(threads, 
 
 def test_negative_control_without_the_setting_every_step_splits(threads):
     threads(2)
-    tokens, seen, engine = _engine_run(build("llama"), serial=False)
+    heads = []
+    tokens, seen, engine = _engine_run(build("llama"), serial=False, heads=heads)
     assert engine.stats()["serial_step_max_tokens"] == 0
     assert {t for _, t in seen} == {(2, 2)}
+    assert {t for _, t in heads} == ({(2, 2)} if cpu_linear.available() else set())
+
+
+def test_negative_control_the_lm_head_of_a_one_thread_step_on_one_thread(threads):
+    """Without the LM head's exception (``head_threads`` 1) the watcher sees it on one thread."""
+    if not cpu_linear.available():
+        pytest.skip("no oneDNN linear in this torch")
+    threads(2)
+    heads = []
+    _engine_run(build("llama"), serial=True, heads=heads, head_threads=1)
+    assert {t for n, t in heads if n <= 8} == {(1, 1)} and {t for n, t in heads if n > 8} == {(2, 2)}

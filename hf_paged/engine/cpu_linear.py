@@ -28,6 +28,8 @@ from collections.abc import Iterable
 
 import torch
 
+from hf_paged.engine import step_threads
+
 PREPACK_LM_HEAD_MAX_BYTES = 1 << 30  # the largest LM head weight that gets a prepacked copy by default
 PACK_ROWS_HINT = 256  # the rows oneDNN packs for; any row count runs (48 rows gain as much as 256)
 
@@ -81,27 +83,30 @@ def prepacked_lm_head(model: torch.nn.Module, enabled: bool | None = None) -> Pr
     return PrepackedWeight(head)
 
 
-def _onednn_forward(module: torch.nn.Linear, prepacked: PrepackedWeight | None = None):
+def _onednn_forward(module: torch.nn.Linear, prepacked: PrepackedWeight | None = None, threads: int | None = None):
     weight, bias = prepacked.get() if prepacked is not None else module.weight, module.bias
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu":
             return torch.nn.functional.linear(x, module.weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        with step_threads.with_threads(threads) if threads else contextlib.nullcontext():
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
     return forward
 
 
 @contextlib.contextmanager
-def onednn_linears(modules: Iterable[torch.nn.Linear], prepacked: tuple[PrepackedWeight, ...] = ()):
+def onednn_linears(modules: Iterable[torch.nn.Linear], prepacked: tuple[PrepackedWeight, ...] = (),
+                   threads: int | None = None):
     """Run the float32 CPU ``nn.Linear`` ``modules`` through oneDNN inside the block, those of
-    ``prepacked`` on their packed weights."""
+    ``prepacked`` on their packed weights, on ``threads`` threads when given (a step otherwise on
+    one thread: :mod:`hf_paged.engine.step_threads`)."""
     packs = {id(p.module): p for p in prepacked}
     switched = []
     try:
         for module in modules if available() else ():
             if _switchable(module) and "forward" not in module.__dict__:
-                module.forward = _onednn_forward(module, packs.get(id(module)))
+                module.forward = _onednn_forward(module, packs.get(id(module)), threads)
                 switched.append(module)
         yield
     finally:

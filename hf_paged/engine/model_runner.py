@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 
 from hf_paged.attention import ATTN_IMPLEMENTATION, COMPILED_ATTN_IMPLEMENTATION, packed_attention, paged_call
 from hf_paged.channel import clear_active_cache, packed_forward
-from hf_paged.engine import compiled_body
+from hf_paged.engine import compiled_body, step_threads
 from hf_paged.engine.cuda_graphs import DecodeGraphs
 from hf_paged.engine.cpu_linear import onednn_linears, prepacked_lm_head, switchable_lm_head
 from hf_paged.engine.scheduler_output import SchedulerOutput
@@ -136,10 +136,11 @@ class ModelRunner:
         """``model(**forward).logits`` with the paged attention reading and writing ``step_cache``'s
         blocks (through the compiled body when ``compiled``)."""
         implementation = COMPILED_ATTN_IMPLEMENTATION if compiled else ATTN_IMPLEMENTATION
+        serial = self.serial_steps is not None and self.serial_steps.applies(num_tokens)
         with (packed_forward(), paged_call(self.model, implementation),
               self.compiled.active(step_cache) if compiled else contextlib.nullcontext(),
-              onednn_linears(self._onednn_linears, self._prepacked),
-              self.serial_steps.step(num_tokens) if self.serial_steps else contextlib.nullcontext()):
+              onednn_linears(self._onednn_linears, self._prepacked, self.serial_steps.head_threads if serial else None),
+              step_threads.one_thread() if serial else contextlib.nullcontext()):
             logits = self.model(**forward).logits
         clear_active_cache()
         step_cache.check_no_pending()

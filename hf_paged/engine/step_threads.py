@@ -14,6 +14,15 @@ and answers a burst of new prompts ~35% sooner (benchmarks/RESULTS.md, tenth run
 machine such steps are slower (32 sequences, passive waits: 14.5 ms against 11.8 ms with only
 MKL on one thread and ~13 ms with every op split): the gain is the core left to the others.
 
+The LM head is the exception: inside a one-thread step it still runs on every thread the process
+has (``head_threads``, passed to :func:`hf_paged.engine.cpu_linear.onednn_linears`). It is one
+oneDNN region per step and the step's largest op (32 rows against the issue-22 model's
+32,000-wide prepacked head, passive waits: 5.8 ms on one thread, 3.0 ms on two, in a ~19 ms
+served step), so one wake-up buys up to half of it.
+Served to 32 streaming clients (greedy, equal settings), 1,846 against 1,723 tok/s, 1,785 against
+1,693 (medians of 3 and 4 interleaved rounds, every round faster: RESULTS.md, sixteenth session);
+the C decode reads on both threads as well were slower (1,678).
+
 Which steps: those whose largest layer GEMM multiplies at most ``SERIAL_STEP_MAX_MACS`` (95 tokens
 for the issue-22 model; with only MKL on one thread, split GEMMs were 7-9% faster in-process at 128
 sequences and more). With active waits (the OpenMP default, an engine alone in its process) split
@@ -33,7 +42,6 @@ from collections.abc import Iterator
 import torch
 
 SERIAL_STEP_MAX_MACS = 16 * 2**20  # a step runs on one thread while its largest layer GEMM multiplies at most this
-_ONE = ctypes.c_int(1)
 
 
 def _loaded(name: str) -> ctypes.CDLL | None:
@@ -82,17 +90,23 @@ def passive_waits() -> bool:
 
 
 @contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """OpenMP regions and MKL GEMMs started from this thread run on it alone inside the block."""
+def with_threads(count: int) -> Iterator[None]:
+    """OpenMP regions and MKL GEMMs started from this thread use ``count`` threads inside the block."""
     gomp, mkl = _LIBS
     threads = gomp.omp_get_max_threads()
-    previous = ctypes.c_int(mkl.mkl_set_num_threads_local_(ctypes.byref(_ONE)))  # 0: none, the process's applies
-    gomp.omp_set_num_threads(1)
+    # 0 from MKL: no thread-local setting was made, the process's applies again afterwards
+    previous = ctypes.c_int(mkl.mkl_set_num_threads_local_(ctypes.byref(ctypes.c_int(count))))
+    gomp.omp_set_num_threads(count)
     try:
         yield
     finally:
         gomp.omp_set_num_threads(threads)
         mkl.mkl_set_num_threads_local_(ctypes.byref(previous))
+
+
+def one_thread() -> contextlib.AbstractContextManager:
+    """OpenMP regions and MKL GEMMs started from this thread run on it alone inside the block."""
+    return with_threads(1)
 
 
 def largest_gemm_macs_per_token(model: torch.nn.Module) -> int:
@@ -106,8 +120,9 @@ def largest_gemm_macs_per_token(model: torch.nn.Module) -> int:
 class SerialSmallSteps:
     """Which steps of a model run on one thread: those of at most ``max_tokens`` tokens."""
 
-    def __init__(self, max_tokens: int):
+    def __init__(self, max_tokens: int, head_threads: int = 1):
         self.max_tokens = max_tokens
+        self.head_threads = head_threads  # the LM head's threads inside a serial step (see the module's docstring)
 
     @classmethod
     def of(cls, model: torch.nn.Module, enabled: bool | None = None) -> SerialSmallSteps | None:
@@ -118,8 +133,8 @@ class SerialSmallSteps:
         if enabled is None and not passive_waits():
             return None
         macs = largest_gemm_macs_per_token(model)
-        return cls(SERIAL_STEP_MAX_MACS // macs if macs else 0)
+        return cls(SERIAL_STEP_MAX_MACS // macs if macs else 0, torch.get_num_threads())
 
-    def step(self, tokens: int) -> contextlib.AbstractContextManager:
-        """The context a step of ``tokens`` tokens runs in."""
-        return one_thread() if tokens <= self.max_tokens else contextlib.nullcontext()
+    def applies(self, tokens: int) -> bool:
+        """Whether a step of ``tokens`` tokens runs on one thread."""
+        return tokens <= self.max_tokens
