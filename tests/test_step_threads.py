@@ -58,7 +58,8 @@ def _engine_run(model, serial: bool | None, max_tokens: int = 8, compile: bool =
     engine.graphs_after_build = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     if engine.runner.serial_steps is not None:
         engine.runner.serial_steps.max_tokens = max_tokens
-        engine.runner.serial_steps.head_threads = head_threads or engine.runner.serial_steps.head_threads
+        if head_threads is not None:
+            engine.runner.serial_steps.head_threads = head_threads
     seen = []
     if compile:
         attend = engine.runner.compiled.attend
