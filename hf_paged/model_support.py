@@ -395,26 +395,10 @@ def classify_model(model: PreTrainedModel, reference: PretrainedConfig | None = 
     judges a tiny instance's modules against its architecture's default config.
     """
     reference = reference if reference is not None else model.config
-    if _attr(model.config, "is_encoder_decoder"):
-        return Support(ENCODER_DECODER, "an encoder-decoder model (the paged cache is for decoder-only models)")
-    problem = config_problem(reference)
+    writers = _cache_writers(model)
+    problem = _structure_problem(model, reference, writers)
     if problem is not None:
         return problem
-    writers: dict[type, list[str]] = {}
-    for name, module in model.named_modules():
-        if source_verdict(type(module)).writes_cache:
-            writers.setdefault(type(module), []).append(name)
-    if not writers:
-        return Support(NO_KV_CACHE, "no module calls cache.update(key, value, layer_idx)")
-    for cls in {type(m) for m in model.modules()}:
-        where = source_verdict(cls).edits_cache_layers
-        if where:
-            return Support(CACHE_LAYERS_EDITED, f"{where} adds or replaces entries of cache.layers")
-    for cls, names in writers.items():
-        cross = [n for n in names if _CROSS_ATTENTION_NAME.search(n)]
-        cross = cross or (names if "CrossAttention" in cls.__name__ else [])
-        if cross:
-            return Support(CROSS_ATTENTION, f"{cls.__name__} at {cross[0]} attends to encoder/vision states")
     mla = kinds.is_mla_config(reference.get_text_config(decoder=True))
     for cls in writers:
         problem = source_verdict(cls).problem
@@ -445,15 +429,28 @@ def reference_problem(model: PreTrainedModel, reference: PretrainedConfig | None
     attends, inline or through the interface, is its own business), layers the cache can hold, no
     cross-attention, and no cache class or cache-layer edits of the model's own."""
     reference = reference if reference is not None else model.config
+    return _structure_problem(model, reference, _cache_writers(model)) or own_cache_problem(model)
+
+
+def _cache_writers(model: PreTrainedModel) -> dict[type, list[str]]:
+    """The module classes of ``model`` that call ``cache.update``, each with its modules' names."""
+    writers: dict[type, list[str]] = {}
+    for name, module in model.named_modules():
+        if source_verdict(type(module)).writes_cache:
+            writers.setdefault(type(module), []).append(name)
+    return writers
+
+
+def _structure_problem(model: PreTrainedModel, reference: PretrainedConfig,
+                       writers: dict[type, list[str]]) -> Support | None:
+    """What every route needs of the model's structure: decoder-only, a config whose layers the cache
+    can hold, modules that keep K/V through ``cache.update`` and leave ``cache.layers`` alone, and no
+    cross-attention."""
     if _attr(model.config, "is_encoder_decoder"):
         return Support(ENCODER_DECODER, "an encoder-decoder model (the paged cache is for decoder-only models)")
     problem = config_problem(reference)
     if problem is not None:
         return problem
-    writers: dict[type, list[str]] = {}
-    for name, module in model.named_modules():
-        if source_verdict(type(module)).writes_cache:
-            writers.setdefault(type(module), []).append(name)
     if not writers:
         return Support(NO_KV_CACHE, "no module calls cache.update(key, value, layer_idx)")
     for cls in {type(m) for m in model.modules()}:
@@ -465,7 +462,7 @@ def reference_problem(model: PreTrainedModel, reference: PretrainedConfig | None
         cross = cross or (names if "CrossAttention" in cls.__name__ else [])
         if cross:
             return Support(CROSS_ATTENTION, f"{cls.__name__} at {cross[0]} attends to encoder/vision states")
-    return own_cache_problem(model)
+    return None
 
 
 def classify_routes(model: PreTrainedModel, reference: PretrainedConfig | None = None) -> Routes:

@@ -25,6 +25,7 @@ from tests.helpers.tiny_models import (
     build_gemma3_vision,
     image_prompts,
     left_padded,
+    single_threaded_torch,
     transformers_at_least,
 )
 
@@ -40,10 +41,8 @@ _entries: dict[str, model_support.Entry] = {}
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     """Tiny models gain nothing from threads, and on a shared CPU spinning threads cost 10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with single_threaded_torch():
+        yield
 
 
 def entries() -> dict[str, model_support.Entry]:

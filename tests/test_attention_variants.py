@@ -25,7 +25,7 @@ import hf_paged
 from hf_paged import attention, kinds
 from hf_paged.channel import StashingCache
 from hf_paged.engine.step_cache import PackedStepCache
-from tests.helpers.tiny_models import left_padded
+from tests.helpers.tiny_models import left_padded, single_threaded_torch
 from tests.helpers.variant_models import CHUNK, VARIANTS, build_variant
 
 BLOCK = 4
@@ -35,12 +35,9 @@ NEW = 8
 
 @pytest.fixture(autouse=True)
 def _quiet_and_one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():
+    with single_threaded_torch(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
-    torch.set_num_threads(before)
 
 
 _models: dict = {}

@@ -28,6 +28,7 @@ import torch
 import transformers
 
 from hf_paged.engine.beam_search import BeamSearchState, apply_min_new_tokens, candidate_count, generate_fill_token
+from tests.helpers.tiny_models import single_threaded_torch
 
 VOCAB = 96
 MAX_NEW = 14
@@ -39,10 +40,8 @@ MAX_NEW = 14
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Tiny models run fastest on one thread, and a shared 2-core box is not oversubscribed."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_threaded_torch():
+        yield
 
 
 @functools.lru_cache(maxsize=None)

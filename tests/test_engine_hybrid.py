@@ -21,7 +21,7 @@ from hf_paged import kinds, state_layers
 from hf_paged.engine.kv_cache_manager import KVCacheManager
 from hf_paged.state_slots import StateSlotManager
 from tests.helpers.hybrid_models import HYBRIDS, build_hybrid
-from tests.helpers.tiny_models import build
+from tests.helpers.tiny_models import build, single_threaded_torch
 
 pytestmark = pytest.mark.skipif(not state_layers.STATE_API, reason="transformers lacks the state-layer cache API")
 
@@ -31,12 +31,9 @@ NEW = 8
 
 @pytest.fixture(autouse=True)
 def _quiet_and_one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():
+    with single_threaded_torch(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
-    torch.set_num_threads(before)
 
 
 _models: dict = {}

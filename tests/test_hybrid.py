@@ -23,7 +23,7 @@ from transformers.cache_utils import LinearAttentionLayer
 import hf_paged
 from hf_paged import state_layers
 from hf_paged.state_layers import PagedHybridLayer
-from tests.helpers.tiny_models import left_padded, transformers_at_least
+from tests.helpers.tiny_models import left_padded, single_threaded_torch, transformers_at_least
 
 pytestmark = pytest.mark.skipif(not state_layers.STATE_API,
                                 reason=f"transformers {transformers.__version__} lacks the state-layer cache API")
@@ -61,12 +61,9 @@ MODES = {
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():
+    with single_threaded_torch(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
-    torch.set_num_threads(before)
 
 
 def build(name: str, seed: int = 0) -> transformers.PreTrainedModel:

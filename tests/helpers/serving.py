@@ -18,6 +18,7 @@ from hf_paged import LLMEngine
 from hf_paged.demo import byte_tokenizer, demo_model
 from hf_paged.serve import ServerSettings, ServerThread, build_app
 from hf_paged.serve.engine_process import EngineProcess
+from tests.helpers.tiny_models import single_threaded_torch  # noqa: F401 - the servers' tests take it from here
 
 MODEL = "tiny"
 
@@ -45,18 +46,6 @@ def tiny_model(**overrides):
     """The demo architecture, tiny and random (seed 0): varied bytes, multi-byte characters among them."""
     options = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, initializer_range=0.3)
     return demo_model(seed=0, **{**options, **overrides})
-
-
-@contextlib.contextmanager
-def single_threaded_torch():
-    """One intra-op thread: on a shared 2-core machine two OpenMP threads wait on each other (tens of
-    ms per tiny matmul) while the server's own threads want the cores too."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def tiny_engine(engine_kwargs: dict, model_overrides: dict, threads: int | None = None) -> LLMEngine:

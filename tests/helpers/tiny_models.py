@@ -7,6 +7,8 @@ sliding windows are small so they matter at test lengths.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import transformers
 from packaging import version
@@ -59,6 +61,18 @@ ARCHITECTURES = list(CONFIGS)
 def transformers_at_least(release: str) -> bool:
     """Whether the installed transformers is ``release`` or newer (tests whose expectations changed there)."""
     return version.parse(transformers.__version__) >= version.parse(release)
+
+
+@contextlib.contextmanager
+def single_threaded_torch():
+    """One intra-op thread: on a shared 2-core machine two OpenMP threads wait on each other (tens of
+    ms per tiny matmul) while the server's own threads want the cores too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 UNSUPPORTED = {
