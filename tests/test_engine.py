@@ -332,6 +332,9 @@ def test_string_prompts_text_and_stop_strings():
                           use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "stop" and stop not in out.outputs[0].text
     assert text.startswith(out.outputs[0].text) and out.prompt == "Hello there"
+    at_start = engine.generate(["Hello there"], SamplingParams(max_new_tokens=12, temperature=0, stop=[text[:2]]),
+                               use_tqdm=False)[0].outputs[0]  # cut to nothing: "" is the text, not "undecoded"
+    assert (at_start.text, at_start.finish_reason) == ("", "stop") and at_start.token_ids == free.outputs[0].token_ids[:2]
     _check_no_leak(engine)
 
 

@@ -503,6 +503,16 @@ def test_a_text_stream_never_sends_what_a_stop_string_cuts():
     assert sent + stream.update(final)[0] == "abc"
 
 
+def test_a_text_stream_shorter_than_its_stop_string_sends_nothing_of_it():
+    """While the text is shorter than what is held back, nothing goes out (a negative slice end once
+    sent "a" of a stop string "aWXY" here, and the stream then no longer prefixed the final text)."""
+    ids = TOKENIZER("aWXYb").input_ids
+    stream = TextStream(TOKENIZER, stop=["aWXY"])
+    sent = "".join(stream.update(CompletionOutput(0, ids[:k], TOKENIZER.decode(ids[:k])))[0] for k in range(1, 4))
+    assert sent == ""
+    assert stream.update(CompletionOutput(0, ids[:4], "", finish_reason="stop"))[0] == ""
+
+
 def test_exposure_warning():
     assert exposure_warning("0.0.0.0", None) and exposure_warning("example.org", None)
     assert exposure_warning("127.0.0.1", None) is None and exposure_warning("::1", None) is None

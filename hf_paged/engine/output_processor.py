@@ -400,13 +400,13 @@ class OutputProcessor:
         for s in seqs:
             token_ids = s.output_token_ids
             text, decode = s.text, None
-            if with_text and not text and self.tokenizer is not None and token_ids:
+            if with_text and text is None and self.tokenizer is not None and token_ids:
                 if s.is_finished:  # decoded here, once, so that a tokenizer fault fails this request
                     text = s.text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
                 else:  # decoded by whoever reads it (the server never does), not on the engine thread
                     decode = self._decoder(token_ids)
             outputs.append(CompletionOutput(
-                index=s.index, token_ids=token_ids, text=text, finish_reason=s.finish_reason,
+                index=s.index, token_ids=token_ids, text=text or "", finish_reason=s.finish_reason,
                 cumulative_logprob=s.cumulative_logprob if scored else None, logprobs=s.logprobs,
                 decode=decode,
             ))

@@ -32,7 +32,7 @@ class Sequence:
     finish_reason: str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None
-    text: str = ""
+    text: str | None = None  # None: not decoded yet ("" is a decoded text, e.g. one cut at a stop string)
 
     @property
     def num_tokens(self) -> int:

@@ -91,7 +91,7 @@ class TextStream:
             final = completion.text
             delta = final[len(self.sent):] if final.startswith(self.sent) else self._detokenizer.text[len(self.sent):]
         else:
-            text = self._detokenizer.text
-            delta = text[len(self.sent): len(text) - self._hold]
+            text = self._detokenizer.text  # all but its last ``_hold`` characters (none while shorter)
+            delta = text[len(self.sent): max(len(self.sent), len(text) - self._hold)]
         self.sent += delta
         return delta, new_ids
