@@ -15,11 +15,13 @@ import jsonschema
 import openai
 import pytest
 import torch
+import xgrammar
 from pydantic import BaseModel, Field
 
 from hf_paged import SamplingParams
 from hf_paged.constraints import ConstraintCompiler, StructuredOutputsParams
 from hf_paged.demo import byte_tokenizer
+from hf_paged.serve import tools as tool_calling
 from hf_paged.serve.tools import HermesToolParser, parse_tool_calls
 from tests.helpers.serving import (ENGINE_PLACES, MODEL, NUM_BLOCKS, client, engine,  # noqa: F401 - fixtures
                                    serving, single_threaded_torch)
@@ -160,6 +162,30 @@ def test_required_tool_calls(client, parallel):
             check_call(call)
 
 
+def many_tools(count: int) -> list[dict]:
+    return [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string", "maxLength": 4}, "limit": {"type": "integer"},
+                                         "tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["query"]}}} for i in range(count)]
+
+
+def test_a_hundred_tools_make_a_required_call_constraint_that_compiles():
+    """A hundred tools' call grammar is ~200 KB, past one schema's 64 KiB limit (once a 500 from the
+    server). The demo model's 4,096 positions cannot hold their declarations in a prompt, so the
+    constraint is checked here; the 400 past the structural tag's limit is in ``BAD``."""
+    tools = tool_calling.read_tools(many_tools(100))
+    params = tool_calling.call_constraint("required", tools, parallel=False)
+    assert len(json.dumps(params.structural_tag)) > 2 * 64 * 1024
+    grammar = ConstraintCompiler(TOKENIZER, len(TOKENIZER), [TOKENIZER.eos_token_id]).compile(params)
+
+    def accepted(name: str) -> bool:
+        call = f'<tool_call>\n{{"name": "{name}", "arguments": {{"query": "ab"}}}}\n</tool_call>'
+        matcher = xgrammar.GrammarMatcher(grammar)
+        return matcher.accept_string(call) and matcher.is_completed()
+
+    assert accepted("tool_99") and accepted("tool_0") and not accepted("tool_100")
+
+
 def test_a_follow_up_turn_sends_the_tool_result_back(client, engine):
     first = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=120, temperature=0, tools=TOOLS,
                                            tool_choice="required")
@@ -280,6 +306,7 @@ BAD = [
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "x": {"not": {}}}}}}], tool_choice="required"), "tools[0].function.parameters", "'not'"),
     (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools[0].function.name", None),
+    (dict(tools=many_tools(600), tool_choice="required"), "tools", "larger than 1048576 bytes"),
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice",
      "cannot be added"),
     (dict(messages=USER + [{"role": "tool", "content": "?"}]), "messages[1].tool_call_id", "tool_call_id"),

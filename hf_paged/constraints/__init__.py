@@ -14,12 +14,14 @@ from typing import Any
 
 from hf_paged.constraints.compiler import ConstraintCompiler, ConstraintError, compiler_for
 from hf_paged.constraints.logits_process import StructuredLogitsProcessor
-from hf_paged.constraints.params import MAX_CHOICES, MAX_CONSTRAINT_BYTES, StructuredOutputsParams
+from hf_paged.constraints.params import (
+    MAX_CHOICES, MAX_CONSTRAINT_BYTES, MAX_STRUCTURAL_TAG_BYTES, StructuredOutputsParams,
+)
 from hf_paged.constraints.schema import UnsupportedSchemaError, check_schema
 
-__all__ = ["ConstraintCompiler", "ConstraintError", "MAX_CHOICES", "MAX_CONSTRAINT_BYTES", "StructuredLogitsProcessor",
-           "StructuredOutputsParams", "UnsupportedSchemaError", "check_schema", "choice", "compiler_for", "grammar",
-           "json_object", "json_schema", "logits_processor", "regex"]
+__all__ = ["ConstraintCompiler", "ConstraintError", "MAX_CHOICES", "MAX_CONSTRAINT_BYTES", "MAX_STRUCTURAL_TAG_BYTES",
+           "StructuredLogitsProcessor", "StructuredOutputsParams", "UnsupportedSchemaError", "check_schema", "choice",
+           "compiler_for", "grammar", "json_object", "json_schema", "logits_processor", "regex"]
 
 
 def logits_processor(tokenizer: Any, params: StructuredOutputsParams, *, vocab_size: int | None = None,

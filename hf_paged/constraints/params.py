@@ -5,9 +5,10 @@ Exactly one of ``json`` (a JSON schema), ``json_object`` (any JSON object), ``re
 it has no ``::=``) or ``structural_tag`` (xgrammar's format: what tool calling builds) is set.
 Everything that can be checked without compiling is checked here, so the engine, the server and
 ``generate()``'s processors refuse the same things with the same messages: sizes (a constraint is
-at most ``MAX_CONSTRAINT_BYTES`` of text, ``MAX_CHOICES`` options) and JSON-schema keywords the
-backend would not enforce (:mod:`hf_paged.constraints.schema`). Syntax errors in a regex or a
-grammar surface when it compiles (:mod:`hf_paged.constraints.compiler`).
+at most ``MAX_CONSTRAINT_BYTES`` of text, a structural tag ``MAX_STRUCTURAL_TAG_BYTES``, choices
+``MAX_CHOICES`` options) and JSON-schema keywords the backend would not enforce
+(:mod:`hf_paged.constraints.schema`). Syntax errors in a regex or a grammar surface when it compiles
+(:mod:`hf_paged.constraints.compiler`).
 
 JSON whitespace is bounded: ``disable_any_whitespace=True`` (the default, vLLM's
 ``disable-any-whitespace``) gives compact JSON (``{"a": 1, "b": [2, 3]}``: one space after ``:``
@@ -24,6 +25,10 @@ from typing import Any
 from hf_paged.constraints.schema import check_schema
 
 MAX_CONSTRAINT_BYTES = 64 * 1024  # a schema's JSON text, a regex, a grammar, or all choices together
+# A structural tag bundles one grammar per tag: tool calling's has one per declared tool (~2 KB for a
+# few parameters), so an agent's 50-200 tools need more than one schema's limit. Compiling stays
+# bounded by the compiler's timeout and compiled-size limit (200 such tools compile in ~0.1 s).
+MAX_STRUCTURAL_TAG_BYTES = 1024 * 1024
 MAX_CHOICES = 1024
 MAX_JSON_WHITESPACE = 4  # whitespace characters between JSON tokens when any whitespace is allowed
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -53,8 +58,9 @@ class StructuredOutputsParams:
             raise ValueError("StructuredOutputsParams.disable_any_whitespace must be a bool")
         self.kind = chosen[0]
         text = getattr(self, f"_check_{self.kind}")()
-        if len(text.encode("utf-8", "surrogatepass")) > MAX_CONSTRAINT_BYTES:
-            raise ValueError(f"StructuredOutputsParams.{self.kind} is larger than {MAX_CONSTRAINT_BYTES} bytes")
+        limit = MAX_STRUCTURAL_TAG_BYTES if self.kind == "structural_tag" else MAX_CONSTRAINT_BYTES
+        if len(text.encode("utf-8", "surrogatepass")) > limit:
+            raise ValueError(f"StructuredOutputsParams.{self.kind} is larger than {limit} bytes")
         self.key = (self.kind, text, self.disable_any_whitespace)
 
     def _check_json(self) -> str:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hf_paged.constraints.compiler import json_grammar
-from hf_paged.constraints.params import StructuredOutputsParams
+from hf_paged.constraints.params import MAX_STRUCTURAL_TAG_BYTES, StructuredOutputsParams
 from hf_paged.constraints.schema import check_schema
 
 START, END = "<tool_call>", "</tool_call>"
@@ -104,7 +104,12 @@ def call_constraint(mode: str | Tool, tools: list[Tool], parallel: bool) -> Stru
     else:
         tag_format = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
                       "stop_after_first": not parallel}
-    return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": tag_format})
+    try:
+        return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": tag_format})
+    except ValueError:  # only its size can be wrong here: every part was checked
+        choice = repr(mode) if isinstance(mode, str) else f"naming {mode.name!r}"
+        raise ToolError("tools", f"the grammar of the calls tool_choice {choice} allows is larger than "
+                                 f"{MAX_STRUCTURAL_TAG_BYTES} bytes: declare fewer or smaller tools") from None
 
 
 def _call_tag(tool: Tool, index: int) -> dict:
