@@ -355,7 +355,7 @@ BAD = {  # name -> (path, body or raw bytes, headers, status, param)
     "reset_prefix_cache without the key": ("/reset_prefix_cache", {}, {"Authorization": ""}, 401, None),
     "unknown model": ("/v1/completions", completion(model="gpt-4"), {}, 404, "model"),
     "models of another name": ("/v1/models/gpt-4", None, {}, 404, "model"),
-    "malformed JSON": ("/v1/completions", b'{"model": "tiny", "prompt": ', {}, 422, None),
+    "malformed JSON": ("/v1/completions", b'{"model": "tiny", "prompt": ', {}, 400, None),
     "body over the limit": ("/v1/completions", completion(prompt="x" * 70_000), {}, 413, None),
     "top_p 0": ("/v1/completions", completion(top_p=0), {}, 400, "top_p"),
     "negative temperature": ("/v1/completions", completion(temperature=-1), {}, 400, "temperature"),

@@ -198,8 +198,43 @@ def test_null_means_not_set_for_every_field_the_openai_package_types_as_optional
 def test_openai_fields_this_server_does_not_implement_are_named(server):
     resp = post(server, CHAT, chat(store=True))
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "store"
-    assert "not supported" in resp.json()["error"]["message"]
+    assert "not supported by this server (accepted: null, false)" in resp.json()["error"]["message"]
     assert post(server, CHAT, chat(store=None, metadata=None, service_tier=None)).status_code == 200
+    plain = greedy_tokens(server, CHAT)
+    no_ops = dict(store=False, service_tier="auto", modalities=["text"], metadata={"app": "test"})  # SDKs send these
+    assert greedy_tokens(server, CHAT, **no_ops) == plain
+    for name, value in [("store", 0), ("service_tier", "flex"), ("modalities", ["text", "audio"]),
+                        ("metadata", {"n": 1})]:
+        resp = post(server, CHAT, chat(**{name: value}))
+        assert resp.status_code == 400 and resp.json()["error"]["param"].startswith(name), (name, resp.text)
+    reply = {"role": "assistant", "content": "Hello", "refusal": None, "annotations": [], "audio": None}
+    history = [{"role": "user", "content": "Hi"}, reply, {"role": "user", "content": "And?"}]
+    assert post(server, CHAT, {**chat(), "messages": history}).status_code == 200  # a reply's model_dump() sent back
+    resp = post(server, CHAT, {**chat(), "messages": [*history[:1], {**reply, "annotations": [{"type": "x"}]}]})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages.1.annotations", resp.text
+
+
+@pytest.mark.parametrize("path, name, value", [
+    (CHAT, "max_tokens", "3"), (CHAT, "max_tokens", True), (CHAT, "max_tokens", 3.0), (CHAT, "stream", "yes"),
+    (CHAT, "n", "2"), (CHAT, "temperature", True), (CHAT, "seed", "7"), (CHAT, "logprobs", 1),
+    (COMPLETIONS, "prompt", [True, False]), (COMPLETIONS, "logprobs", True), (COMPLETIONS, "echo", "no"),
+])
+def test_a_value_of_the_wrong_json_type_is_a_400_not_converted(server, path, name, value):
+    body = completion(**{name: value}) if path == COMPLETIONS else chat(**{name: value})
+    resp = post(server, path, body)
+    assert resp.status_code == 400 and resp.json()["error"]["param"].startswith(name), resp.text
+
+
+def test_max_completion_tokens_wins_and_too_long_is_context_length_exceeded(server):
+    both = post(server, CHAT, chat(max_tokens=7, max_completion_tokens=3)).json()
+    assert both["usage"]["completion_tokens"] == 3
+    assert greedy_tokens(server, CHAT, temperature=1, seed=3)  # an integer where a float goes is fine (as JSON)
+    over = post(server, CHAT, chat(max_tokens=None, max_completion_tokens=10_000)).json()["error"]
+    assert (over["param"], over["code"]) == ("max_completion_tokens", "invalid_value") and "10000" in over["message"]
+    near = post(server, CHAT, chat(max_tokens=None, max_completion_tokens=4090)).json()["error"]
+    assert (near["param"], near["code"]) == ("max_completion_tokens", "context_length_exceeded"), near
+    long = post(server, COMPLETIONS, completion(prompt="x" * 5000)).json()["error"]
+    assert (long["param"], long["code"]) == ("prompt", "context_length_exceeded"), long
 
 
 def test_chat_roles_are_validated(server):

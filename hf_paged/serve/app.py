@@ -5,7 +5,7 @@ tokenizer: the event loop never tokenizes, the engine thread uses the engine's),
 engine loop and read its outputs; a client that disconnects aborts its requests at once, and a
 stream whose client reads nothing for ``stream_timeout_s`` is aborted (:mod:`.streaming`).
 Statuses: 400 bad parameter (named), 401 bad key, 404 unknown model or route, 405 wrong method
-(with ``Allow``), 413 body too large, 422 malformed JSON, 503 with its cause in ``code``:
+(with ``Allow``), 413 body too large, 400 malformed JSON (as OpenAI), 503 with its cause in ``code``:
 ``server_overloaded`` (the waiting queue is full), ``server_shutting_down`` (:mod:`.shutdown`),
 ``engine_unhealthy`` (steps keep failing; ``/health`` says 503 too) or ``engine_error`` (the
 engine failed this request's step). The POST routes publish their request models in
@@ -357,7 +357,7 @@ class _OpenAIServing:
         if not getattr(self.tokenizer, "chat_template", None):
             raise invalid("messages", "this model's tokenizer has no chat template")
         ids = await self.tokenizers.run(_chat_ids, req.conversation(), req.template_tools())
-        max_tokens = resolve_max_tokens(req.max_tokens, None, len(ids), self.limits, "messages")
+        max_tokens = resolve_max_tokens(req.max_tokens, None, len(ids), self.limits, "messages", req.max_tokens_param)
         job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req, [], ticket, tools=req.tool_mode != "none")
         params = req.sampling_params(max_tokens)
         await self._compile_constraint(req, params)

@@ -19,7 +19,9 @@ A body is checked before the models see it (:func:`decode_body`): JSON nested de
 the raw bytes ``ED A0 80``) are a 400 naming where they are. ``null`` means "not set" for every
 optional field (as the ``openai`` package types them), OpenAI's own fields this server does not
 implement included; a value for one of those is a 400 naming it. Numeric ranges are
-``SamplingParams``' own (one validation for the engine and the server); the models check types.
+``SamplingParams``' own (one validation for the engine and the server); the models check types,
+strictly (a JSON string is not a number, ``true`` is not ``1``: a quietly converted value would
+serve something the client did not ask for).
 """
 
 from __future__ import annotations
@@ -41,18 +43,22 @@ MAX_PROMPTS = 64  # prompts in one completions request
 MAX_JSON_DEPTH = 32  # nesting of arrays and objects in a request body
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
-# OpenAI's request fields this server does not implement: null is accepted (not set), a value is a 400.
+# OpenAI's request fields this server does not implement: null is accepted (not set), and so is a
+# value that asks for what the server does anyway (SDKs send some explicitly: ``store: false``, a
+# reply's ``annotations: []`` sent back); any other value is a 400 naming the field.
 OPENAI_UNSUPPORTED = {
     "completion": frozenset(),
-    "chat": frozenset({"audio", "metadata", "modalities", "moderation", "prediction", "prompt_cache_key",
+    "chat": frozenset({"audio", "modalities", "moderation", "prediction", "prompt_cache_key",
                        "prompt_cache_options", "prompt_cache_retention", "reasoning_effort", "safety_identifier",
                        "service_tier", "store", "verbosity", "web_search_options", "functions", "function_call"}),
-    "message": frozenset({"refusal", "audio", "function_call"}),
+    "message": frozenset({"refusal", "audio", "function_call", "annotations"}),
 }
+OPENAI_NO_OP = {"store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],),
+                "annotations": ([],)}
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 # SamplingParams field -> the request field that sets it (for error messages)
-_API_NAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "num_beams": "best_of"}
+_API_NAME = {"min_new_tokens": "min_tokens", "num_beams": "best_of"}
 
 
 class APIError(Exception):
@@ -66,6 +72,9 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 def invalid(param: str | None, message: str) -> APIError:
@@ -91,7 +100,7 @@ def decode_body(body: bytes) -> Any:
     except RecursionError:
         raise invalid(None, f"the request body nests arrays or objects deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as err:
-        raise APIError(422, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+        raise APIError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
     check_json(data)
     return data
 
@@ -133,8 +142,10 @@ def parse(model: type[BaseModel], data: Any) -> BaseModel:
         message = first["msg"]
         if unknown:
             name = str(first["loc"][-1])
-            message = ("not supported by this server" if name in set().union(*OPENAI_UNSUPPORTED.values())
-                       else "unknown parameter")
+            message = "unknown parameter"
+            if name in set().union(*OPENAI_UNSUPPORTED.values()):
+                accepted = ", ".join(json.dumps(v) for v in (None, *OPENAI_NO_OP.get(name, ())))
+                message = f"not supported by this server (accepted: {accepted})"
         raise invalid(param, f"{param}: {message}") from None
 
 
@@ -159,7 +170,7 @@ def _field_names() -> set[str]:
 class _Strict(BaseModel):
     """Unknown fields are refused; ``null`` for an optional field means "not set" (its default)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)  # "3" is not 3, true not 1
     unsupported_fields: ClassVar[frozenset[str]] = frozenset()  # OpenAI's, not implemented: null accepted
 
     @model_validator(mode="before")
@@ -169,7 +180,13 @@ class _Strict(BaseModel):
             return data
         optional = {name for name, f in cls.model_fields.items() if not f.is_required()}
         unset = optional | cls.unsupported_fields
-        return {k: v for k, v in data.items() if not (v is None and k in unset)}
+        return {k: v for k, v in data.items()
+                if not ((v is None and k in unset) or (k in cls.unsupported_fields and _no_op(k, v)))}
+
+
+def _no_op(name: str, value: Any) -> bool:
+    """``value`` asks field ``name`` for what this server does anyway (``False`` is not ``0``)."""
+    return any(type(value) is type(x) and value == x for x in OPENAI_NO_OP.get(name, ()))
 
 
 class StreamOptions(_Strict):
@@ -179,7 +196,7 @@ class StreamOptions(_Strict):
 class JSONSchemaFormat(_Strict):
     """``response_format.json_schema``: OpenAI's named schema (``strict`` is always how it is enforced)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, populate_by_name=True)
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")
@@ -194,7 +211,7 @@ class ResponseFormat(_Strict):
 class StructuredOutputsRequest(_Strict):
     """vLLM's ``structured_outputs``: one of its constraint fields."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, populate_by_name=True)
     json_: dict | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
@@ -256,8 +273,8 @@ class _GenerationRequest(_Strict):
             if (getattr(self, name) or 0) > limits.max_n:
                 raise invalid(name, f"{name} must be at most {limits.max_n} on this server, got {getattr(self, name)}")
         if self.max_tokens is not None and self.max_tokens > limits.max_tokens:
-            raise invalid("max_tokens", f"max_tokens must be at most {limits.max_tokens} on this server, "
-                                        f"got {self.max_tokens}")
+            name = self.max_tokens_param
+            raise invalid(name, f"{name} must be at most {limits.max_tokens} on this server, got {self.max_tokens}")
         self._check_logit_bias(limits)
         self._constraint, self._constraint_param = self._requested_constraint()
         if self.stream_options is not None and not self.stream:
@@ -269,6 +286,11 @@ class _GenerationRequest(_Strict):
             self._check_beam_search()
         elif self.best_of is not None and self.best_of != self.n:
             raise invalid("best_of", "best_of other than n needs use_beam_search (sampled best_of is not built)")
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The field that set ``max_tokens`` (what a 400 about it names)."""
+        return "max_tokens"
 
     @property
     def constraint_field(self) -> str | None:
@@ -370,7 +392,8 @@ class _GenerationRequest(_Strict):
             field = str(err).split(" ", 1)[0].removeprefix("SamplingParams.")
             if field == "structured_outputs":
                 field = self._constraint_param or field
-            raise invalid(_API_NAME.get(field, field), str(err).replace("SamplingParams.", "")) from None
+            name = self.max_tokens_param if field == "max_new_tokens" else _API_NAME.get(field, field)
+            raise invalid(name, str(err).replace("SamplingParams.", "")) from None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -435,14 +458,14 @@ class ChatMessage(_Strict):
     def template_entry(self) -> dict[str, Any]:
         """What the chat template sees: OpenAI's ``developer`` role is its ``system`` role (templates
         know only the latter); a call's arguments as an object (what templates render, as vLLM
-        gives them)."""
+        gives them) when they are one, else their text."""
         entry: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
         if self.tool_call_id is not None:
             entry["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             entry["tool_calls"] = [{"id": call.id, "type": "function",
                                     "function": {"name": call.function.name,
-                                                 "arguments": json.loads(call.function.arguments)}}
+                                                 "arguments": _arguments_value(call.function.arguments)}}
                                    for call in self.tool_calls]
         return entry
 
@@ -450,6 +473,14 @@ class ChatMessage(_Strict):
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+def _arguments_value(text: str) -> dict | str:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -464,14 +495,19 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=16)  # tags for stored replies: none are stored
     _tools: list[tool_calling.Tool] = PrivateAttr(default_factory=list)  # set by check()
     _tool_mode: Any = PrivateAttr("none")
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
     def check(self, limits: Limits) -> None:
-        if self.max_tokens is None:
+        if self.max_completion_tokens is not None:  # OpenAI's current name wins over the deprecated one (as vLLM)
             self.max_tokens = self.max_completion_tokens
         super().check(limits)
         if self.top_logprobs is not None and not self.logprobs:
@@ -496,17 +532,11 @@ class ChatCompletionRequest(_GenerationRequest):
                                                   "(use_beam_search)")
 
     def _check_messages(self) -> None:
-        """Tool calls sent back carry JSON object arguments; a tool message names the call it answers."""
+        """Only assistant messages carry tool calls; a tool message names the call it answers. A
+        call's ``arguments`` may be any text (as OpenAI: a reply cut by ``max_tokens`` sent back)."""
         for i, message in enumerate(self.messages):
-            for j, call in enumerate(message.tool_calls or []):
-                where = f"messages[{i}].tool_calls[{j}].function.arguments"
-                if message.role != "assistant":
-                    raise invalid(f"messages[{i}].tool_calls", "only assistant messages carry tool_calls")
-                try:
-                    if not isinstance(json.loads(call.function.arguments), dict):
-                        raise ValueError("not an object")
-                except ValueError:
-                    raise invalid(where, f"{where} must be a JSON object") from None
+            if message.tool_calls and message.role != "assistant":
+                raise invalid(f"messages[{i}].tool_calls", "only assistant messages carry tool_calls")
             if message.role == "tool" and not message.tool_call_id:
                 raise invalid(f"messages[{i}].tool_call_id", f"messages[{i}] (role tool) needs the tool_call_id of "
                                                              "the call it answers")
@@ -525,17 +555,18 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, limits: Limits,
-                       prompt_param: str) -> int:
+                       prompt_param: str, max_tokens_param: str = "max_tokens") -> int:
     """The request's ``max_tokens``, checked against the model's positions and the KV budget.
-    ``default=None``: as many as fit (chat's default)."""
+    ``default=None``: as many as fit (chat's default). Too long is OpenAI's ``context_length_exceeded``
+    (what clients test for to trim a conversation), whichever of the two limits it is."""
     room = [x - prompt_len for x in (limits.context, limits.kv_tokens) if x is not None]
     where = "the model's context" if limits.context is not None and room and room[0] == min(room) else "the KV cache"
     if room and min(room) < 1:
-        raise invalid(prompt_param, f"the prompt ({prompt_len} tokens) leaves no room in {where} "
-                                    f"({prompt_len + min(room)} tokens)")
+        raise APIError(400, f"the prompt ({prompt_len} tokens) leaves no room in {where} "
+                            f"({prompt_len + min(room)} tokens)", param=prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
     if requested is None:
         requested = default if default is not None else min([limits.max_tokens, *room])
     if room and requested > min(room):
-        raise invalid("max_tokens", f"{prompt_len} prompt tokens plus max_tokens={requested} exceed {where} "
-                                    f"({prompt_len + min(room)} tokens)")
+        raise APIError(400, f"{prompt_len} prompt tokens plus {max_tokens_param}={requested} exceed {where} "
+                            f"({prompt_len + min(room)} tokens)", param=max_tokens_param, code=CONTEXT_LENGTH_EXCEEDED)
     return requested
