@@ -15,12 +15,14 @@ import threading
 import httpx
 import openai
 import pytest
+from transformers import PreTrainedTokenizerFast
 
 from hf_paged import LLMEngine, SamplingParams
 from hf_paged.__main__ import main
 from hf_paged.demo import byte_tokenizer
 from hf_paged.engine.outputs import CompletionOutput
 from hf_paged.serve.detokenize import IncrementalDetokenizer, TextStream
+from hf_paged.serve.responses import TokenText
 from hf_paged.serve.server import exposure_warning
 from tests.helpers.serving import (ENGINE_PLACES, MODEL, NUM_BLOCKS, assert_all_free, client, engine,  # noqa: F401
                                    fail_next_step, free_port, mend_forwards, serving, single_threaded_torch,
@@ -196,7 +198,11 @@ def test_logprobs(client, engine):
     content = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
                                              logprobs=True, top_logprobs=2).choices[0].logprobs.content
     assert [e.logprob for e in content] == pytest.approx([e[t] for e, t in zip(ref.logprobs, ref.token_ids)], abs=1e-5)
-    assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in content)
+    assert all(len(e.top_logprobs) == 2 for e in content)
+    # a byte per token (a random model's are often parts of characters), none for special ones
+    assert [len(e.bytes) for e in content] == [0 if t in TOKENIZER.all_special_ids else 1 for t in ref.token_ids]
+    assert bytes(b for e in content for b in e.bytes).decode(errors="replace") == \
+        TOKENIZER.decode(ref.token_ids, skip_special_tokens=True)
 
 
 def test_echo(client):
@@ -492,6 +498,23 @@ def test_the_detokenizer_agrees_with_decoding_the_whole_on_invalid_bytes(chunk):
         detokenizer = IncrementalDetokenizer(TOKENIZER)
         text = "".join(detokenizer.push(ids[i:i + chunk], final=i + chunk >= len(ids)) for i in range(0, 16, chunk))
         assert text == TOKENIZER.decode(ids, skip_special_tokens=True), ids
+
+
+def test_token_bytes_come_from_the_vocabulary():
+    """Chat logprobs' ``bytes``: byte-level BPE (the demo's), SentencePiece byte fallback and word
+    starts; a special token has none."""
+    from tokenizers import Tokenizer, decoders, models
+
+    text_of = TokenText(TOKENIZER)
+    ids = TOKENIZER("é x", add_special_tokens=False).input_ids
+    assert [text_of.bytes_of(t) for t in ids] == [b"\xc3", b"\xa9", b" ", b"x"] and text_of(ids[0]) == "\ufffd"
+    assert text_of.bytes_of(TOKENIZER.eos_token_id) == b""
+    vocab = {"<unk>": 0, "</s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}, "\u2581hi": 258, "x": 259}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    core.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                      decoders.Strip(" ", 1, 0)])
+    sentencepiece = TokenText(PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", unk_token="<unk>"))
+    assert [sentencepiece.bytes_of(t) for t in (2 + 0xC3, 2 + 0xA9, 258, 259, 1)] == [b"\xc3", b"\xa9", b" hi", b"x", b""]
 
 
 def test_a_text_stream_never_sends_what_a_stop_string_cuts():

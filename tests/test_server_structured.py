@@ -133,6 +133,27 @@ def test_logit_bias_forces_a_token(client):
     assert chat.choices[0].model_extra["token_ids"] == [80] * 5
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_a_non_ascii_reply_give_its_bytes_and_offsets(client, stream):
+    """Each byte of "é€" is a token of its own (U+FFFD alone): chat's ``bytes`` are the token's own
+    (once U+FFFD's three bytes each), so they join to the reply; completions' ``text_offset`` puts
+    each at its character's start (once one character per byte token); </s> adds nothing."""
+    regex = {"structured_outputs": {"regex": "é€x"}}
+    args = dict(model=MODEL, max_tokens=10, temperature=0, extra_body=regex, stream=stream)
+    reply = client.chat.completions.create(messages=USER, logprobs=True, **args)
+    chunks = list(reply) if stream else [reply]
+    content = "".join((c.choices[0].delta if stream else c.choices[0].message).content or "" for c in chunks)
+    entries = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert content == "é€x" and len(entries) == 7  # 2 + 3 + 1 bytes, then </s>
+    assert bytes(b for e in entries for b in e.bytes).decode() == content and entries[-1].bytes == []
+    assert entries[0].token == "\ufffd" and entries[5].bytes == list(b"x")
+    done = client.completions.create(prompt="Hi", logprobs=1, **args)
+    chunks = list(done) if stream else [done]
+    assert "".join(c.choices[0].text for c in chunks) == "é€x"
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == [0, 0, 1, 1, 1, 2, 3]
+
+
 # ---------------------------------------------------------------------------- tools
 def check_call(call, tools=TOOLS):
     tool = next(t for t in tools if t["function"]["name"] == call.function.name)

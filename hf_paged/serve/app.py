@@ -437,26 +437,27 @@ class _OpenAIServing:
                     finish = "tool_calls" if found and finish == "stop" else finish
                 choices.append(responses.choice(
                     job.kind, i * job.n + c.index, text, finish,
-                    self._logprobs(job, c.token_ids, c.logprobs), c.token_ids if req.return_token_ids else None,
+                    self._logprobs(job, c.token_ids, c.logprobs, responses.TextOffsets()),
+                    c.token_ids if req.return_token_ids else None,
                     tool_calls=calls))
         choices.sort(key=lambda ch: ch["index"])
         return responses.envelope(job.kind, job.response_id, self.settings.model_name, choices,
                                   responses.usage(outputs))
 
-    def _logprobs(self, job: _Job, token_ids: list[int], logprobs, offset: int = 0) -> dict | None:
+    def _logprobs(self, job: _Job, token_ids: list[int], logprobs, offsets: responses.TextOffsets) -> dict | None:
         k = job.request.num_logprobs()
         if k is None or logprobs is None:
             return None
         if job.kind == "chat":
             return responses.chat_logprobs(self.token_text, token_ids, logprobs, k)
-        return responses.completion_logprobs(self.token_text, token_ids, logprobs, k, offset)
+        return responses.completion_logprobs(self.token_text, token_ids, logprobs, k, offsets)
 
     # ------------------------------------------------------------------ streaming
     async def _events(self, job: _Job, watcher: asyncio.Task) -> AsyncIterator[str]:
         """SSE chunks, ``[DONE]`` last; the requests are aborted if the stream stops early."""
         req, created = job.request, int(time.time())
         texts: dict[int, TextStream] = {}
-        offsets: dict[int, int] = {}
+        offsets: dict[int, responses.TextOffsets] = {}
         finals: dict[int, RequestOutput] = {}
         try:
             async for i, out in job.stream:
@@ -482,7 +483,7 @@ class _OpenAIServing:
             job.stream.abort()
         yield responses.sse("[DONE]")
 
-    def _chunk(self, job: _Job, index: int, c, texts: dict[int, TextStream], offsets: dict[int, int],
+    def _chunk(self, job: _Job, index: int, c, texts: dict[int, TextStream], offsets: dict[int, responses.TextOffsets],
                prompt_index: int) -> dict | None:
         """The stream chunk for one completion's latest state (None: nothing new to send)."""
         first = index not in texts
@@ -499,12 +500,12 @@ class _OpenAIServing:
             delta, found = parser.feed(delta, final=text_stream.finished)
             calls = [d.body() for d in found]
             finish = "tool_calls" if finish == "stop" and parser.calls else finish
-        if first and job.prompt_texts:
-            delta = job.prompt_texts[prompt_index] + delta
+        if first:
+            offsets[index] = responses.TextOffsets()
+            if job.prompt_texts:
+                delta = job.prompt_texts[prompt_index] + delta
         logprobs = self._logprobs(job, new_ids, c.logprobs[start: start + len(new_ids)] if c.logprobs else None,
-                                  offsets.get(index, 0))
-        if logprobs and job.kind == "completion":
-            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+                                  offsets[index])
         wants_tokens = bool(new_ids) and (logprobs is not None or job.request.return_token_ids)
         if not (delta or calls or text_stream.finished or wants_tokens or (first and job.kind == "chat")):
             return None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import codecs
 import json
+import re
 import time
 from typing import Any
 
@@ -13,10 +15,21 @@ CHUNK_OBJECT = {"completion": "text_completion", "chat": "chat.completion.chunk"
 
 
 class TokenText:
-    """Each token's own text, as logprobs show it (decoded once per id)."""
+    """Each token's own text and bytes, as logprobs show them (found once per id).
+
+    A token's text is its id decoded alone: a byte of a multi-byte character then reads U+FFFD, so
+    its ``bytes`` are the token's own (what chat's ``bytes`` field is for: joined, they give the
+    text back). They are read from the vocabulary where it says them: a byte-level BPE's
+    (GPT-2's alphabet: Llama 3, Qwen, the demo's), SentencePiece's ``<0xNN>`` byte fallback and
+    its ``▁`` word starts (a space); otherwise the text's UTF-8. Special tokens have no bytes: the
+    text skips them.
+    """
 
     def __init__(self, tokenizer: Any):
-        self._tokenizer, self._cache = tokenizer, {}
+        self._tokenizer, self._cache, self._bytes = tokenizer, {}, {}
+        self._special = set(getattr(tokenizer, "all_special_ids", ()))
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = type(decoder).__name__ == "ByteLevel"
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -24,21 +37,65 @@ class TokenText:
             text = self._cache[token_id] = self._tokenizer.decode([token_id])
         return text
 
+    def bytes_of(self, token_id: int) -> bytes:
+        found = self._bytes.get(token_id)
+        if found is None:
+            found = self._bytes[token_id] = self._find_bytes(token_id)
+        return found
+
+    def _find_bytes(self, token_id: int) -> bytes:
+        if token_id in self._special:
+            return b""
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if self._byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+                return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+            fallback = _BYTE_FALLBACK.fullmatch(piece)
+            if fallback:
+                return bytes([int(fallback.group(1), 16)])
+            if "\u2581" in piece:  # SentencePiece's word start: a space (decoding alone may strip it)
+                return piece.replace("\u2581", " ").encode("utf-8")
+        return self(token_id).encode("utf-8")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for themselves,
+    the others (control characters, space, ...) for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(shifted)}}
+
+
+_UNICODE_TO_BYTE = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TextOffsets:
+    """Completions' ``text_offset``: where each token starts in the text, in characters. A token
+    inside a multi-byte character starts where that character does; tokens the text skips
+    (special ones) add nothing. Kept across a stream's chunks."""
+
+    def __init__(self):
+        self.chars = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, data: bytes) -> int:
+        """The offset of a token of these bytes (then counts them)."""
+        offset = self.chars
+        self.chars += len(self._decoder.decode(data))
+        return offset
+
 
 def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda item: -item[1])[:k]
 
 
 def completion_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list[dict[int, float]], k: int,
-                        offset: int = 0) -> dict:
+                        offsets: TextOffsets) -> dict:
     """Completions' format: parallel lists of tokens, their log-probs, top-``k`` and text offsets."""
-    tokens = [text_of(t) for t in token_ids]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
-    return {"tokens": tokens, "token_logprobs": [lp[t] for lp, t in zip(logprobs, token_ids)],
-            "top_logprobs": [_by_text(text_of, _top(lp, k)) for lp in logprobs], "text_offset": offsets}
+    return {"tokens": [text_of(t) for t in token_ids], "token_logprobs": [lp[t] for lp, t in zip(logprobs, token_ids)],
+            "top_logprobs": [_by_text(text_of, _top(lp, k)) for lp in logprobs],
+            "text_offset": [offsets.advance(text_of.bytes_of(t)) for t in token_ids]}
 
 
 def _by_text(text_of: TokenText, top: list[tuple[int, float]]) -> dict[str, float]:
@@ -51,10 +108,9 @@ def _by_text(text_of: TokenText, top: list[tuple[int, float]]) -> dict[str, floa
 
 
 def chat_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list[dict[int, float]], k: int) -> dict:
-    """Chat's format: one entry per token, with its UTF-8 bytes and its top-``k`` alternatives."""
+    """Chat's format: one entry per token, with its bytes and its top-``k`` alternatives."""
     def entry(token_id: int, value: float) -> dict:
-        text = text_of(token_id)
-        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+        return {"token": text_of(token_id), "logprob": value, "bytes": list(text_of.bytes_of(token_id))}
 
     return {"content": [{**entry(t, lp[t]), "top_logprobs": [entry(i, v) for i, v in _top(lp, k)]}
                         for lp, t in zip(logprobs, token_ids)]}
