@@ -130,6 +130,8 @@ def test_a_dead_engine_process_ends_the_requests_in_flight_and_health_says_503()
         late = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
         assert late.status_code == 503 and late.json()["error"]["code"] == "engine_unhealthy", late.text
         assert loop.in_flight == 0
+        metrics = httpx.get(server.url + "/metrics")  # the scrape that matters most (once a 500)
+        assert metrics.status_code == 200 and "\nhf_paged_engine_healthy 0\n" in metrics.text, metrics.text[:300]
 
 
 def test_an_engine_that_fails_to_build_is_reported_with_its_cause():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import re
 import signal
@@ -235,6 +236,28 @@ def test_max_completion_tokens_wins_and_too_long_is_context_length_exceeded(serv
     assert (near["param"], near["code"]) == ("max_completion_tokens", "context_length_exceeded"), near
     long = post(server, COMPLETIONS, completion(prompt="x" * 5000)).json()["error"]
     assert (long["param"], long["code"]) == ("prompt", "context_length_exceeded"), long
+
+
+def test_a_client_that_leaves_mid_body_is_no_server_error(server):
+    """Once logged as an unhandled error with two tracebacks (any client could fill the log)."""
+    errors = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append
+    loggers = [logging.getLogger(name) for name in ("hf_paged.serve", "uvicorn.error")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"model\":")
+            time.sleep(0.2)
+        time.sleep(0.5)
+        assert greedy_tokens(server)  # still serving
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+    assert not errors, [record.getMessage() for record in errors]
 
 
 def test_chat_roles_are_validated(server):

@@ -32,6 +32,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from hf_paged.constraints.compiler import ConstraintError, too_slow
 from hf_paged.engine.llm_engine import LLMEngine
@@ -164,6 +165,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
         return await api_error(_, invalid(None, str(err.errors()[0].get("msg"))))
 
+    async def client_left(_: Request, err: ClientDisconnect) -> Response:
+        logger.info("a client left before sending its whole request body")
+        return Response(status_code=499)  # nobody reads it
+
     async def internal_error(_: Request, err: Exception) -> JSONResponse:
         logger.exception("unhandled error")
         return JSONResponse(APIError(500, "internal server error").body(), status_code=500)
@@ -171,6 +176,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(ClientDisconnect, client_left)  # not a server error: no traceback
     app.add_exception_handler(Exception, internal_error)
 
 
@@ -268,10 +274,12 @@ class _OpenAIServing:
         return JSONResponse({"status": problem.code, "message": problem.message}, status_code=503)
 
     async def metrics(self) -> Response:
+        """Always a scrape: an engine that cannot answer (dead, or stuck for 10 s) is
+        ``engine_healthy 0`` beside the server's own series, which is when a scrape matters most."""
         try:
             stats = await asyncio.wait_for(asyncio.wrap_future(self.loop.call(LLMEngine.stats)), timeout=10)
-        except asyncio.TimeoutError:
-            raise APIError(503, "the engine loop did not answer") from None
+        except (asyncio.TimeoutError, EngineFailure):
+            stats = {"healthy": False}
         return PlainTextResponse(self.loop.metrics.render(stats), media_type="text/plain; version=0.0.4")
 
     async def reset_prefix_cache(self) -> Response:
