@@ -36,6 +36,7 @@ attentions or hidden states compute every copy, as stock does, so those outputs 
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +64,7 @@ class _Options:
     kernel_route_problem: object = None  # why the kernels never read this model (None: they may, where Triton runs)
     prefix: PrefixCache | None = None  # with prefix_caching=True
     hooks: list = field(default_factory=list)
-    calls: list = field(default_factory=list)  # paged forwards in flight (what each must undo)
+    calls: dict[int, _PagedForward] = field(default_factory=dict)  # by thread: its paged forward in flight
 
 
 def enable(model: PreTrainedModel, block_size: int = 16, num_blocks: int | None = None,
@@ -185,6 +186,7 @@ GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
 @dataclass
 class _PagedForward:
     saved: list | None  # the attention implementations to restore (kernel route and engine steps)
+    cache: StashingCache
     copies: int = 1  # > 1: the distinct prompts run once, forked to this many copies after
     lm_head_hook: Any = None
 
@@ -203,7 +205,16 @@ def _uses_kernels(model: PreTrainedModel, kwargs: dict) -> bool:
 def _before_forward(model: PreTrainedModel, args: tuple, kwargs: dict):
     """Open a paged forward: a ``PagedKVCache`` on the reference route needs nothing switched (its
     ``update`` returns dense K/V to the model's own attention); the kernel route and engine steps
-    run the ``"hf_paged"`` attention implementation for this forward."""
+    run the ``"hf_paged"`` attention implementation for this forward.
+
+    Every forward first closes what an interrupted one left open in its thread (a forward never
+    runs inside another of the same model): torch runs ``always_call`` hooks when a forward raises
+    an ``Exception``, not on Ctrl-C (``KeyboardInterrupt``), which would leave the LM head
+    repeating rows for every later call, stock ones too."""
+    options = getattr(model, _OPTIONS_ATTR)
+    abandoned = options.calls.pop(threading.get_ident(), None)
+    if abandoned is not None:
+        _close(abandoned, output=None)
     cache = _paged_cache(kwargs)
     if cache is None:
         return None
@@ -212,29 +223,35 @@ def _before_forward(model: PreTrainedModel, args: tuple, kwargs: dict):
     inputs = distinct or kwargs
     if paged_cache and not args:  # a prefix cache: skip the columns every row has cached (first forward)
         inputs = skip_cached_prefix(model, cache, inputs) or inputs
-    problem = getattr(model, _OPTIONS_ATTR).kernel_route_problem
+    problem = options.kernel_route_problem
     use_kernels = not paged_cache or (problem is None and cache.kernel_route_problem is None
                                       and _uses_kernels(model, kwargs))
-    call = _PagedForward(attention.begin_paged_call(model) if use_kernels else None)
-    getattr(model, _OPTIONS_ATTR).calls.append(call)
+    call = _PagedForward(attention.begin_paged_call(model) if use_kernels else None, cache)
+    options.calls[threading.get_ident()] = call
     if paged_cache:
         cache.stock_layout = problem is not None and not problem.reads_latent  # see PagedKVCache.begin_forward
         cache.begin_forward(inputs.get("attention_mask"), use_kernels, inputs.get("input_ids"))
     if distinct is None:
         return None if inputs is kwargs else (args, inputs)
-    call.copies = cache.prompt_copies
-    copies = call.copies
-    call.lm_head_hook = model.get_output_embeddings().register_forward_pre_hook(
-        lambda module, inputs: (inputs[0].repeat_interleave(copies, 0), *inputs[1:]))
+    call.copies = copies = cache.prompt_copies
+    owner = threading.get_ident()
+
+    def repeat_rows(module, inputs):  # this thread's forward only (another may use the model meanwhile)
+        return (inputs[0].repeat_interleave(copies, 0), *inputs[1:]) if threading.get_ident() == owner else None
+
+    call.lm_head_hook = model.get_output_embeddings().register_forward_pre_hook(repeat_rows)
     return args, inputs
 
 
 def _after_forward(model: PreTrainedModel, args: tuple, kwargs: dict, output):
-    cache = _paged_cache(kwargs)
     options = getattr(model, _OPTIONS_ATTR, None)
-    if cache is None or options is None or not options.calls:
-        return None
-    call = options.calls.pop()
+    call = options.calls.pop(threading.get_ident(), None) if options is not None else None
+    return None if call is None else _close(call, output)
+
+
+def _close(call: _PagedForward, output):
+    """Undo what the forward's opening did; ``output`` None: the forward raised."""
+    cache = call.cache
     if call.saved is not None:
         attention.end_paged_call(call.saved)
     if isinstance(cache, PagedKVCache):
@@ -244,7 +261,7 @@ def _after_forward(model: PreTrainedModel, args: tuple, kwargs: dict, output):
         return None
     call.lm_head_hook.remove()
     cache.prompt_copies = 1
-    if output is None:  # the forward raised
+    if output is None:
         return None
     cache.batch_repeat_interleave(call.copies)
     rows = cache.batch_size // call.copies

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 
 import pytest
 import torch
@@ -361,6 +362,51 @@ def test_scores_match_stock_when_prompts_are_shared(mode):
     expected, got = _outcome(stock, **call), _outcome(model, **call, cache_implementation="hf_paged")
     assert _same(got.scores, expected.scores) and _same(got.logits, expected.logits)
     assert torch.equal(got.sequences, expected.sequences)
+
+
+def test_a_call_interrupted_by_ctrl_c_leaves_the_model_as_stock():
+    """torch runs always_call hooks for an Exception, not a KeyboardInterrupt: the shared-prompt
+    prefill's LM-head hook once stayed, and every later call (stock ones too) repeated rows."""
+    stock, model = _stock_and_enabled()
+    ids, mask = left_padded([12])
+
+    def ctrl_c(*_):
+        raise KeyboardInterrupt
+
+    handle = model.model.layers[1].register_forward_hook(ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=2,
+                       cache_implementation="hf_paged")
+    handle.remove()
+    assert torch.equal(model(ids, attention_mask=mask).logits, stock(ids, attention_mask=mask).logits)
+    for flag in ({}, {"cache_implementation": "hf_paged"}):
+        call = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=2)
+        assert torch.equal(model.generate(**call, **flag), stock.generate(**call)), flag
+
+
+def test_threads_generating_on_one_enabled_model_each_get_stock_tokens():
+    """A paged forward's state is its thread's: another thread's forward (a shared-prompt prefill's
+    LM-head hook running meanwhile) is untouched, as two threads on one stock model are."""
+    stock, model = _stock_and_enabled()
+    calls = [dict(zip(("input_ids", "attention_mask"), left_padded(lengths)), max_new_tokens=5, **mode)
+             for lengths, mode in [([14, 6], dict(num_beams=3)), ([9], dict()), ([20, 3], dict(num_beams=2))]]
+    expected = [stock.generate(**call) for call in calls]
+    results, errors = {}, []
+
+    def worker(i: int) -> None:
+        try:
+            for round_ in range(4):
+                results[i, round_] = model.generate(**calls[i], cache_implementation="hf_paged")
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors
+    assert all(torch.equal(results[i, r], expected[i]) for i in range(len(calls)) for r in range(4))
 
 
 @pytest.mark.parametrize("assistant", ["itself", "stock assistant", "enabled assistant", "prompt lookup"])
