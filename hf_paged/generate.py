@@ -115,7 +115,7 @@ def prefix_cache(model: PreTrainedModel) -> PrefixCache:
     if options is None or options.prefix is None:
         raise ValueError(f"{type(model).__name__} has no prefix cache: call "
                          "hf_paged.enable(model, prefix_caching=True) first")
-    return options.prefix
+    return options.prefix.bind(model)
 
 
 def disable(model: PreTrainedModel) -> PreTrainedModel:
@@ -166,7 +166,7 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
         return None
     if cache is None:
         options = getattr(self, _OPTIONS_ATTR)
-        cache = model_kwargs[name] = (options.prefix.new_cache() if options.prefix is not None
+        cache = model_kwargs[name] = (options.prefix.bind(self).new_cache() if options.prefix is not None
                                       else PagedKVCache(self.config, options.block_size, options.num_blocks))
     _note_prompt_copies(cache, generation_config)
     return None

@@ -43,9 +43,21 @@ class PrefixCache:
     """
 
     def __init__(self, model: PreTrainedModel, block_size: int, num_blocks: int | None):
-        self.pool = KVPool.for_config(model.config, block_size, num_blocks, prefix_caching=True)
         self.block_size, self.num_blocks = block_size, num_blocks
-        self._model = weakref.ref(model)
+        self._model = None
+        self.bind(model)
+
+    def bind(self, model: PreTrainedModel) -> PrefixCache:
+        """Serve ``model``, starting an empty pool when its weights are not those the cached K/V came
+        from (``load_state_dict``, an optimizer step, ``.to(dtype or device)``, a deepcopy's own
+        tensors): reused stale K/V would silently give other tokens than stock. What is checked
+        is each parameter's storage, dtype and in-place write count (``Tensor._version``); a write
+        through ``.data`` escapes the count: ``clear()`` after one."""
+        version = weights_version(model)
+        if self._model is None or self._model() is not model or version != self._weights:
+            self.pool = KVPool.for_config(model.config, self.block_size, self.num_blocks, prefix_caching=True)
+            self._model, self._weights = weakref.ref(model), version
+        return self
 
     @property
     def index(self):
@@ -87,6 +99,11 @@ class PrefixCache:
     def check_invariants(self) -> None:
         """Raise AssertionError if the block books are inconsistent (used by tests)."""
         self.pool.blocks.check_invariants()
+
+
+def weights_version(model: PreTrainedModel) -> tuple:
+    """What changes when a model's weights do: each parameter's storage, dtype and write count."""
+    return tuple((p.data_ptr(), p.dtype, p._version) for p in model.parameters())
 
 
 def skip_cached_prefix(model: PreTrainedModel, cache: PagedKVCache, kwargs: dict) -> dict | None:

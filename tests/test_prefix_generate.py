@@ -230,6 +230,44 @@ def test_stats_clear_and_options():
         hf_paged.enable(model, prefix_caching="yes")
 
 
+def _scale_weights(model, factor: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(factor)  # in place, as an optimizer step
+
+
+@pytest.mark.parametrize("change", ["load_state_dict", "in place", "to float64", "deepcopy, then in place"])
+def test_cached_k_v_of_other_weights_are_never_reused(change):
+    """Once the weights change the cached K/V are stale: the next call starts an empty pool (it once
+    adopted them and gave other tokens from the first one; after ``.to(float64)`` it crashed)."""
+    stock, model = pair("llama", num_blocks=64)
+    rows = [tokens(40, 1) + tokens(5, 2)]
+    both(stock, model, rows)
+    if change == "load_state_dict":
+        new_weights = build("llama", seed=7).state_dict()
+        stock.load_state_dict(new_weights)
+        model.load_state_dict(new_weights)
+    elif change == "in place":
+        _scale_weights(stock, 1.5)
+        _scale_weights(model, 1.5)
+    elif change == "to float64":
+        stock.to(torch.float64)
+        model.to(torch.float64)
+    else:
+        model = copy.deepcopy(model)
+        _scale_weights(stock, 1.5)
+        _scale_weights(model, 1.5)
+    counted = Counted(model)
+    want, got, out = both(stock, model, rows)
+    assert torch.equal(want, got) and out.past_key_values.stats()["prefix_hit_tokens"] == 0
+    assert counted.take()[0] == 45  # computed whole
+    del out
+    want, got, out = both(stock, model, rows)  # the new weights' K/V are cached as usual
+    assert torch.equal(want, got) and out.past_key_values.stats()["prefix_hit_tokens"] == 40
+    del out
+    check_books(model)
+
+
 def test_outputs_that_cover_every_position_compute_every_position():
     stock, model = pair("llama")
     rows = [tokens(40, 1) + tokens(3, 2)]
