@@ -26,11 +26,13 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import PretrainedConfig
 
 from hf_paged import state_layers
 from hf_paged.block_manager import HOLE, BlockManager
-from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, StashingCache
+from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, PagedLayerView, StashingCache
 from hf_paged.kinds import MLAAttentionSpec, SharedKVSpec
 from hf_paged.layer_groups import GroupedBlockManager, LayerGroup, group_of_layers, layer_groups
 from hf_paged.model_info import layer_kinds
@@ -75,6 +77,10 @@ class KVPool:
         _, specs = layer_kinds(config.get_text_config(decoder=True))
         blocks = GroupedBlockManager(block_size, num_blocks, layer_groups(specs))
         return cls(blocks, PagedKVStorage(block_size), PrefixIndex(blocks) if prefix_caching else None)
+
+
+# transformers 5.18 on refuses ``crop(n)`` with n > 0 (before, it kept ``n`` columns, deprecated)
+STOCK_REFUSES_POSITIVE_CROP = Version(transformers.__version__) >= Version("5.18.0.dev0")
 
 
 def heads_view(slots: torch.Tensor, start: int, rows: int, length: int) -> torch.Tensor:
@@ -169,6 +175,9 @@ class PagedKVCache(StashingCache):
         self._forward: tuple | None = None  # (padding mask, kernels?, token ids) of the forward running now
         self.prompt_copies = 1  # set by generate(): rows of the first forward are this many copies
         self.stock_layout = False  # set by generate() for models only the reference route serves (see begin_forward)
+        # Set by generate() for attention that multiplies K/V as given (eager): K/V are returned
+        # contiguous, as DynamicCache's torch.cat makes them (matmul rounds by layout; SDPA does not).
+        self.contiguous_kv = False
 
     def _join(self, pool: KVPool) -> None:
         self._pool, self.blocks, self.storage = pool, pool.blocks, pool.storage
@@ -213,7 +222,7 @@ class PagedKVCache(StashingCache):
         clone._slot_bufs = [buf.clone() for buf in self._slot_bufs]
         clone._has_holes, clone._plan, clone._runs = self._has_holes, None, [None] * len(self.groups)
         clone._forward, clone._read_bufs = None, {}
-        clone.prompt_copies, clone.stock_layout = 1, self.stock_layout
+        clone.prompt_copies, clone.stock_layout, clone.contiguous_kv = 1, self.stock_layout, self.contiguous_kv
         return clone
 
     def __deepcopy__(self, memo) -> PagedKVCache:
@@ -267,9 +276,13 @@ class PagedKVCache(StashingCache):
         state_layers.select_states(self.layers, indices)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop columns at the end: ``crop(-n)`` removes ``n``; ``crop(n)`` with n > 0 keeps ``n``."""
+        """Drop columns at the end: ``crop(-n)`` removes ``n``; ``crop(n)`` with n > 0 keeps ``n``
+        where the installed transformers still does that (before 5.18). Refused as ``DynamicCache``
+        refuses: a positive value where it does, and any crop of a sliding layer that has reached
+        its window unless it records its past (``activate_past_recording``), then a positive one."""
         self.check_no_pending()
         tokens_to_remove = int(tokens_to_remove)  # transformers 5.17 passes a 0-d tensor
+        self._refuse_crop_as_stock(tokens_to_remove)
         state_layers.crop_states(self.layers, tokens_to_remove)  # first: one that refuses leaves all as it was
         keep = self._columns + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, self._columns)
         if tokens_to_remove == 0 or keep == self._columns:
@@ -287,6 +300,22 @@ class PagedKVCache(StashingCache):
         self._columns = keep
         self._layer_columns = [keep] * len(self._layer_columns)
         self.set_metadata(None)
+
+    def _refuse_crop_as_stock(self, tokens_to_remove: int) -> None:
+        """Raise what ``DynamicCache.crop`` would raise, checking the layers in its order."""
+        for layer in self.layers:
+            if not isinstance(layer, PagedLayerView):
+                continue  # a recurrent layer: its own crop refuses (state_layers.crop_states)
+            if layer.is_sliding and self._columns >= layer.sliding_window:
+                if not layer.record_past:
+                    raise RuntimeError(f"crop: layer {layer.layer_idx} has reached its sliding window and keeps no "
+                                       "past; call activate_past_recording() before crop to roll it back")
+                if tokens_to_remove > 0:
+                    raise RuntimeError(f"crop: layer {layer.layer_idx} has reached its sliding window; only a "
+                                       "negative count of tokens to remove can crop it")
+            elif tokens_to_remove > 0 and STOCK_REFUSES_POSITIVE_CROP:
+                raise ValueError(f"crop({tokens_to_remove}): a positive value is not supported by this transformers; "
+                                 "pass the negative count of tokens to remove")
 
     def reset(self) -> None:
         """Free every block of this cache's rows and forget them (the pools stay allocated for reuse)."""
@@ -416,7 +445,9 @@ class PagedKVCache(StashingCache):
             new_valid = new_columns_valid(forward[0], q_len, self._columns + q_len)
         self.commit(layer_idx, key_states, value_states, new_valid)
         keys, values = self.dense_kv(layer_idx, q_len)
-        return (keys.contiguous(), values.contiguous()) if self.stock_layout else (keys, values)
+        if self.stock_layout or self.contiguous_kv:
+            return keys.contiguous(), values.contiguous()
+        return keys, values
 
     def allocates(self, layer_idx: int) -> bool:
         """Whether ``layer_idx`` is the first layer of a forward: the one that allocates (and the

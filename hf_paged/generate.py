@@ -173,9 +173,14 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
 
 
 def _note_prompt_copies(cache, generation_config) -> None:
-    """Tell a fresh paged cache how many copies of each prompt ``generate`` will send."""
+    """Tell a fresh paged cache how many copies of each prompt ``generate`` will send. A call that
+    returns scores or logits computes every copy, as stock does: a forward of fewer rows may round
+    differently in the last bits (matmuls of a few rows, MoE routing, a head's transform before the
+    output embeddings), which tokens practically never show but those outputs would."""
     if isinstance(cache, PagedKVCache) and cache.get_seq_length() == 0:
-        cache.prompt_copies = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        exact = generation_config.output_scores or generation_config.output_logits
+        cache.prompt_copies = 1 if exact else max(generation_config.num_beams or 1,
+                                                  generation_config.num_return_sequences or 1)
 
 
 _accept_flag_in_generation_configs()
@@ -230,6 +235,7 @@ def _before_forward(model: PreTrainedModel, args: tuple, kwargs: dict):
     options.calls[threading.get_ident()] = call
     if paged_cache:
         cache.stock_layout = problem is not None and not problem.reads_latent  # see PagedKVCache.begin_forward
+        cache.contiguous_kv = model.config._attn_implementation != "sdpa"
         cache.begin_forward(inputs.get("attention_mask"), use_kernels, inputs.get("input_ids"))
     if distinct is None:
         return None if inputs is kwargs else (args, inputs)

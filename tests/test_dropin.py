@@ -323,6 +323,30 @@ def test_cache_methods_behave_as_dynamic_cache():
         assert caches["dynamic"].layers[0].keys is None
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_crop_refuses_what_dynamic_cache_refuses(arch):
+    """A positive crop where the installed transformers refuses one; a sliding layer past its window
+    only when it records its past, and then only by a negative count. Mistral's window is 12 here."""
+    stock, model = build(arch), hf_paged.enable(build(arch))
+    ids, mask = left_padded([15])
+
+    def outcome(cache, n: int, record: bool):
+        if record:
+            for layer in cache.layers:
+                if getattr(layer, "is_sliding", False):
+                    layer.activate_past_recording()
+        try:
+            cache.crop(n)
+        except (ValueError, RuntimeError) as err:
+            return type(err)
+        return cache.get_seq_length()
+
+    for n, record in [(10, False), (-2, False), (-2, True), (10, True), (0, False)]:
+        paged = _prompt_cache(model, ids, mask, PagedKVCache(model.config))
+        dynamic = _prompt_cache(stock, ids, mask, DynamicCache(config=stock.config))
+        assert outcome(paged, n, record) == outcome(dynamic, n, record), (n, record)
+
+
 # ---------------------------------------------------------------------- 4. output fidelity
 MODES = {"beam 2": dict(num_beams=2), "beam 3, 2 returned": dict(num_beams=3, num_return_sequences=2),
          "sampling n=3": dict(do_sample=True, num_return_sequences=3), "greedy": dict()}
@@ -352,16 +376,49 @@ def test_scores_logits_attentions_and_hidden_states_match_stock(eager_pairs, arc
         assert _same(getattr(got, field, None), getattr(expected, field, None)), field
 
 
+@pytest.mark.parametrize("config", [
+    transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=300, initializer_range=0.1),
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=4, vocab_size=300, initializer_range=0.1),
+], ids=["gpt2", "llama, as many KV heads as heads"])
+def test_eager_attention_gets_k_v_laid_out_as_dynamic_cache_does(config):
+    """Eager attention multiplies the returned K/V as they are, and matmul rounds by memory layout:
+    they come back contiguous, as DynamicCache's (a strided read once changed the logits' last bits
+    from the padded prefill on, here; SDPA gives the same bits either way)."""
+    torch.manual_seed(0)
+    stock = transformers.AutoModelForCausalLM.from_config(config).eval()
+    stock.set_attn_implementation("eager")
+    model = hf_paged.enable(copy.deepcopy(stock))
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    call = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, output_logits=True,
+                return_dict_in_generate=True)
+    assert _same(model.generate(**call, cache_implementation="hf_paged").logits, stock.generate(**call).logits)
+
+
 @pytest.mark.parametrize("mode", ["beam 2", "sampling n=3"])
-def test_scores_match_stock_when_prompts_are_shared(mode):
-    """Without attentions or hidden states the distinct prompts run once; scores stay bit-identical."""
+def test_distinct_prompts_run_once_unless_scores_are_returned(mode):
+    """The distinct prompts run once (their copies fork the blocks) when only sequences come back;
+    a call returning scores or logits computes every copy, as stock: a forward of fewer rows may
+    round differently in the last bits (a 1-token prompt, MoE routing, a head's own transform)."""
     stock, model = _stock_and_enabled()
-    ids, mask = left_padded([20, 13])
-    call = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, output_scores=True, output_logits=True,
-                return_dict_in_generate=True, **MODES[mode])
-    expected, got = _outcome(stock, **call), _outcome(model, **call, cache_implementation="hf_paged")
-    assert _same(got.scores, expected.scores) and _same(got.logits, expected.logits)
-    assert torch.equal(got.sequences, expected.sequences)
+    first_rows = []
+    model.get_input_embeddings().register_forward_pre_hook(lambda module, args: first_rows.append(args[0].shape[0]))
+    copies = 3 if mode == "sampling n=3" else 2
+    for lengths in ([20, 13], [1]):
+        ids, mask = left_padded(lengths)
+        call = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True,
+                    **MODES[mode])
+        for scored in (False, True):
+            first_rows.clear()
+            scores = dict(output_scores=True, output_logits=True) if scored else {}
+            expected = _outcome(stock, **call, **scores)
+            got = _outcome(model, **call, **scores, cache_implementation="hf_paged")
+            assert torch.equal(got.sequences, expected.sequences)
+            assert first_rows[0] == len(lengths) * (copies if scored else 1)
+            if scored:
+                assert _same(got.scores, expected.scores) and _same(got.logits, expected.logits)
 
 
 def test_a_call_interrupted_by_ctrl_c_leaves_the_model_as_stock():
