@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hf_paged.block_manager import NoFreeBlocksError
+
 if TYPE_CHECKING:
     from hf_paged import LLMEngine
 
@@ -428,18 +430,32 @@ def _byte_tokenizer():
     return byte_tokenizer()
 
 
-def parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+DEFAULT_MAX_NEW_TOKENS = 32
+
+
+def _common_options(defaults: bool, max_new_tokens: bool) -> argparse.ArgumentParser:
+    """The options every command takes, before or after its name. Only the top level has defaults:
+    a subcommand's own default would overwrite what was given before its name."""
+    common = argparse.ArgumentParser(add_help=False, argument_default=None if defaults else argparse.SUPPRESS)
+    given = (lambda value: {"default": value}) if defaults else (lambda value: {})
     common.add_argument("--model", help="local checkpoint directory (default: the built-in demo model)")
     common.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    common.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16")
-    common.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    common.add_argument("--num-blocks", type=int, default=None, help="fixed block budget (default: grow)")
-    common.add_argument("--max-new-tokens", type=int, default=32)
-    top = argparse.ArgumentParser(prog="hf-paged", description=__doc__.split("\n")[0], parents=[common])
+    common.add_argument("--dtype", **given("float32"), help="float32 | float16 | bfloat16 (default: float32)")
+    common.add_argument("--block-size", type=int, **given(16), help="tokens per KV block (default: 16)")
+    common.add_argument("--num-blocks", type=int, help="fixed block budget (default: grow)")
+    if max_new_tokens:
+        common.add_argument("--max-new-tokens", type=int,
+                            help=f"tokens to generate per prompt (demo, generate; default: {DEFAULT_MAX_NEW_TOKENS})")
+    return common
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="hf-paged", description=__doc__.split("\n")[0],
+                                  parents=[_common_options(defaults=True, max_new_tokens=True)])
+    common, generating = _common_options(False, False), _common_options(False, True)
     sub = top.add_subparsers(dest="command")
-    sub.add_parser("demo", parents=[common], help="stock vs paged generate: equality and KV memory")
-    gen = sub.add_parser("generate", parents=[common], help="stream completions of prompts")
+    sub.add_parser("demo", parents=[generating], help="stock vs paged generate: equality and KV memory")
+    gen = sub.add_parser("generate", parents=[generating], help="stream completions of prompts")
     gen.add_argument("prompts", nargs="*")
     gen.add_argument("--file", help="a text file with one prompt per line")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -494,9 +510,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.block_size < 1 or (args.num_blocks is not None and args.num_blocks < 1):
             raise CliError("--block-size and --num-blocks must be positive")
+        if args.max_new_tokens is not None and args.command in ("bench", "serve"):
+            raise CliError(f"--max-new-tokens is for demo and generate; {args.command} does not read it")
+        if args.max_new_tokens is None:
+            args.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
         return {"generate": generate, "bench": bench, "serve": serve}.get(args.command, demo)(args)
     except CliError as err:
         print(f"hf-paged: error: {err}", file=sys.stderr)
+        return 2
+    except NoFreeBlocksError as err:
+        print(f"hf-paged: error: {err}", file=sys.stderr)  # it says what to change
         return 2
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_paged.__main__ import main
+from hf_paged.__main__ import main, parser
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -14,10 +14,13 @@ from hf_paged.__main__ import main
     (["generate"], "no prompts"),
     (["generate", "--file", "/no/such/file"], "--file"),
     (["serve", "--no-engine-process", "--cuda-graphs", "--num-blocks", "64"], "CUDA graphs need a model on a CUDA"),
+    (["--model", "/no/such/dir", "generate", "Hi"], "--model '/no/such/dir'"),  # given before the command
+    (["--max-new-tokens", "3", "serve"], "serve does not read it"),
+    (["generate", "Hi", "--num-blocks", "1"], "out of KV cache blocks"),  # one line, not a traceback
 ])
 def test_bad_arguments_are_reported(argv, message, capsys):
     assert main(argv) == 2
-    err = capsys.readouterr().err
+    err = capsys.readouterr().err.splitlines()[-1]  # after the model line, where one was loaded
     assert err.startswith("hf-paged: error:") and message in err
 
 
@@ -30,3 +33,23 @@ def test_demo_runs_and_finds_equal_tokens(capsys):
 def test_generate_streams(capsys):
     assert main(["generate", "Hello", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("Hello")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "ckpt", "--block-size", "8", "--dtype", "bf16", "serve"],
+    ["serve", "--model", "ckpt", "--block-size", "8", "--dtype", "bf16"],
+    ["--model", "other", "serve", "--model", "ckpt", "--block-size", "8", "--dtype", "bf16"],  # the later wins
+])
+def test_common_options_count_before_or_after_the_command(argv):
+    """A subcommand's own defaults once overwrote what was given before its name (the demo model
+    was served for --model PATH serve)."""
+    args = parser().parse_args(argv)
+    assert (args.model, args.block_size, args.dtype) == ("ckpt", 8, "bf16")
+
+
+def test_max_new_tokens_is_only_for_the_commands_that_generate(capsys):
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "--max-new-tokens", "3"])
+    assert "unrecognized arguments: --max-new-tokens" in capsys.readouterr().err
+    assert parser().parse_args(["--max-new-tokens", "3", "generate", "x"]).max_new_tokens == 3
+    assert parser().parse_args(["generate", "x", "--max-new-tokens", "3"]).max_new_tokens == 3

@@ -318,6 +318,52 @@ def test_a_prompt_longer_than_the_kv_budget_is_refused(model, prompts, reference
     _check_no_leak(engine)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_request_that_outgrows_the_whole_pool_is_refused_while_others_wait(model, prompts, mode):
+    """A 79-token prompt fits 20 blocks of 4 but its 8 new tokens do not: it is refused and the
+    other request served. Swap mode refuses it at once, though another request waits (it once
+    swapped it out for good, admitted nothing behind it and stepped forever); recompute mode
+    first lets the waiting one run, then refuses it alone."""
+    engine = LLMEngine(model, block_size=4, num_blocks=20, preemption_mode=mode)
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    small = prompts[3][:10]
+    alone = engine.generate([small], params, use_tqdm=False)[0].outputs[0].token_ids
+    ids = [engine.add_request(p, params) for p in ([5] * 79, small)]
+    outputs = {}
+    for _ in range(200):
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+        if not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests(), engine.stats()
+    assert "needs more KV blocks than the cache has" in outputs[ids[0]].error
+    assert outputs[ids[1]].outputs[0].token_ids == alone
+    _check_no_leak(engine)
+
+
+def test_seeded_samples_are_the_same_when_preempted_by_recompute(model):
+    """Each sample of a seeded n > 1 request draws from its own generator after the first token: a
+    recompute re-prefills the siblings in other chunks, and with one shared generator they once
+    took its numbers in another order (these four cases changed tokens)."""
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, n=2, seed=7, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    cases = []
+    for _ in range(12):  # prompt sets drawn as when these cases were found
+        lengths = torch.randint(1, 40, (3,), generator=g).tolist()
+        cases.append([torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths])
+
+    def run(chosen, **options):
+        engine = LLMEngine(model, block_size=4, **options)
+        outputs = engine.generate(chosen, params, use_tqdm=False)
+        _check_no_leak(engine)
+        return [[c.token_ids for c in o.outputs] for o in outputs], engine.stats()["preemptions_recompute"]
+
+    for case, num_blocks in [(8, 24), (9, 16), (10, 20), (11, 16)]:
+        ample, _ = run(cases[case], num_blocks=300)
+        tight, preemptions = run(cases[case], num_blocks=num_blocks, max_num_batched_tokens=24)
+        assert preemptions > 0 and tight == ample, case
+        assert all(a != b for a, b in ample)  # two samples, not one twice
+
+
 def test_string_prompts_text_and_stop_strings():
     from hf_paged.demo import byte_tokenizer, demo_model
 

@@ -179,7 +179,11 @@ class Scheduler:
 
     def _append_running_preempting(self, plan: _StepPlan) -> tuple[int, bool]:
         """One running request at a time, preempting from the back of the queue until each fits
-        (or rejecting one that cannot fit alone). Returns the budget left and whether it preempted."""
+        (or rejecting one that cannot fit alone). Alone, a request that waits behind no one is
+        rejected; one that others wait behind is preempted too under recompute (recomputed later,
+        its samples may share more blocks), but not under swap: swapped back it would hold the
+        same blocks and need the same one more, forever (the engine once stepped on endlessly).
+        Returns the budget left and whether it preempted."""
         budget = self.max_num_batched_tokens
         preempted = False
         i = 0
@@ -192,7 +196,8 @@ class Scheduler:
             self.kv.release_out_of_window(work)
             while not self.kv.can_append(work):
                 victim = self.running[-1]
-                if victim is request and len(self.running) == 1 and not self.swapped and not self.waiting:
+                if victim is request and len(self.running) == 1 and (
+                        self.preemption_mode == "swap" or not (self.swapped or self.waiting)):
                     plan.rejected.append((request, "the request alone needs more KV blocks than the cache has"))
                     self.running.remove(request)
                     work = []

@@ -33,6 +33,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None
     text: str | None = None  # None: not decoded yet ("" is a decoded text, e.g. one cut at a stop string)
+    generator: Any = None  # a seeded sample's own torch.Generator after the first token (output_processor)
 
     @property
     def num_tokens(self) -> int:
