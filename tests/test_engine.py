@@ -384,6 +384,31 @@ def test_string_prompts_text_and_stop_strings():
     _check_no_leak(engine)
 
 
+def test_min_new_tokens_holds_back_stop_tokens_and_stop_strings_too():
+    """vLLM's min_tokens: nothing ends the output before it, not EOS alone (once a stop token id or
+    string ended it at its first token)."""
+    from hf_paged.demo import byte_tokenizer, demo_model
+
+    model, tok = demo_model(num_hidden_layers=2, hidden_size=64, intermediate_size=128, initializer_range=0.3), \
+        byte_tokenizer()
+    engine = LLMEngine(model, tok, num_blocks=64)
+
+    def run(**options):
+        params = SamplingParams(max_new_tokens=16, temperature=0, **options)
+        return engine.generate(["Hello there"], params, use_tqdm=False)[0].outputs[0]
+
+    free = run()
+    first, stop = free.token_ids[0], free.text[:2]
+    assert len(run(stop_token_ids=[first]).token_ids) == 1 and run(stop=[stop]).text == ""
+    held = run(stop_token_ids=[first], min_new_tokens=6)  # masked for six tokens, then it may end it
+    assert len(held.token_ids) >= 6 and first not in held.token_ids[:6]
+    cut = run(stop=[stop], min_new_tokens=6)  # greedy: the same tokens, cut where a match ends after 5
+    before_min = len(tok.decode(free.token_ids[:5], skip_special_tokens=True))
+    assert len(cut.token_ids) >= 6 and cut.token_ids == free.token_ids[:len(cut.token_ids)]
+    assert len(cut.text) + len(stop) > before_min and free.text.startswith(cut.text)
+    _check_no_leak(engine)
+
+
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma2", "gemma3", "gpt2", "opt", "qwen3"])
 def test_engine_greedy_on_other_architectures(arch):
     """Sliding windows (Mistral, Qwen2, Gemma2/3), softcap (Gemma2), MQA (Qwen3), learned positions."""

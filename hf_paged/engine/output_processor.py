@@ -348,10 +348,13 @@ class OutputProcessor:
         seq.finish_reason = self._stop_reason(params, token, seq.num_output_tokens, len(seq.token_ids))
         if params.stop and self.tokenizer is not None:
             seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            hits = [seq.text.find(s) for s in params.stop if s in seq.text]
-            if hits:
-                seq.text = seq.text[: min(hits)]
-                seq.finish_reason = "stop"
+            if seq.num_output_tokens < params.min_new_tokens:  # no stop string may end in this text
+                seq.stop_floor = len(seq.text)
+            else:
+                hits = [i for s in params.stop if (i := seq.text.find(s, max(0, seq.stop_floor - len(s) + 1))) >= 0]
+                if hits:
+                    seq.text = seq.text[: min(hits)]
+                    seq.finish_reason = "stop"
         if seq.is_finished:  # a finished sequence gives its blocks back at once
             request.seqs.remove(seq)
             request.finished_seqs.append(seq)

@@ -106,7 +106,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
-    min_new_tokens: int = 0
+    min_new_tokens: int = 0  # vLLM's min_tokens: until then no EOS, stop token or stop string ends it
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
 

@@ -47,17 +47,19 @@ def sample(logits: torch.Tensor, rows: Sequence[RowSpec], eos_token_ids: Sequenc
 
 def process(logits: torch.Tensor, rows: Sequence[RowSpec], eos_token_ids: Sequence[int]) -> torch.Tensor:
     """The logits tokens are chosen from (``logits`` itself when nothing changes them, else a new
-    tensor): penalized, EOS masked before ``min_new_tokens``; then, for the sampled rows, divided by
+    tensor): penalized, EOS and stop tokens masked before ``min_new_tokens``; then, for the sampled rows, divided by
     the temperature and filtered by top-k, top-p, min-p."""
-    masked = [i for i, row in enumerate(rows) if row.params.penalized or _masks_eos(row, eos_token_ids)]
+    masked = [i for i, row in enumerate(rows) if row.params.penalized or _min_tokens_mask(row, eos_token_ids)]
     if masked:
         logits = logits.clone()
         for i in masked:
             row = rows[i]
             if row.params.penalized:
                 _penalize(logits[i], row.params, row.token_ids, row.num_generated)
-            if _masks_eos(row, eos_token_ids):
-                logits[i, list(eos_token_ids)] = float("-inf")
+            # a stop id past the vocabulary can never be drawn: nothing to mask
+            stops = [t for t in _min_tokens_mask(row, eos_token_ids) if t < logits.shape[1]]
+            if stops:
+                logits[i, stops] = float("-inf")
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
     if not sampled:
         return logits
@@ -78,8 +80,12 @@ def process(logits: torch.Tensor, rows: Sequence[RowSpec], eos_token_ids: Sequen
     return (logits if masked else logits.clone()).index_copy_(0, index, scaled)
 
 
-def _masks_eos(row: RowSpec, eos_token_ids: Sequence[int]) -> bool:
-    return bool(eos_token_ids) and row.num_generated < row.params.min_new_tokens and not row.params.ignore_eos
+def _min_tokens_mask(row: RowSpec, eos_token_ids: Sequence[int]) -> list[int]:
+    """The tokens a row may not draw yet: before ``min_new_tokens`` every token that would end it,
+    EOS (unless ignored) and ``stop_token_ids`` (vLLM's ``min_tokens``)."""
+    if row.num_generated >= row.params.min_new_tokens:
+        return []
+    return [*row.params.stop_token_ids, *(() if row.params.ignore_eos else eos_token_ids)]
 
 
 def choose(logits: torch.Tensor, rows: Sequence[RowSpec]) -> list[list[int]]:

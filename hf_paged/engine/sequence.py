@@ -34,6 +34,7 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     text: str | None = None  # None: not decoded yet ("" is a decoded text, e.g. one cut at a stop string)
     generator: Any = None  # a seeded sample's own torch.Generator after the first token (output_processor)
+    stop_floor: int = 0  # text written before min_new_tokens: a stop string must end past it
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +62,7 @@ class Sequence:
             token_ids=list(self.token_ids), num_prompt_tokens=self.num_prompt_tokens, index=index,
             num_computed_tokens=self.num_computed_tokens, cumulative_logprob=self.cumulative_logprob,
             logprobs=None if self.logprobs is None else list(self.logprobs), text=self.text,
+            stop_floor=self.stop_floor,
         )
 
 
