@@ -260,6 +260,21 @@ def test_a_client_that_leaves_mid_body_is_no_server_error(server):
     assert not errors, [record.getMessage() for record in errors]
 
 
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine process"])
+def test_n_and_best_of_past_the_engines_max_num_seqs_name_themselves(engine_process):
+    """An engine that steps two sequences at most: n=3 (or 3 beams) is a 400 naming n (best_of),
+    not the prompt with the engine's internal field name."""
+    with single_threaded_torch(), serving({"num_blocks": 64, "max_num_seqs": 2}, engine_process=engine_process,
+                                          **LIMITS) as (server, loop):
+        for path, body in [(COMPLETIONS, completion(n=3)), (CHAT, chat(n=3)),
+                           (COMPLETIONS, completion(n=1, best_of=3, use_beam_search=True))]:
+            error = post(server, path, body).json()["error"]
+            name = "best_of" if "best_of" in body else "n"
+            assert error["param"] == name and f"{name} must be at most 2 on this server" in error["message"], error
+        assert greedy_tokens(server, n=2) and greedy_tokens(server, CHAT, n=2)
+        assert_all_free(loop)
+
+
 def test_chat_roles_are_validated(server):
     roles = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
              {"role": "assistant", "content": "Hello"}, {"role": "tool", "content": "42", "tool_call_id": "c1"},

@@ -100,8 +100,8 @@ def build_app(engine: LLMEngine | EngineProcess, settings: ServerSettings = Serv
         loop, facts = ProcessEngineLoop(engine, max_waiting=settings.max_waiting), engine.facts
     else:
         loop, facts = EngineLoop(engine, max_waiting=settings.max_waiting), EngineFacts.of(engine)
-    limits = Limits(max_n=settings.max_n, max_tokens=settings.max_tokens, vocab_size=facts.vocab_size,
-                    context=facts.max_positions, kv_tokens=facts.kv_tokens)
+    limits = Limits(max_n=min(settings.max_n, facts.max_num_seqs), max_tokens=settings.max_tokens,
+                    vocab_size=facts.vocab_size, context=facts.max_positions, kv_tokens=facts.kv_tokens)
     drain = Drain(lambda: loop.end_all(shutting_down()), settings.shutdown_timeout_s)
     serving = _OpenAIServing(loop, copy.deepcopy(engine.tokenizer), settings, limits, drain)
 

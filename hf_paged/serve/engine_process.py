@@ -45,12 +45,14 @@ class EngineFacts:
     max_positions: int | None
     kv_tokens: int | None  # tokens the KV cache holds; None when it grows
     eos_token_ids: list[int]
+    max_num_seqs: int  # the widest request (n, beams) a step can hold
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineFacts:
         kv = engine.kv
         return cls(engine.config.vocab_size, engine.max_positions,
-                   None if kv.growable else kv.num_blocks * kv.block_size, list(engine.eos_token_ids))
+                   None if kv.growable else kv.num_blocks * kv.block_size, list(engine.eos_token_ids),
+                   engine.scheduler.max_num_seqs)
 
 
 class EngineProcess:
