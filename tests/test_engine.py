@@ -208,6 +208,31 @@ def test_stream_yields_deltas_that_add_up(model, prompts, references):
     _check_no_leak(engine)
 
 
+def test_streamed_text_adds_up_to_the_final_text_and_others_lose_nothing():
+    """``stream()``'s text deltas: a character split over byte tokens goes out whole, nothing of a
+    stop string goes out (both once did), and they join to the final text. A request added with
+    add_request meanwhile is stepped too, and its output comes with the next step() (it was lost)."""
+    from hf_paged.constraints import StructuredOutputsParams
+    from hf_paged.demo import byte_tokenizer, demo_model
+
+    engine = LLMEngine(demo_model(), byte_tokenizer(), num_blocks=64)  # trained: it writes whole characters
+    unicode = SamplingParams(max_new_tokens=20, temperature=0, structured_outputs=StructuredOutputsParams(
+        choice=["héllo 日本 x"]))
+    free = engine.generate(["Hi"], SamplingParams(max_new_tokens=12, temperature=0), use_tqdm=False)[0].outputs[0]
+    stop = SamplingParams(max_new_tokens=12, temperature=0, stop=[free.text[3:9]])
+    for params in (unicode, stop):
+        final = engine.generate(["Hi"], params, use_tqdm=False)[0].outputs[0].text
+        other = engine.add_request([5, 6, 7], GREEDY)
+        deltas = [d["text"] for d in engine.stream("Hi", params)]
+        assert "".join(deltas) == final and "\ufffd" not in "".join(deltas)
+        assert final in ("héllo 日本 x", free.text[:3])
+        later = {o.request_id: o for o in engine.step() if o.finished}
+        while engine.has_unfinished_requests():
+            later.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert len(later[other].outputs[0].token_ids) == 12
+    _check_no_leak(engine)
+
+
 def test_stop_token_ids_logprobs_and_stats(model, prompts, references):
     ref = references[4][0]
     engine = LLMEngine(model, num_blocks=128)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -26,11 +26,12 @@ from transformers import PreTrainedModel
 from hf_paged.block_manager import check_block_options
 from hf_paged.engine import host_malloc
 from hf_paged.engine.cuda_graphs import DecodeGraphs
+from hf_paged.engine.detokenize import TextStream, TokenStream
 from hf_paged.engine.intake import RequestIntake
 from hf_paged.engine.kv_cache_manager import KVCacheManager
 from hf_paged.engine.model_runner import ModelRunner
 from hf_paged.engine.output_processor import OutputProcessor
-from hf_paged.engine.outputs import FAULT, REJECTED, RequestOutput
+from hf_paged.engine.outputs import FAULT, REJECTED, CompletionOutput, RequestOutput
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.scheduler_output import SchedulerOutput
@@ -189,6 +190,7 @@ class LLMEngine:
         self._counters = {"steps": 0, "generated_tokens": 0, "busy_s": 0.0, "failed_steps": 0,
                           "consecutive_failed_steps": 0}
         self._held: list[RequestOutput] = []  # outputs of a step interrupted by a BaseException
+        self._unclaimed: dict[str, RequestOutput] = {}  # see _keep_unclaimed
 
     def _derived_budget(self, block_size: int, groups: list[LayerGroup], caps: list[int | None],
                         utilization: float, kv_cache_bytes: int | None, bytes_per_slot: int = 0,
@@ -263,13 +265,26 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, process, update. Returns outputs of the requests that changed.
+        """Schedule, execute, process, update. Returns outputs of the requests that changed (and
+        first the latest of those a ``generate()`` or ``stream()`` call stepped past: requests
+        added with ``add_request`` meanwhile lose nothing).
 
         A transaction: when executing or processing the step raises, the step is closed anyway,
         the requests it cannot continue come back with ``error`` set (``error_kind="fault"``),
         the traceback is logged, and nothing is raised (a ``BaseException`` such as
         ``KeyboardInterrupt`` is re-raised after that; its failed outputs come with the next step)."""
         self._check_driver("step")
+        unclaimed = list(self._unclaimed.values())
+        self._unclaimed.clear()
+        return unclaimed + self._step()
+
+    def _keep_unclaimed(self, outputs: Iterable[RequestOutput]) -> None:
+        """Outputs of other requests a ``generate()`` or ``stream()`` call stepped past: the next
+        ``step()`` returns the latest of each."""
+        self._unclaimed.update((out.request_id, out) for out in outputs)
+
+    @torch.inference_mode()
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         outputs, self._held = self._held, []
         outputs += self._admit_compiled()
@@ -391,9 +406,12 @@ class LLMEngine:
                 results[rid] = RequestOutput(rid, ids, [], finished=True, prompt=prompt if isinstance(prompt, str) else None,
                                              error=str(err), error_kind=REJECTED)
         progress = _progress(len(order), use_tqdm)
+        mine = set(order)
         while self.has_unfinished_requests():
-            for out in self.step():
-                if out.finished and out.request_id not in results:
+            outputs = self._step()
+            self._keep_unclaimed(out for out in outputs if out.request_id not in mine)
+            for out in outputs:
+                if out.finished and out.request_id in mine and out.request_id not in results:
                     results[out.request_id] = out
                     progress.update(1)
         progress.close()
@@ -487,22 +505,38 @@ class LLMEngine:
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[dict]:
         """Serve one request (alongside any others queued) and yield its new tokens as they come:
-        ``{"index", "token_ids", "text", "finished"}`` deltas per completion."""
+        ``{"index", "token_ids", "text", "finished", "finish_reason"}`` deltas per completion.
+        The text deltas add up to the final text: a character split over tokens goes out whole,
+        and what may begin a stop string is held back until it does not (the server's streams)."""
         request_id = self.add_request(prompt, params)
-        sent: dict[int, tuple[int, int]] = {}
+        stop = self.requests[request_id].params.stop if request_id in self.requests else []
+        texts: dict[int, TextStream] = {}
         while True:
-            outputs = [o for o in self.step() if o.request_id == request_id]
-            for out in outputs:
+            outputs = self._step()
+            self._keep_unclaimed(o for o in outputs if o.request_id != request_id)
+            mine = [o for o in outputs if o.request_id == request_id]
+            for out in mine:
                 for c in out.outputs:
-                    n_tok, n_txt = sent.get(c.index, (0, 0))
-                    if len(c.token_ids) > n_tok or c.finished:
-                        yield {"index": c.index, "token_ids": c.token_ids[n_tok:], "text": c.text[n_txt:],
-                               "finished": c.finished, "finish_reason": c.finish_reason}
-                        sent[c.index] = (len(c.token_ids), len(c.text))
+                    delta = self._stream_delta(texts, c, stop)
+                    if delta is not None:
+                        yield delta
                 if out.finished:
                     return
-            if request_id not in self.requests and not outputs:
+            if request_id not in self.requests and not mine:
                 return
+
+    def _stream_delta(self, texts: dict, c: CompletionOutput, stop: list[str]) -> dict | None:
+        """One completion's delta for ``stream()`` (None: nothing new)."""
+        if c.index not in texts:
+            texts[c.index] = TextStream(self.tokenizer, stop) if self.tokenizer is not None else TokenStream()
+        text = texts[c.index]
+        if text.finished:
+            return None
+        delta, new_ids = text.update(c)
+        if not new_ids and not c.finished:
+            return None
+        return {"index": c.index, "token_ids": new_ids, "text": delta, "finished": c.finished,
+                "finish_reason": c.finish_reason}
 
     # ------------------------------------------------------------------ prefix-cache snapshots
     def reset_prefix_cache(self) -> bool:

@@ -39,7 +39,7 @@ from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import FAULT, RequestOutput
 from hf_paged.engine.params import SamplingParams
 from hf_paged.serve import responses
-from hf_paged.serve.detokenize import TextStream
+from hf_paged.engine.detokenize import TextStream
 from hf_paged.serve.engine_loop import (EngineFailure, EngineLoop, Overloaded, ProcessEngineLoop, RequestStream,
                                         shutting_down)
 from hf_paged.serve.engine_process import EngineFacts, EngineProcess

@@ -95,3 +95,16 @@ class TextStream:
             delta = text[len(self.sent): max(len(self.sent), len(text) - self._hold)]
         self.sent += delta
         return delta, new_ids
+
+
+class TokenStream:
+    """:class:`TextStream` for an engine without a tokenizer: the new token ids, no text."""
+
+    def __init__(self):
+        self.num_tokens = 0
+        self.finished = False
+
+    def update(self, completion: CompletionOutput) -> tuple[str, list[int]]:
+        new_ids = completion.token_ids[self.num_tokens:]
+        self.num_tokens, self.finished = len(completion.token_ids), completion.finished
+        return "", new_ids
