@@ -389,6 +389,27 @@ def test_seeded_samples_are_the_same_when_preempted_by_recompute(model):
         assert all(a != b for a, b in ample)  # two samples, not one twice
 
 
+def test_request_ids_prompt_types_and_stop_strings_without_a_tokenizer(model):
+    """A caller's id "2" is never handed out again while in flight (generate() once refused its own
+    prompt for it); numpy integers are token ids, booleans are not; stop strings on an engine
+    without a tokenizer are refused (they were ignored)."""
+    import numpy as np
+
+    engine = LLMEngine(model, num_blocks=64)
+    mine = engine.add_request([5, 6], GREEDY, request_id="2")
+    outputs = engine.generate([[7, 8], [9, 10], [11, 12]], GREEDY, use_tqdm=False)
+    assert all(o.error is None for o in outputs) and mine not in [o.request_id for o in outputs]
+    assert engine.add_request(np.array([5, 6]).tolist(), GREEDY) and engine.add_request(list(np.array([5, 6])), GREEDY)
+    for bad, message in [([True, False], "integers, got bool"), ([5.0], "integers, got float")]:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(bad, GREEDY)
+    with pytest.raises(ValueError, match="SamplingParams.stop .*needs a tokenizer"):
+        engine.add_request([5], SamplingParams(stop=["x"]))
+    while engine.has_unfinished_requests():
+        engine.step()
+    _check_no_leak(engine)
+
+
 def test_string_prompts_text_and_stop_strings():
     from hf_paged.demo import byte_tokenizer, demo_model
 

@@ -6,6 +6,7 @@ Everything that can be wrong with a request is found here, before it is queued, 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Container
 
 import torch
@@ -40,6 +41,9 @@ class RequestIntake:
                              f"got {max(params.logit_bias)}")
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("SamplingParams.structured_outputs needs a tokenizer (pass tokenizer= to LLMEngine)")
+        if params.stop and self.tokenizer is None:  # else they would never match: refused, not ignored
+            raise ValueError("SamplingParams.stop (stop strings) needs a tokenizer (pass tokenizer= to LLMEngine); "
+                             "stop_token_ids need none")
 
     def tokens(self, prompt) -> tuple[str | None, list[int]]:
         """``(text, token ids)`` of a string, a list of ids or a 1-D tensor of ids."""
@@ -49,9 +53,12 @@ class RequestIntake:
             return prompt, list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+        if not isinstance(prompt, (list, tuple)):
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        return None, list(prompt)
+        odd = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+        if odd is not None:
+            raise ValueError(f"a prompt's token ids must be integers, got {type(odd).__name__} {odd!r}")
+        return None, [int(t) for t in prompt]  # numpy integers too
 
     def request(self, request_id: str, prompt, params: SamplingParams | None, taken: Container[str]) -> Request:
         """A new request; ``taken`` holds the ids of the requests in flight."""

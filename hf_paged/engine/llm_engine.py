@@ -234,8 +234,12 @@ class LLMEngine:
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a request; returns its id. Bad input raises ``ValueError`` and queues nothing."""
         self._check_driver("add_request")
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        request = self.intake.request(request_id, prompt, params, taken=self.requests)
+        if request_id is None:  # a fresh number no request in flight uses (a caller's "2" included)
+            request_id = str(next(self._ids))
+            while request_id in self.requests:
+                request_id = str(next(self._ids))
+        request = self.intake.request(str(request_id), prompt, params, taken=self.requests)
+        request_id = request.request_id
         ready = self.structured.admit(request)  # False: its grammar compiles off this thread (see step())
         self.requests[request_id] = request
         if ready:
