@@ -49,11 +49,11 @@ class NoFreeBlocksError(RuntimeError):
     ``needed`` blocks were asked for while ``free`` were available.
     """
 
-    def __init__(self, needed: int, free: int, total: int):
+    def __init__(self, needed: int, free: int, total: int, note: str = ""):
         self.needed, self.free, self.total = needed, free, total
         super().__init__(
             f"out of KV cache blocks: {needed} needed, {free} free of {total} "
-            f"(raise num_blocks, or use num_blocks=None to let the pool grow)"
+            f"(raise num_blocks, or use num_blocks=None to let the pool grow){note}"
         )
 
 

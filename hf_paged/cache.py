@@ -31,7 +31,7 @@ from packaging.version import Version
 from transformers import PretrainedConfig
 
 from hf_paged import state_layers
-from hf_paged.block_manager import HOLE, BlockManager
+from hf_paged.block_manager import HOLE, BlockManager, NoFreeBlocksError
 from hf_paged.channel import BLOCK_TABLE_PAD, AttentionMetadata, PagedLayerView, StashingCache
 from hf_paged.kinds import MLAAttentionSpec, SharedKVSpec
 from hf_paged.layer_groups import GroupedBlockManager, LayerGroup, group_of_layers, layer_groups
@@ -502,7 +502,10 @@ class PagedKVCache(StashingCache):
             recording = [self._recording(group) for group in self.groups]
             for seq_id, length in zip(self._rows, lengths):
                 self.blocks.release_out_of_window(seq_id, length, recording)
-        allocated = self.blocks.append_many(list(zip(self._rows, counts)))
+        try:
+            allocated = self.blocks.append_many(list(zip(self._rows, counts)))
+        except NoFreeBlocksError as err:
+            raise self._held_elsewhere(err) from None
         write_slots, new_columns = [], []
         write_rows = None if valid is None else valid.reshape(-1).nonzero().squeeze(1)
         for g, (group, manager, (new_slots, copies)) in enumerate(zip(self.groups, self.managers, allocated)):
@@ -541,6 +544,16 @@ class PagedKVCache(StashingCache):
             if seq_id in self._tokens:
                 new = ids[r] if keep is None else [t for t, k in zip(ids[r], keep[r]) if k]
                 self._tokens[seq_id].extend(new)
+
+    def _held_elsewhere(self, err: NoFreeBlocksError) -> NoFreeBlocksError:
+        """``err``, saying so when other live caches of a shared pool (a model's prefix cache) hold
+        blocks: each kept ``generate()`` output (its cache) or a traceback that references one does."""
+        holders = [user for user in self._pool.users if user is not self and user._rows]
+        if not holders:
+            return err
+        return NoFreeBlocksError(err.needed, err.free, err.total, f"; {len(holders)} other live cache(s) of this "
+                                 "model's pool hold blocks (outputs of earlier calls, kept or referenced by a "
+                                 "traceback): dropping them frees their blocks")
 
     def _recording(self, group: LayerGroup) -> bool:
         """Whether transformers asked the group's layers to keep their past (``activate_past_recording``)."""

@@ -268,6 +268,23 @@ def test_cached_k_v_of_other_weights_are_never_reused(change):
     check_books(model)
 
 
+def test_running_out_because_kept_outputs_hold_blocks_says_so():
+    """Every call of a prefix-caching model shares one pool: outputs kept with their caches hold
+    blocks, and the error names that (it read as if the budget were simply too small)."""
+    stock, model = pair("llama", num_blocks=16)
+    kept = []
+    with pytest.raises(hf_paged.NoFreeBlocksError, match=r"other live cache\(s\) of this model's pool hold blocks"):
+        for seed in range(20):
+            kept.append(both(stock, model, [tokens(30, seed)])[2])
+    assert len(kept) >= 3
+    kept.clear()
+    gc.collect()
+    want, got, out = both(stock, model, [tokens(30, 99)])  # the same call fits once they are gone
+    assert torch.equal(want, got)
+    del out
+    check_books(model)
+
+
 def test_outputs_that_cover_every_position_compute_every_position():
     stock, model = pair("llama")
     rows = [tokens(40, 1) + tokens(3, 2)]

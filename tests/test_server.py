@@ -377,8 +377,9 @@ BAD = {  # name -> (path, body or raw bytes, headers, status, param)
                                                  400, "max_tokens"),
     "empty prompt": ("/v1/completions", completion(prompt=""), {}, 400, "prompt"),
     "token id outside the vocabulary": ("/v1/completions", completion(prompt=[1000]), {}, 400, "prompt"),
-    "beam search streamed": ("/v1/completions", completion(use_beam_search=True, best_of=2, stream=True), {}, 400,
-                             "stream"),
+    "beam search streamed": ("/v1/completions", completion(use_beam_search=True, stream=True), {}, 400, "stream"),
+    "more beams than the engine steps": ("/v1/completions", completion(use_beam_search=True, best_of=2), {}, 400,
+                                         "best_of"),  # max_num_seqs=1 here
     "beam search sampled": ("/v1/completions", completion(use_beam_search=True, temperature=0.7), {}, 400,
                             "temperature"),
     "best_of without beams": ("/v1/completions", completion(best_of=3), {}, 400, "best_of"),

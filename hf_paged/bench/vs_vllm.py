@@ -518,12 +518,18 @@ def cleanest(run_once, opts: Options, label: str) -> dict:
 def wait_for_quiet(max_cores: float, max_wait_s: float, sample_s: float = 3.0) -> float:
     """Seconds waited until the machine's other processes use at most ``max_cores`` (sampled over
     ``sample_s`` while this benchmark runs nothing), or ``max_wait_s`` passed."""
-    start = time.monotonic()
+    start, told = time.monotonic(), False
     while True:
         busy = machine_busy_seconds()
         time.sleep(sample_s)
-        if (machine_busy_seconds() - busy) / sample_s <= max_cores or time.monotonic() - start >= max_wait_s:
+        load = (machine_busy_seconds() - busy) / sample_s
+        if load <= max_cores or time.monotonic() - start >= max_wait_s:
             return time.monotonic() - start
+        if not told:  # a silent wait of minutes looks like a hang
+            print(f"  waiting for a quiet machine: other processes use {load:.1f} cores, more than "
+                  f"--max-other-load {max_cores:g} (up to --quiet-wait {max_wait_s:.0f} s; "
+                  "--max-other-load -1 skips the check)", flush=True)
+            told = True
 
 
 def median_run(runs: list[dict], keys: tuple[str, ...]) -> dict:
