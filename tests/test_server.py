@@ -233,6 +233,7 @@ def test_usage_in_the_stream(client):
     texts = {i: "".join(c.choices[0].delta.content or "" for c in chunks[:-1] if c.choices[0].index == i)
              for i in (0, 1)}
     assert texts == {0: plain.choices[0].message.content, 1: plain.choices[1].message.content}
+    assert all("usage" in c.model_fields_set for c in chunks)  # "usage": null before the last, as OpenAI's
 
 
 def test_models_health_and_metrics(client, served):

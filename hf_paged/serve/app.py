@@ -464,6 +464,7 @@ class _OpenAIServing:
     async def _events(self, job: _Job, watcher: asyncio.Task) -> AsyncIterator[str]:
         """SSE chunks, ``[DONE]`` last; the requests are aborted if the stream stops early."""
         req, created = job.request, int(time.time())
+        with_usage = bool(req.stream_options and req.stream_options.include_usage)
         texts: dict[int, TextStream] = {}
         offsets: dict[int, responses.TextOffsets] = {}
         finals: dict[int, RequestOutput] = {}
@@ -478,9 +479,10 @@ class _OpenAIServing:
                     chunk = self._chunk(job, i * job.n + c.index, c, texts, offsets, i)
                     if chunk is not None:
                         yield responses.sse(responses.envelope(job.kind, job.response_id, self.settings.model_name,
-                                                               [chunk], chunk=True, created=created))
+                                                               [chunk], chunk=True, created=created,
+                                                               null_usage=with_usage))
             else:
-                if req.stream_options and req.stream_options.include_usage:
+                if with_usage:
                     yield responses.sse(responses.envelope(job.kind, job.response_id, self.settings.model_name, [],
                                                            responses.usage(list(finals.values())), chunk=True,
                                                            created=created))

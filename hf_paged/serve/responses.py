@@ -142,10 +142,12 @@ def choice(kind: str, index: int, text: str | None, finish_reason: str | None, l
 
 
 def envelope(kind: str, response_id: str, model: str, choices: list[dict], usage_: dict | None = None, *,
-             chunk: bool = False, created: int | None = None) -> dict:
+             chunk: bool = False, created: int | None = None, null_usage: bool = False) -> dict:
+    """A response or stream chunk; ``null_usage``: a chunk of a stream that ends with a usage chunk
+    says ``"usage": null`` (as OpenAI's do)."""
     body = {"id": response_id, "object": (CHUNK_OBJECT if chunk else OBJECT)[kind],
             "created": int(time.time()) if created is None else created, "model": model, "choices": choices}
-    if usage_ is not None or not chunk:
+    if usage_ is not None or not chunk or null_usage:
         body["usage"] = usage_
     return body
 
