@@ -1,7 +1,8 @@
 """Train the built-in demo model, once, on text every machine has offline: the docstrings of
 Python's standard library (read from its source files with ``ast``: nothing is imported).
 
-    python -m hf_paged.train_demo [--minutes 6] [--out hf_paged/data/demo_model.safetensors]
+    python -m hf_paged.train_demo [--minutes 6] [--out demo_model.safetensors]
+    python -m hf_paged.train_demo --out hf_paged/data/demo_model.safetensors   # replace the shipped weights
 
 The result ships with the package (float16, a few MB) and is what ``hf_paged.demo.demo_model()``
 loads by default, so the demo, ``generate`` and ``serve`` write readable, if simple, text.
@@ -93,9 +94,11 @@ def train(minutes: float, out: Path, seq_len: int = 128, batch: int = 24, lr: fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=6.0)
-    parser.add_argument("--out", type=Path, default=DEMO_WEIGHTS)
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--minutes", type=float, default=6.0, help="training time (default: 6)")
+    parser.add_argument("--out", type=Path, default=Path("demo_model.safetensors"),
+                        help=f"where the weights go (default: ./demo_model.safetensors; the shipped ones, which "
+                             f"demo_model() loads, are {DEMO_WEIGHTS}: name it to replace them)")
     args = parser.parse_args(argv)
     train(args.minutes, args.out)
     return 0

@@ -254,7 +254,8 @@ def report(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hf_paged.bench.serving", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hf_paged.bench.serving",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--scale", type=float, default=0.25, help="length scale of the ShareGPT-like workload")

