@@ -296,12 +296,16 @@ def test_hermes_parser_on_text():
             '</tool_call>\n<tool_call>{"arguments": {"zone": 2}, "name": "get_time"}</tool_call>\n'
             '<tool_call>not a call</tool_call> bye')
     content, calls = parse_tool_calls(text)
-    assert content == "Let me look.<tool_call>not a call</tool_call> bye"
+    assert content == "Let me look. <tool_call>not a call</tool_call> bye"  # one space where calls were
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": 'Pa}ris"', "unit": "C"}),
                                                                    ("get_time", {"zone": 2})]
     assert parse_tool_calls("no calls <tool_ here") == ("no calls <tool_ here", [])
+    assert parse_tool_calls("Sure! " + HERMES_CALL + " done")[0] == "Sure! done"  # once "Sure!done"
+    assert parse_tool_calls(HERMES_CALL + "\n done")[0] == "done"
     assert parse_tool_calls(HERMES_CALL)[0] is None
-    for size in (1, 2, 3, 7):  # any split of the text streams the same calls and content
+    spaced = "Sure! " + HERMES_CALL + " done"
+    for size, text in [(1, text), (2, text), (3, text), (7, text), (1, spaced), (4, spaced)]:
+        content, calls = parse_tool_calls(text)  # any split of the text streams the same calls and content
         parser, streamed, arguments = HermesToolParser(), "", {}
         for start in range(0, len(text), size):
             piece, deltas = parser.feed(text[start:start + size], final=start + size >= len(text))

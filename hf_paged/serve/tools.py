@@ -4,7 +4,8 @@ the parser that turns the model's tool-call syntax into OpenAI ``tool_calls``.
 Supported syntax: **Hermes** (NousResearch Hermes 2/3, Qwen 2.5, Qwen 3 and the many templates that
 copied them): each call is ``<tool_call>`` + a JSON object ``{"name": ..., "arguments": {...}}`` +
 ``</tool_call>`` (``"parameters"`` is read as ``"arguments"``); text outside the calls is the
-message's content. The server hands the tools to the model's chat template and:
+message's content (the whitespace around calls goes; calls between two pieces of text leave one
+space). The server hands the tools to the model's chat template and:
 
 * ``tool_choice="none"`` (the default without tools): plain text, tools not shown to the template;
 * ``"auto"`` (the default with tools): generates freely and parses what the model wrote;
@@ -197,6 +198,8 @@ class HermesToolParser:
     _held_space: str = ""  # whitespace that may turn out to precede a call (then dropped)
     _value: _Value | None = None
     _after_call: bool = False
+    _wrote: bool = False  # content has been written
+    _gap: bool = False  # a call came since: text written next is joined with one space (not glued on)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
         self._buffer += text
@@ -204,8 +207,18 @@ class HermesToolParser:
         while self._step(content, deltas, final):
             pass
         if final:
-            content.append(self._finish())
+            self._write(self._finish(), content)
         return "".join(content), deltas
+
+    def _write(self, text: str, content: list[str]) -> None:
+        """Content out; text after calls that follows earlier text is set apart by one space (the
+        whitespace around a call goes with it: "Sure! <call> done" reads "Sure! done")."""
+        if not text:
+            return
+        if self._gap and self._wrote:
+            text = " " + text
+        content.append(text)
+        self._wrote, self._gap = True, False
 
     def _step(self, content: list[str], deltas: list[ToolCallDelta], final: bool) -> bool:
         """Consume what can be decided now; True when there may be more."""
@@ -236,10 +249,10 @@ class HermesToolParser:
             text = text.lstrip()
             self._after_call = not text
         if before_call:
-            content.append(text.rstrip())
+            self._write(text.rstrip(), content)
             return
         stripped = text.rstrip()
-        content.append(stripped)
+        self._write(stripped, content)
         self._held_space = text[len(stripped):]
 
     def _head(self, content: list[str], deltas: list[ToolCallDelta]) -> bool:
@@ -266,12 +279,13 @@ class HermesToolParser:
             if not isinstance(name, str):
                 raise TypeError(name)
         except (ValueError, KeyError, TypeError):
-            content.append(START + body + END)  # not a call: the model's text, as written
+            self._write(START + body + END, content)  # not a call: the model's text, as written
             return False
         text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
         call = ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, text)
         self.calls.append(call)
         deltas.append(ToolCallDelta(len(self.calls) - 1, text, call.id, name))
+        self._gap = True
         return True
 
     def _arguments(self, deltas: list[ToolCallDelta]) -> bool:
@@ -299,6 +313,7 @@ class HermesToolParser:
         if end < 0:
             return False
         self._buffer, self._state, self._after_call = self._buffer[end + len(END):], "text", True
+        self._gap = True
         return True
 
     def _finish(self) -> str:
