@@ -275,6 +275,19 @@ def test_n_and_best_of_past_the_engines_max_num_seqs_name_themselves(engine_proc
         assert_all_free(loop)
 
 
+def test_content_parts_that_are_not_plain_text_are_named(server):
+    """Once both read "messages.0.content: Input should be a valid string"."""
+    image = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    cached = [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]
+    for content, param, fragment in [(image, "messages.0.content", "part 1 is 'image_url'"),
+                                     (cached, "messages.0.content.0.cache_control", "unknown parameter")]:
+        resp = post(server, CHAT, {**chat(), "messages": [{"role": "user", "content": content}]})
+        error = resp.json()["error"]
+        assert resp.status_code == 400 and error["param"] == param and fragment in error["message"], error
+    parts = [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]
+    assert greedy_tokens(server, CHAT, messages=[{"role": "user", "content": parts}]) == greedy_tokens(server, CHAT)
+
+
 def test_chat_roles_are_validated(server):
     roles = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
              {"role": "assistant", "content": "Hello"}, {"role": "tool", "content": "42", "tool_call_id": "c1"},

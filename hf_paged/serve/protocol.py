@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from hf_paged.constraints.params import StructuredOutputsParams
 from hf_paged.engine.params import LOGIT_BIAS_RANGE, SamplingParams
@@ -151,9 +151,12 @@ def parse(model: type[BaseModel], data: Any) -> BaseModel:
 
 def _param(loc: tuple, unknown: bool) -> str | None:
     """The field a validation error is about: its path up to a union's branch label (``content.str``
-    is about ``content``); an unknown field names itself."""
+    is about ``content``), through a list branch's (``content.list[TextPart].0.x`` is about
+    ``content.0.x``); an unknown field names itself."""
     parts = []
     for i, part in enumerate(loc):
+        if isinstance(part, str) and part.startswith("list["):
+            continue
         if isinstance(part, str) and part not in _field_names() and not (unknown and i == len(loc) - 1):
             break
         parts.append(str(part))
@@ -450,10 +453,19 @@ class ChatMessage(_Strict):
     unsupported_fields: ClassVar[frozenset[str]] = OPENAI_UNSUPPORTED["message"]
 
     role: ChatRole
-    content: str | list[TextPart] | None = None
+    content: list[TextPart] | str | None = None  # a list's errors name its parts (not "a valid string")
     name: str | None = None
     tool_call_id: str | None = None  # a tool message's answer to an assistant's tool call
     tool_calls: list[ChatToolCall] | None = None  # an assistant's calls
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        for j, part in enumerate(value if isinstance(value, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"part {j} is {kind!r}: only text parts are supported (the models served read text)")
+        return value
 
     def template_entry(self) -> dict[str, Any]:
         """What the chat template sees: OpenAI's ``developer`` role is its ``system`` role (templates
