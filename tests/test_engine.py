@@ -410,6 +410,20 @@ def test_request_ids_prompt_types_and_stop_strings_without_a_tokenizer(model):
     _check_no_leak(engine)
 
 
+def test_vllm_spellings_of_the_length_limits(model, prompts):
+    """``max_tokens`` / ``min_tokens`` (what vLLM users write) are max_new_tokens / min_new_tokens."""
+    params = SamplingParams(max_tokens=5, min_tokens=5, temperature=0)
+    assert (params.max_new_tokens, params.min_new_tokens, params.max_tokens) == (5, 5, 5)
+    assert params == SamplingParams(max_new_tokens=5, min_new_tokens=5, temperature=0)
+    engine = LLMEngine(model, num_blocks=64)
+    assert len(engine.generate([prompts[4]], params, use_tqdm=False)[0].outputs[0].token_ids) == 5
+    with pytest.raises(ValueError, match="max_tokens .* and max_new_tokens say different things"):
+        SamplingParams(max_tokens=5, max_new_tokens=7)
+    with pytest.raises(ValueError, match="SamplingParams.min_new_tokens"):
+        SamplingParams(max_tokens=3, min_tokens=4)
+    _check_no_leak(engine)
+
+
 def test_string_prompts_text_and_stop_strings():
     from hf_paged.demo import byte_tokenizer, demo_model
 

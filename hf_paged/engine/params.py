@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 from hf_paged.constraints.params import StructuredOutputsParams
 
@@ -109,8 +109,18 @@ class SamplingParams:
     min_new_tokens: int = 0  # vLLM's min_tokens: until then no EOS, stop token or stop string ends it
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
+    # vLLM's spellings, accepted as they are what its users write (not kept: max_new_tokens / min_new_tokens)
+    max_tokens: InitVar[int | None] = None
+    min_tokens: InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, max_tokens: int | None = None, min_tokens: int | None = None) -> None:
+        for alias, name, value in (("max_tokens", "max_new_tokens", max_tokens),
+                                   ("min_tokens", "min_new_tokens", min_tokens)):
+            if value is not None:
+                if getattr(self, name) not in (value, _DEFAULTS[name]):
+                    raise ValueError(f"SamplingParams: {alias} (vLLM's name) and {name} say different things "
+                                     f"({value!r}, {getattr(self, name)!r}): pass one")
+                setattr(self, name, value)
         self._check_lengths()
         self._check_sampling()
         self._check_penalties()
@@ -227,3 +237,9 @@ class SamplingParams:
     @property
     def beam_search(self) -> bool:
         return self.num_beams > 1
+
+
+_DEFAULTS = {"max_new_tokens": SamplingParams.max_new_tokens, "min_new_tokens": SamplingParams.min_new_tokens}
+# ... and read under them too (the init-only aliases above would otherwise read None)
+SamplingParams.max_tokens = property(lambda self: self.max_new_tokens, doc="vLLM's name of max_new_tokens")
+SamplingParams.min_tokens = property(lambda self: self.min_new_tokens, doc="vLLM's name of min_new_tokens")
