@@ -278,6 +278,8 @@ class LLMEngine:
         the traceback is logged, and nothing is raised (a ``BaseException`` such as
         ``KeyboardInterrupt`` is re-raised after that; its failed outputs come with the next step)."""
         self._check_driver("step")
+        if not self._unclaimed:  # the usual case: no list to join
+            return self._step()
         unclaimed = list(self._unclaimed.values())
         self._unclaimed.clear()
         return unclaimed + self._step()
