@@ -199,7 +199,7 @@ class StreamOptions(_Strict):
 class JSONSchemaFormat(_Strict):
     """``response_format.json_schema``: OpenAI's named schema (``strict`` is always how it is enforced)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, populate_by_name=True)
+    model_config = ConfigDict(**_Strict.model_config, populate_by_name=True)
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")
@@ -214,7 +214,7 @@ class ResponseFormat(_Strict):
 class StructuredOutputsRequest(_Strict):
     """vLLM's ``structured_outputs``: one of its constraint fields."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, populate_by_name=True)
+    model_config = ConfigDict(**_Strict.model_config, populate_by_name=True)
     json_: dict | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
