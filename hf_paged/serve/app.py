@@ -35,11 +35,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from hf_paged.constraints.compiler import ConstraintError, too_slow
+from hf_paged.engine.detokenize import TextStream
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import FAULT, RequestOutput
 from hf_paged.engine.params import SamplingParams
 from hf_paged.serve import responses
-from hf_paged.engine.detokenize import TextStream
 from hf_paged.serve.engine_loop import (EngineFailure, EngineLoop, Overloaded, ProcessEngineLoop, RequestStream,
                                         shutting_down)
 from hf_paged.serve.engine_process import EngineFacts, EngineProcess
