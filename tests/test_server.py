@@ -20,8 +20,8 @@ from transformers import PreTrainedTokenizerFast
 from hf_paged import LLMEngine, SamplingParams
 from hf_paged.__main__ import main
 from hf_paged.demo import byte_tokenizer
-from hf_paged.engine.outputs import CompletionOutput
 from hf_paged.engine.detokenize import IncrementalDetokenizer, TextStream
+from hf_paged.engine.outputs import CompletionOutput
 from hf_paged.serve.responses import TokenText
 from hf_paged.serve.server import exposure_warning
 from tests.helpers.serving import (ENGINE_PLACES, MODEL, NUM_BLOCKS, assert_all_free, client, engine,  # noqa: F401
