@@ -47,8 +47,8 @@ def sample(logits: torch.Tensor, rows: Sequence[RowSpec], eos_token_ids: Sequenc
 
 def process(logits: torch.Tensor, rows: Sequence[RowSpec], eos_token_ids: Sequence[int]) -> torch.Tensor:
     """The logits tokens are chosen from (``logits`` itself when nothing changes them, else a new
-    tensor): penalized, EOS and stop tokens masked before ``min_new_tokens``; then, for the sampled rows, divided by
-    the temperature and filtered by top-k, top-p, min-p."""
+    tensor): penalized, EOS and stop tokens masked before ``min_new_tokens``; then, for the sampled
+    rows, divided by the temperature and filtered by top-k, top-p, min-p."""
     masked = [i for i, row in enumerate(rows) if row.params.penalized or _min_tokens_mask(row, eos_token_ids)]
     if masked:
         logits = logits.clone()
