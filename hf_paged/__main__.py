@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_paged.block_manager import NoFreeBlocksError
+from hf_paged.process_exit import exit_process
 
 if TYPE_CHECKING:
     from hf_paged import LLMEngine
@@ -523,5 +524,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def cli() -> None:
+    """The ``hf-paged`` command: :func:`main`, then a quick exit (see :func:`exit_process`)."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

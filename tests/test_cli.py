@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
+import hf_paged.__main__ as cli_module
 from hf_paged.__main__ import main, parser
 
 
@@ -53,3 +57,28 @@ def test_max_new_tokens_is_only_for_the_commands_that_generate(capsys):
     assert "unrecognized arguments: --max-new-tokens" in capsys.readouterr().err
     assert parser().parse_args(["--max-new-tokens", "3", "generate", "x"]).max_new_tokens == 3
     assert parser().parse_args(["generate", "x", "--max-new-tokens", "3"]).max_new_tokens == 3
+
+
+def test_the_command_exits_with_mains_code_through_the_quick_exit(monkeypatch):
+    codes: list[int] = []
+    monkeypatch.setattr(cli_module, "main", lambda: 7)
+    monkeypatch.setattr(cli_module, "exit_process", codes.append)
+    cli_module.cli()
+    assert codes == [7]
+
+
+def test_the_quick_exit_runs_exit_handlers_and_flushes_but_skips_the_final_collection():
+    """The interpreter's last full collection (1-2 s with torch and transformers loaded) is what
+    :func:`exit_process` skips; exit handlers and buffered output are kept."""
+    script = """
+import atexit, gc, sys
+from hf_paged.process_exit import exit_process
+atexit.register(lambda: print("exit handler ran", end=""))
+gc.collect()  # the counts start from zero: a collection after this is the final one
+print("buffered, ", end="")
+gc.callbacks.append(lambda phase, info: phase == "start" and sys.__stderr__.write("collected "))
+exit_process(3)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (3, "buffered, exit handler ran"), done
+    assert "collected" not in done.stderr, done.stderr

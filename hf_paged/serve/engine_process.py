@@ -32,6 +32,7 @@ from typing import Any
 
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import RequestOutput
+from hf_paged.process_exit import exit_process
 from hf_paged.serve.engine_loop import add_requests
 
 logger = logging.getLogger("hf_paged.serve")
@@ -119,6 +120,8 @@ def run_engine_core(build: Callable[[], LLMEngine], connection: Connection) -> N
         _EngineCore(engine, connection).run()
     finally:
         engine.close()
+    exit_process(0)
+
 
 
 class _EngineCore:
