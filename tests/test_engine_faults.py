@@ -120,6 +120,9 @@ def poison_rows(engine: LLMEngine, request_id: str, value: float, at_call: int, 
     (dict(stop_token_ids=5), "stop_token_ids"), (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(stop=5), "stop"),
     (dict(early_stopping=1, num_beams=2), "early_stopping"), (dict(ignore_eos="yes"), "ignore_eos"),
     (dict(max_new_tokens=True), "max_new_tokens"), (dict(logprobs=True), "logprobs"),
+    (dict(num_beams=2, stop=["x"]), "stop"),  # beam search does not read them: refused, not ignored
+    (dict(num_beams=2, presence_penalty=0.5), "presence_penalty"),
+    (dict(num_beams=2, frequency_penalty=0.5), "frequency_penalty"),
 ])
 def test_extremes_are_refused_naming_the_field(fields, where):
     with pytest.raises(ValueError, match=rf"^SamplingParams\.{where} .*, got "):

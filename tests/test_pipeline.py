@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import transformers
 
 import hf_paged
@@ -44,3 +45,128 @@ def test_registered_task_and_sampling(pipes):
     assert len(sampled) == 3 and all(r["generated_text"].startswith("Hello") for r in sampled)
     with pytest.raises(ValueError, match="text-generation"):
         hf_paged.pipeline("summarization", model=paged.model, tokenizer=paged.tokenizer)
+
+
+BYTE = byte_tokenizer()
+PROMPTS = ["The quick brown fox", "Once upon a time there"]
+
+
+def _byte(char: str) -> int:
+    return BYTE.convert_tokens_to_ids(BYTE.tokenize(char))[0]
+
+
+@pytest.fixture(scope="module")
+def generated(pipes):
+    """Stock's greedy continuations of PROMPTS (ids): the stop tokens and strings below are taken
+    from them, so that each stop really ends an output early."""
+    stock, _ = pipes
+    greedy = stock(PROMPTS, max_new_tokens=30, do_sample=False, return_tensors=True)
+    beam = stock(PROMPTS[0], max_new_tokens=12, num_beams=3, do_sample=False, return_tensors=True)
+    return [out[0]["generated_token_ids"][len(BYTE(p)["input_ids"]):] for p, out in zip(PROMPTS, greedy)] + [
+        beam[0]["generated_token_ids"][len(BYTE(PROMPTS[0])["input_ids"]):]]  # [greedy 0, greedy 1, best beam 0]
+
+
+CASES = {
+    "stop_strings": lambda g: dict(max_new_tokens=30, stop_strings=[BYTE.decode(g[0][6:8])], tokenizer=BYTE),
+    "stop_sequence": lambda g: dict(max_new_tokens=30, stop_sequence=BYTE.decode(g[1][4:5])),
+    "eos_token_id": lambda g: dict(max_new_tokens=30, eos_token_id=g[0][5]),
+    "eos_token_ids": lambda g: dict(max_new_tokens=30, eos_token_id=[g[0][9], g[1][3]], return_tensors=True),
+    "max_length": lambda g: dict(max_length=25),  # counts the prompt, as in generate()
+    "max_length_below_prompt": lambda g: dict(max_length=4),
+    "min_new_tokens": lambda g: dict(max_new_tokens=12, min_new_tokens=8, eos_token_id=g[0][5]),
+    "generation_config": lambda g: dict(generation_config=transformers.GenerationConfig(max_new_tokens=5)),
+    "beams_eos": lambda g: dict(max_new_tokens=12, num_beams=3, num_return_sequences=3, eos_token_id=g[2][4],
+                                return_tensors=True),
+    "beams_repetition_penalty": lambda g: dict(max_new_tokens=12, num_beams=2, repetition_penalty=1.5),
+    "batch_size": lambda g: dict(max_new_tokens=8, batch_size=2),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_generate_options_of_a_call_are_honored_as_stock_honors_them(pipes, generated, case):
+    stock, paged = pipes
+    kwargs = dict(do_sample=False, **CASES[case](generated))
+    try:
+        expected = stock(PROMPTS, **kwargs)
+    except ValueError as refusal:  # a prompt (truncated) at max_length: newer transformers refuse it
+        assert case == "max_length_below_prompt" and "max_length" in str(refusal)
+        with pytest.raises(ValueError, match="max_length=4 leaves no room"):
+            paged(PROMPTS, **kwargs)
+    else:
+        assert paged(PROMPTS, **kwargs) == expected
+    assert paged.engine.kv.num_used_blocks() == 0
+
+
+def test_the_stops_above_end_stocks_outputs_early(pipes, generated):
+    """The control for the cases above: each stop changes stock's output."""
+    stock, _ = pipes
+    for case in ("stop_strings", "stop_sequence", "eos_token_id", "eos_token_ids", "min_new_tokens", "beams_eos"):
+        kwargs = dict(do_sample=False, **CASES[case](generated))
+        kwargs.pop("eos_token_id", None), kwargs.pop("stop_strings", None), kwargs.pop("stop_sequence", None)
+        unstopped = stock(PROMPTS, **kwargs)
+        assert stock(PROMPTS, do_sample=False, **CASES[case](generated)) != unstopped, case
+
+
+def test_options_given_at_construction_and_the_pipelines_defaults_are_honored():
+    tok = byte_tokenizer()
+    model = demo_model(**SMALL)
+    stock = transformers.pipeline("text-generation", model=demo_model(**SMALL), tokenizer=tok, max_new_tokens=6,
+                                  do_sample=False)
+    paged = hf_paged.pipeline("text-generation", model=model, tokenizer=tok, num_blocks=256, max_new_tokens=6,
+                              do_sample=False)
+    assert paged("Hello there") == stock("Hello there")
+    assert len(paged("Hello there", return_tensors=True)[0]["generated_token_ids"]) == len("Hello there") + 6
+    seen: list = []  # no options at all: stock's defaults (256 new tokens, sampled at temperature 0.7)
+    bare = hf_paged.pipeline("text-generation", model=model, tokenizer=tok, num_blocks=256)
+    generate = bare.engine.generate
+    bare.engine.generate = lambda prompts, params, **kw: seen.append(params) or generate(prompts, params, **kw)
+    bare("Hi", eos_token_id=_byte("H"))
+    (params,), = seen
+    assert (params.max_new_tokens, params.temperature, params.top_k) == (256, 0.7, 50)
+
+
+def test_a_streamer_gets_the_tokens_as_stock_hands_them_over(pipes):
+    stock, paged = pipes
+    class Tokens(transformers.TextStreamer):  # what a streamer is handed, call by call
+        def __init__(self):
+            self.calls: list = []
+
+        def put(self, value):
+            self.calls.append(value.tolist())
+
+        def end(self):
+            self.calls.append("end")
+
+    seen = []
+    for pipe in (stock, paged):
+        streamer = Tokens()
+        seen.append((pipe("Streaming is", max_new_tokens=10, do_sample=False, streamer=streamer), streamer.calls))
+    assert seen[0] == seen[1] and len(seen[0][1]) == 1 + 10 + 1  # the prompt, each new token, the end
+    streamer = transformers.TextIteratorStreamer(paged.tokenizer, skip_prompt=True, timeout=60)
+    result = paged("Streaming is", max_new_tokens=10, do_sample=False, streamer=streamer)
+    assert "Streaming is" + "".join(streamer) == result[0]["generated_text"]
+    with pytest.raises(ValueError, match="streamer needs one sequence"):
+        paged("x", max_new_tokens=3, num_beams=2, streamer=transformers.TextStreamer(paged.tokenizer))
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size"),
+    (dict(bad_words_ids=[[5]]), "bad_words_ids"),
+    (dict(typical_p=0.5, do_sample=True), "typical_p"),
+    (dict(logits_processor=transformers.LogitsProcessorList()), "logits_processor"),
+    (dict(num_beams=2, stop_strings=["x"]), "stop strings"),
+])
+def test_options_the_engine_cannot_honor_are_refused_by_name(pipes, kwargs, named):
+    _, paged = pipes
+    with pytest.raises(ValueError, match=named):
+        paged("Hello", **{"do_sample": False, **kwargs})
+    assert paged.engine.kv.num_used_blocks() == 0
+
+
+def test_sampling_is_repeatable_under_torch_manual_seed(pipes):
+    _, paged = pipes
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        runs.append(paged(["Hello", "Hi"], max_new_tokens=12, do_sample=True, temperature=1.5))
+    assert runs[0] == runs[1] and runs[0] != runs[2]

@@ -85,7 +85,12 @@ class RequestIntake:
         if params.beam_search:
             request.beam = BeamSearchState(
                 num_beams=params.num_beams, num_return_sequences=params.n, length_penalty=params.length_penalty,
-                early_stopping=params.early_stopping, eos_token_ids=[] if params.ignore_eos else self.eos_token_ids,
+                early_stopping=params.early_stopping, eos_token_ids=self._beam_ends(params),
                 prompt_len=len(ids), max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens,
             )
         return request
+
+    def _beam_ends(self, params: SamplingParams) -> list[int]:
+        """The tokens that finish a beam: ``stop_token_ids`` and (unless ignored) EOS."""
+        ends = [*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids)]
+        return list(dict.fromkeys(ends))

@@ -363,8 +363,9 @@ class OutputProcessor:
     def _advance_beams(self, request: Request, got: list[tuple[Sequence, torch.Tensor]], outcome: _Outcome) -> None:
         state = request.beam
         pending = request.beam_rows
-        for seq, logits in got:
+        for seq, logits in got:  # penalised after the log-softmax, as transformers' beam search does
             pending[seq.seq_id] = torch.log_softmax(logits.float(), -1)
+            sampler.repetition_penalty(pending[seq.seq_id], seq.token_ids, request.params.repetition_penalty)
         beams = request.live_seqs
         if any(seq.seq_id not in pending for seq in beams):
             return  # some beams are still being recomputed after a preemption
@@ -396,7 +397,7 @@ class OutputProcessor:
             for index, (tokens, score) in enumerate(state.finalize()):
                 seq = Sequence(request.prompt_token_ids + tokens, len(request.prompt_token_ids), index=index)
                 seq.cumulative_logprob = score  # the length-penalised beam score (generate's sequences_scores)
-                seq.finish_reason = "stop" if tokens and tokens[-1] in self.eos_token_ids else "length"
+                seq.finish_reason = "stop" if tokens and tokens[-1] in state.eos_token_ids else "length"
                 request.finished_seqs.append(seq)
 
     # ------------------------------------------------------------------ outputs

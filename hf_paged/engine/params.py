@@ -67,7 +67,7 @@ class SamplingParams:
     * ``top_p``: in ``(0, 1]``; ``top_k``: int >= 0, or -1 (0 and -1: no top-k; a value above the
       vocabulary keeps every token); ``min_p``: in ``[0, 1]``;
     * ``repetition_penalty``: in ``[0.01, 100]``; ``presence_penalty``, ``frequency_penalty``: in
-      ``[-2, 2]``;
+      ``[-2, 2]``, not with beam search;
     * ``n``, ``num_beams``: ints >= 1, ``n <= num_beams`` in beam search (the engine also bounds
       both by its ``max_num_seqs``);
     * ``length_penalty`` (beam search): a finite number; with ``num_beams > 1`` also
@@ -75,7 +75,8 @@ class SamplingParams:
       ``length ** length_penalty``, which must stay finite in float32);
     * ``early_stopping``: True, False or ``"never"``; ``ignore_eos``: a bool;
     * ``seed``: None or an int in ``[-(2**63), 2**64)`` (what ``torch.Generator`` takes);
-    * ``stop_token_ids``: a list of ints >= 0; ``stop``: a string or a list of non-empty strings;
+    * ``stop_token_ids``: a list of ints >= 0 (they end beams as EOS does); ``stop``: a string or a
+      list of non-empty strings, not with beam search;
     * ``logprobs``: None or an int >= 0 (the engine also bounds it by the vocabulary size);
     * ``structured_outputs``: None or a :class:`~hf_paged.constraints.StructuredOutputsParams`
       (one constraint; it checks itself). Not with beam search, ``min_new_tokens`` or
@@ -206,6 +207,12 @@ class SamplingParams:
                     _is_int(t) and t >= 0 and _is_real(b) and low <= b <= high for t, b in self.logit_bias.items()):
                 raise self._bad("logit_bias", f"must map token ids (ints >= 0) to numbers in [{low:g}, {high:g}]")
             self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()}
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) and self.beam_search:
+                raise self._bad(name, "does not apply to beam search (num_beams > 1); repetition_penalty does")
+        if self.stop and self.beam_search:
+            raise self._bad("stop", "(stop strings) cannot be combined with beam search (num_beams > 1); "
+                                    "stop_token_ids can")
         if self.constrained and self.beam_search:
             name = "structured_outputs" if self.structured_outputs is not None else "logit_bias"
             raise ValueError(f"SamplingParams.{name} cannot be combined with beam search (num_beams > 1): the engine "

@@ -198,10 +198,7 @@ def _min_p(logits: torch.Tensor, min_ps: list[float]) -> None:
 
 def _penalize(logits: torch.Tensor, params: SamplingParams, token_ids: Sequence[int], num_generated: int) -> None:
     """One row's repetition, presence and frequency penalties, in place."""
-    if params.repetition_penalty != 1.0 and token_ids:
-        seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=logits.device)
-        picked = logits[seen]
-        logits[seen] = torch.where(picked < 0, picked * params.repetition_penalty, picked / params.repetition_penalty)
+    repetition_penalty(logits, token_ids, params.repetition_penalty)
     if (params.presence_penalty or params.frequency_penalty) and num_generated:
         generated = torch.tensor(token_ids[-num_generated:], dtype=torch.long, device=logits.device)
         counts = torch.bincount(generated, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
@@ -255,3 +252,13 @@ def top_logprobs(raw_logprobs: torch.Tensor, token: int, k: int) -> dict[int, fl
         values, ids = torch.topk(raw_logprobs, k)
         result.update(zip(ids.tolist(), values.tolist()))
     return result
+
+
+def repetition_penalty(row: torch.Tensor, token_ids: Sequence[int], penalty: float) -> None:
+    """transformers' repetition penalty on one row of logits (or of beam search's log-probs), in
+    place: the score of every token in ``token_ids`` (prompt and output) divided by ``penalty``
+    where positive, multiplied where negative."""
+    if penalty != 1.0 and token_ids:
+        seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=row.device)
+        picked = row[seen]
+        row[seen] = torch.where(picked < 0, picked * penalty, picked / penalty)
