@@ -7,19 +7,31 @@ on: the model config, a weights fingerprint, the dtype, the block size and the s
 checks the fingerprint (a mismatch is refused with an error naming it) and every tensor's sha256
 (a truncated or corrupted file is refused) before anything changes.
 
-The weights fingerprint stays cheap for any model size: per parameter its name, shape, dtype and
-64 values read at fixed strides, hashed together (a few thousand values for a 70B model).
+The weights fingerprint covers every byte of every parameter and buffer (a change to a few
+embedding rows, as when only new tokens' embeddings are fine-tuned, changes it): per tensor its
+name, shape and dtype, then its raw bytes hashed with SHA-256 in 32 MiB chunks by a few threads
+(hashlib releases the GIL; a GPU tensor is copied to the CPU a chunk at a time), the chunk digests
+hashed in order. Tied weights are hashed once. It reads the whole model on every save and load:
+about 1.8 GB/s per core with the SHA extensions of current x86 and ARM CPUs (1B bf16 parameters,
+2 GB: 1.1 s on a busy 2-core machine).
+
+Format v2 (this one) has that fingerprint; a v1 snapshot (a 64-value strided sample per tensor,
+which missed such changes) is refused by name: save it again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-FORMAT = "hf_paged.prefix_cache.v1"
+FORMAT = "hf_paged.prefix_cache.v2"
+_OLD_FORMATS = {"hf_paged.prefix_cache.v1"}
+_CHUNK = 32 << 20  # bytes hashed at once (and, for a GPU tensor, copied to the CPU at once)
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "_attn_implementation_internal",
                          "_attn_implementation_autoset", "torch_dtype", "dtype", "architectures"}
 
@@ -37,20 +49,50 @@ def config_fingerprint(config) -> str:
     return _sha(json.dumps(values, sort_keys=True, default=str).encode())
 
 
+def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's data as a flat uint8 tensor on its own device (a copy only when not contiguous)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    try:
+        return flat.view(torch.uint8)
+    except (RuntimeError, TypeError):  # a tensor subclass without a byte view: its float32 values
+        return flat.to(torch.float32).view(torch.uint8)
+
+
+def _chunk_digest(chunk: torch.Tensor) -> bytes:
+    with torch.no_grad():
+        return hashlib.sha256(chunk.cpu().numpy()).digest()
+
+
 @torch.no_grad()
-def weights_fingerprint(model: torch.nn.Module, samples: int = 64) -> str:
-    """Name, shape, dtype and ``samples`` strided values of every parameter and buffer, hashed (of
-    this rank's shard, for a tensor-parallel model)."""
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """Name, shape, dtype and every byte of every parameter and buffer, hashed (of this rank's
+    shard, for a tensor-parallel model)."""
     digest = hashlib.sha256()
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    chunks: list[torch.Tensor] = []
+    parts: list[tuple[bytes, int]] = []  # per tensor: its header, then how many chunk digests follow
+    seen: dict[tuple, str] = {}
     for name, tensor in sorted(named, key=lambda item: item[0]):  # not state_dict(): it fails on DTensors in inference mode
         if hasattr(tensor, "to_local"):  # a DTensor: this rank's part
             tensor = tensor.to_local()
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        flat = tensor.detach().reshape(-1)
-        if flat.numel():
-            index = torch.linspace(0, flat.numel() - 1, min(samples, flat.numel()), device=flat.device).long()
-            digest.update(flat[index].to("cpu", torch.float64).numpy().tobytes())
+        header = f"{name}:{tuple(tensor.shape)}:{tensor.dtype}"
+        same = (tensor.device, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
+                tensor.data_ptr() if tensor.numel() else None)
+        if tensor.numel() and same in seen:  # tied weights: one tensor under two names, hashed once
+            parts.append((f"{header}=>{seen[same]}".encode(), 0))
+            continue
+        seen[same] = name
+        data = _raw_bytes(tensor)
+        pieces = [data[i:i + _CHUNK] for i in range(0, data.numel(), _CHUNK)]
+        chunks.extend(pieces)
+        parts.append((header.encode(), len(pieces)))
+    workers = max(1, min(8, os.cpu_count() or 1, len(chunks)))
+    with ThreadPoolExecutor(workers) as pool:
+        digests = iter(list(pool.map(_chunk_digest, chunks)))
+    for header, count in parts:
+        digest.update(header)
+        for _ in range(count):
+            digest.update(next(digests))
     return digest.hexdigest()
 
 
@@ -66,11 +108,13 @@ def _tensor_sha(t: torch.Tensor) -> str:
 
 def save(path, print_: dict[str, str], chain, groups, layer_groups, storage) -> int:
     """Write a snapshot: ``chain`` and ``groups`` as ``PrefixIndex.export`` gives
-    them, the blocks' K/V read from ``storage`` for each group's layers. Returns the blocks saved."""
+    them, the blocks' K/V read from ``storage`` for each group's layers. Returns the blocks saved:
+    0 for an empty prefix cache, whose snapshot is valid and loads 0 blocks."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {
-        "chain.tokens": torch.tensor([list(t) for t, _ in chain], dtype=torch.int64).reshape(len(chain), -1),
+        "chain.tokens": torch.tensor([list(t) for t, _ in chain], dtype=torch.int64).reshape(len(chain), -1)
+        if chain else torch.zeros((0, 0), dtype=torch.int64),  # nothing cached: a valid empty snapshot
         "chain.parents": torch.tensor([p for _, p in chain], dtype=torch.int64),
     }
     saved = 0
@@ -102,6 +146,9 @@ def read(path, expected: dict[str, str], num_groups: int) -> tuple[dict[str, tor
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except Exception as err:  # noqa: BLE001 - safetensors raises several types for a damaged file
         raise SnapshotError(f"{path}: not a readable safetensors snapshot ({err})") from err
+    if metadata.get("format") in _OLD_FORMATS:
+        raise SnapshotError(f"{path}: saved by an older hf_paged (format {metadata['format']!r}, whose weights "
+                            f"fingerprint sampled the weights); save it again with this version ({FORMAT!r})")
     if metadata.get("format") != FORMAT:
         raise SnapshotError(f"{path}: not an hf_paged prefix-cache snapshot (format {metadata.get('format')!r})")
     names = {"dtype": "dtype", "block_size": "block size", "sharding": "tensor-parallel rank/size",
