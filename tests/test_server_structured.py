@@ -154,6 +154,53 @@ def test_logprobs_of_a_non_ascii_reply_give_its_bytes_and_offsets(client, stream
     assert offsets == [0, 0, 1, 1, 1, 2, 3]
 
 
+def _strict_json(text: str):
+    """JSON as the standard has it: ``-Infinity`` / ``NaN`` (Python's json reads them) are errors."""
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def _bodies(server, path: str, body: dict) -> list[dict]:
+    """The response body, or a stream's chunks, each parsed as strict JSON."""
+    resp = httpx.post(server.url + path, json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    if not body.get("stream"):
+        return [_strict_json(resp.text)]
+    events = [line[len("data: "):] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [_strict_json(event) for event in events[:-1]]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_tokens_a_constraint_masked_are_finite(client, served, stream):
+    """A masked token's log-prob is -inf, which JSON cannot hold (once a 500, or ``-Infinity`` in a
+    stream chunk): it reads -9999.0, as vLLM writes it. Choosing "yes" or "no", the first step
+    allows "y" and "n", every later one a single token, so most of the top 5 are masked."""
+    server, _ = served
+    args = dict(model=MODEL, max_tokens=8, temperature=0, stream=stream, structured_outputs={"choice": ["yes", "no"]})
+    chat = [c["choices"][0] for c in _bodies(server, "/v1/chat/completions",
+                                              dict(messages=USER, logprobs=True, top_logprobs=5, **args))
+            if c["choices"]]
+    content = "".join((c["delta"] if stream else c["message"])["content"] or "" for c in chat)
+    entries = [e for c in chat if c["logprobs"] for e in c["logprobs"]["content"]]
+    assert content in ("yes", "no") and len(entries) == len(content) + 1  # then </s>
+    finite = [{alt["token"] for alt in e["top_logprobs"] if alt["logprob"] > -9999} for e in entries]
+    assert finite[:-1] == [{"y", "n"}] + [{letter} for letter in content[1:]] and len(finite[-1]) == 1  # </s>
+    for entry, kept in zip(entries, finite):
+        values = [alt["logprob"] for alt in entry["top_logprobs"]]
+        assert values[len(kept):] == [-9999.0] * (5 - len(kept)) and entry["logprob"] == values[0] > -9999
+    done = [c["choices"][0] for c in _bodies(server, "/v1/completions", dict(prompt="Hi", logprobs=5, **args))
+            if c["choices"]]
+    text = "".join(c["text"] for c in done)
+    logprobs = [c["logprobs"] for c in done if c["logprobs"]]
+    tops = [top for lp in logprobs for top in lp["top_logprobs"]]
+    finite = [{token for token, value in top.items() if value > -9999} for top in tops]
+    assert text in ("yes", "no") and finite[:-1] == [{"y", "n"}] + [{letter} for letter in text[1:]]
+    assert len(finite[-1]) == 1 and all(-9999.0 in top.values() for top in tops)
+    assert all(value > -9999 for lp in logprobs for value in lp["token_logprobs"])
+
+
 # ---------------------------------------------------------------------------- tools
 def check_call(call, tools=TOOLS):
     tool = next(t for t in tools if t["function"]["name"] == call.function.name)

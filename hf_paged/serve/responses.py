@@ -12,6 +12,7 @@ from hf_paged.engine.outputs import RequestOutput
 
 OBJECT = {"completion": "text_completion", "chat": "chat.completion"}
 CHUNK_OBJECT = {"completion": "text_completion", "chat": "chat.completion.chunk"}
+MIN_LOGPROB = -9999.0  # what a token a constraint masked (log-prob -inf) reads as: vLLM's value
 
 
 class TokenText:
@@ -90,9 +91,16 @@ def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda item: -item[1])[:k]
 
 
+def _finite(logprobs: list[dict[int, float]]) -> list[dict[int, float]]:
+    """The log-probs with -inf raised to ``MIN_LOGPROB``: JSON has no infinity (a 500, or a stream
+    chunk no client parses, where a constraint masked a token in the top-k)."""
+    return [{t: max(v, MIN_LOGPROB) for t, v in entry.items()} for entry in logprobs]
+
+
 def completion_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list[dict[int, float]], k: int,
                         offsets: TextOffsets) -> dict:
     """Completions' format: parallel lists of tokens, their log-probs, top-``k`` and text offsets."""
+    logprobs = _finite(logprobs)
     return {"tokens": [text_of(t) for t in token_ids], "token_logprobs": [lp[t] for lp, t in zip(logprobs, token_ids)],
             "top_logprobs": [_by_text(text_of, _top(lp, k)) for lp in logprobs],
             "text_offset": [offsets.advance(text_of.bytes_of(t)) for t in token_ids]}
@@ -112,6 +120,7 @@ def chat_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list[dict[
     def entry(token_id: int, value: float) -> dict:
         return {"token": text_of(token_id), "logprob": value, "bytes": list(text_of.bytes_of(token_id))}
 
+    logprobs = _finite(logprobs)
     return {"content": [{**entry(t, lp[t]), "top_logprobs": [entry(i, v) for i, v in _top(lp, k)]}
                         for lp, t in zip(logprobs, token_ids)]}
 
