@@ -388,6 +388,9 @@ BAD = [
     (dict(logit_bias={"abc": 1}), "logit_bias", "token ids"),
     (dict(logit_bias={"999": 1}), "logit_bias", "vocabulary"),
     (dict(logit_bias={"5": 150}), "logit_bias", "[-100, 100]"),
+    (dict(logit_bias={"\u00b2": 1}), "logit_bias", "token ids"),  # "²": a digit to str.isdigit, not to int (a 500)
+    (dict(logit_bias={"\u0661": 1}), "logit_bias", "token ids"),  # Arabic-Indic 1: int() reads 1 (was token 1)
+    (dict(logit_bias={"\uff11": 1}), "logit_bias", "token ids"),  # fullwidth 1, likewise
     (dict(response_format={"type": "json_object"}, extra_body={"min_tokens": 3}), "min_tokens", "structured_outputs"),
     (dict(response_format={"type": "json_object"}, n=2, extra_body={"use_beam_search": True}), "response_format",
      "beam search"),

@@ -301,9 +301,12 @@ class _GenerationRequest(_Strict):
         return self._constraint_param
 
     def _check_logit_bias(self, limits: Limits) -> None:
+        """Keys are token ids in ASCII digits: "²" and "１" pass ``str.isdigit`` too (and ``int``
+        fails on the one, reads the other as 1)."""
         low, high = LOGIT_BIAS_RANGE
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit() or (limits.vocab_size is not None and int(key) >= limits.vocab_size):
+            is_id = key.isascii() and key.isdigit()
+            if not is_id or (limits.vocab_size is not None and int(key) >= limits.vocab_size):
                 raise invalid("logit_bias", f"logit_bias keys must be token ids below the vocabulary size "
                                             f"{limits.vocab_size}, got {key!r}")
             if not low <= value <= high:
