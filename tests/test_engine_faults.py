@@ -5,6 +5,7 @@ and health follows consecutive failures."""
 from __future__ import annotations
 
 import logging
+import dataclasses
 import math
 
 import pytest
@@ -505,3 +506,11 @@ def test_nonfinite_rows_finds_nan_inf_and_rows_without_a_finite_value():
     logits[5, 7], logits[9, :] = math.nan, -math.inf
     logits[11, 0] = math.inf
     assert nonfinite_rows(logits) == [5, 9, 11]
+
+
+@pytest.mark.parametrize("name, hint", [("best_of", "num_beams runs beam search"),
+                                        ("guided_decoding", "structured_outputs"), ("temprature", "it takes: ")])
+def test_a_parameter_it_does_not_take_is_named_with_what_to_pass_instead(name, hint):
+    with pytest.raises(TypeError, match=rf"^SamplingParams has no parameter '{name}'.*{hint}"):
+        SamplingParams(**{name: 1})
+    assert dataclasses.replace(SamplingParams(max_tokens=5), n=2).max_new_tokens == 5  # replace() still works

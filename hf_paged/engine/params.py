@@ -9,9 +9,10 @@ NaN. The checks the engine's own limits add (``n``/``num_beams`` against ``max_n
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, dataclass, field, fields
 
 from hf_paged.constraints.params import StructuredOutputsParams
 
@@ -250,3 +251,34 @@ _DEFAULTS = {"max_new_tokens": SamplingParams.max_new_tokens, "min_new_tokens": 
 # ... and read under them too (the init-only aliases above would otherwise read None)
 SamplingParams.max_tokens = property(lambda self: self.max_new_tokens, doc="vLLM's name of max_new_tokens")
 SamplingParams.min_tokens = property(lambda self: self.min_new_tokens, doc="vLLM's name of min_new_tokens")
+
+# vLLM SamplingParams fields this engine does not take, and what to write instead
+VLLM_ONLY = {
+    "best_of": "sampled best_of is not built; num_beams runs beam search",
+    "use_beam_search": "pass num_beams > 1",
+    "guided_decoding": "pass structured_outputs=StructuredOutputsParams(...)",
+    "allowed_token_ids": "pass structured_outputs (choice, regex, ...) or logit_bias",
+    "bad_words": "pass logit_bias={token id: -100}",
+    "include_stop_str_in_output": "the text always ends before a stop string (its token ids are kept)",
+    "skip_special_tokens": "outputs' text always skips special tokens",
+    "prompt_logprobs": "prompt log-probabilities are not computed",
+    "truncate_prompt_tokens": "truncate the prompt before adding it",
+}
+
+
+def _naming_unknown_parameters(init):
+    """``SamplingParams(...)`` with a name it does not take: a TypeError that says what to pass
+    instead (vLLM users write vLLM's names), not the dataclass's bare one."""
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        known = {f.name for f in fields(SamplingParams)} | {"max_tokens", "min_tokens"}
+        for name in kwargs:
+            if name not in known:
+                hint = f": {VLLM_ONLY[name]}" if name in VLLM_ONLY else ""
+                raise TypeError(f"SamplingParams has no parameter {name!r}{hint} (it takes: "
+                                f"{', '.join(sorted(known))})")
+        init(self, *args, **kwargs)
+    return __init__
+
+
+SamplingParams.__init__ = _naming_unknown_parameters(SamplingParams.__init__)
