@@ -352,14 +352,43 @@ def test_hermes_parser_on_text():
     assert parse_tool_calls(HERMES_CALL)[0] is None
     spaced = "Sure! " + HERMES_CALL + " done"
     for size, text in [(1, text), (2, text), (3, text), (7, text), (1, spaced), (4, spaced)]:
-        content, calls = parse_tool_calls(text)  # any split of the text streams the same calls and content
-        parser, streamed, arguments = HermesToolParser(), "", {}
-        for start in range(0, len(text), size):
-            piece, deltas = parser.feed(text[start:start + size], final=start + size >= len(text))
-            streamed += piece
-            for d in deltas:
-                arguments[d.index] = arguments.get(d.index, "") + d.arguments
-        assert streamed == content and [arguments[i] for i in sorted(arguments)] == [c.arguments for c in calls]
+        assert_any_split_parses_the_same(text, size)
+
+
+def assert_any_split_parses_the_same(text: str, size: int) -> None:
+    """Fed ``size`` characters at a time, the parser streams the content and calls of the whole text."""
+    content, calls = parse_tool_calls(text)
+    parser, streamed, arguments = HermesToolParser(), "", {}
+    for start in range(0, len(text), size):
+        piece, deltas = parser.feed(text[start:start + size], final=start + size >= len(text))
+        streamed += piece
+        for d in deltas:
+            arguments[d.index] = arguments.get(d.index, "") + d.arguments
+    assert streamed == (content or "") and [arguments[i] for i in sorted(arguments)] == [c.arguments for c in calls]
+
+
+@pytest.mark.parametrize("written, content, arguments", [
+    ('<tool_call>\n{"name": "get_time", "arguments": 5}\n</tool_call>', None, "5"),
+    ('<tool_call>{"name": "get_time", "arguments": null, "id": "x"}</tool_call>', None, "null"),
+    ('Hm. <tool_call>{"name": "get_time", "arguments": -1.5e3 }</tool_call>', "Hm.", "-1.5e3"),
+    ('<tool_call>{"name": "get_time", "arguments": true}', None, "true"),  # cut before its end tag
+    ('Hi <tool_call> not json </tool_call> bye', "Hi <tool_call> not json </tool_call> bye", None),
+])
+def test_hermes_calls_parse_as_written_streamed_or_not(client, written, content, arguments):
+    """A scalar's arguments end with it (once "5}": the object's brace came along), and text that
+    only looks like a call keeps the space before it (once "Hi<tool_call> ..."): over HTTP,
+    streamed and not, and fed to the parser in any pieces."""
+    args = dict(model=MODEL, messages=USER, max_tokens=120, temperature=0, tools=TOOLS,
+                extra_body={"structured_outputs": {"choice": [written]}})
+    calls = [("get_time", arguments)] if arguments is not None else []
+    whole = client.chat.completions.create(**args).choices[0]
+    assert whole.message.content == content
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []] == calls
+    assert _streamed(client, **args) == (content, calls, whole.finish_reason)
+    for arguments_text in (c[1] for c in calls):
+        json.loads(arguments_text)  # the value as written: JSON
+    for size in (1, 2, 3, 5):
+        assert_any_split_parses_the_same(written, size)
 
 
 # ---------------------------------------------------------------------------- 400s, and serving afterwards
@@ -399,6 +428,12 @@ BAD = [
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "x": {"not": {}}}}}}], tool_choice="required"), "tools[0].function.parameters", "'not'"),
     (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools[0].function.name", None),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"$ref": "#/nope"}}}}}], tool_choice="required"), "tools[0].function.parameters",
+     "tools[0].function.parameters: not a usable JSON schema (Cannot find field 'nope' in #/nope)"),  # no C++ file
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "integer", "maximum": 1e30}}}), "response_format.json_schema.schema",
+     "schema: invalid json: Integer exceeds maximum limit"),  # no "Check failed: (val <= ...) is false"
     (dict(tools=many_tools(600), tool_choice="required"), "tools", "larger than 1048576 bytes"),
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice",
      "cannot be added"),

@@ -34,6 +34,7 @@ from hf_paged.constraints.utf8 import Utf8Guard
 DEFAULT_TIMEOUT_S = 10.0
 MAX_GRAMMAR_BYTES = 64 * 2**20
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[06:19:07] /project/cpp/x.cc:83: "
+_FAILED_CHECK = re.compile(r"^Check failed: .*? is false:\s*")  # "Check failed: (val <= MAX) is false: "
 
 
 class ConstraintError(ValueError):
@@ -128,7 +129,7 @@ class ConstraintCompiler:
         except ConstraintError as err:
             result = err
         except Exception as err:  # noqa: BLE001 - xgrammar's own errors: a bad regex, grammar or schema
-            result = ConstraintError(params.kind, f"invalid {params.kind}: {_clean(err)}")
+            result = ConstraintError(params.kind, f"invalid {params.kind}: {clean_error(err)}")
         with self._lock:
             self._pending.pop(params.key, None)
             self._cache[params.key] = result
@@ -205,9 +206,10 @@ def _done(result) -> Future:
     return future
 
 
-def _clean(err: Exception) -> str:
-    """xgrammar's message without its timestamp and C++ source location."""
-    lines = [_XGRAMMAR_PREFIX.sub("", line).strip() for line in str(err).strip().splitlines()]
+def clean_error(err: Exception) -> str:
+    """xgrammar's message without its timestamp, C++ source location and failed-check condition
+    (what a 400 says: the C++ internals mean nothing to a client)."""
+    lines = [_FAILED_CHECK.sub("", _XGRAMMAR_PREFIX.sub("", line)).strip() for line in str(err).strip().splitlines()]
     return " ".join(line for line in lines if line) or type(err).__name__
 
 

@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_paged.constraints.compiler import json_grammar
+from hf_paged.constraints.compiler import clean_error, json_grammar
 from hf_paged.constraints.params import MAX_STRUCTURAL_TAG_BYTES, StructuredOutputsParams
 from hf_paged.constraints.schema import check_schema
 
@@ -37,6 +37,7 @@ FORMATS = ("hermes",)
 NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 NO_PARAMETERS = {"type": "object", "properties": {}}
+_SCALAR = frozenset("0123456789+-.eE" "truefalsn")  # what a number, true, false or null is written with
 
 
 class ToolError(ValueError):
@@ -121,7 +122,7 @@ def _call_tag(tool: Tool, index: int) -> dict:
     except ValueError as err:
         raise ToolError(where, f"{where}: {err}") from None
     except Exception as err:  # noqa: BLE001 - xgrammar's own schema errors
-        raise ToolError(where, f"{where}: not a usable JSON schema ({err})") from None
+        raise ToolError(where, f"{where}: not a usable JSON schema ({clean_error(err)})") from None
     begin = f'{START}\n{{"name": {json.dumps(tool.name)}, "arguments": '
     return {"type": "tag", "begin": begin, "content": {"type": "grammar", "grammar": grammar}, "end": "}\n" + END}
 
@@ -159,7 +160,9 @@ class ToolCall:
 
 @dataclass
 class _Value:
-    """Scans a JSON value character by character: where it ends, strings and escapes included."""
+    """Scans a JSON value character by character: where it ends, strings and escapes included. A
+    number, ``true``, ``false`` or ``null`` ends only at a character that is not its own
+    (:meth:`ends_before`)."""
 
     depth: int = 0
     in_string: bool = False
@@ -186,6 +189,10 @@ class _Value:
             self.depth -= 1
             return self.depth <= 0
         return False
+
+    def ends_before(self, ch: str) -> bool:
+        """True when the value is a scalar that ended before ``ch``."""
+        return self.started and self.depth == 0 and not self.in_string and ch not in _SCALAR
 
 
 @dataclass
@@ -233,24 +240,22 @@ class HermesToolParser:
     def _text(self, content: list[str], final: bool) -> bool:
         at = self._buffer.find(START)
         if at >= 0:
-            self._emit_text(self._buffer[:at], content, before_call=True)
+            self._emit_text(self._buffer[:at], content)
             self._buffer, self._state = self._buffer[at + len(START):], "head"
             return True
         keep = 0 if final else _partial_suffix(self._buffer, START)
-        self._emit_text(self._buffer[: len(self._buffer) - keep], content, before_call=False)
+        self._emit_text(self._buffer[: len(self._buffer) - keep], content)
         self._buffer = self._buffer[len(self._buffer) - keep:]
         return False
 
-    def _emit_text(self, text: str, content: list[str], before_call: bool) -> None:
-        """Content, without the whitespace between calls (held until what follows it is known)."""
+    def _emit_text(self, text: str, content: list[str]) -> None:
+        """Content, without the whitespace between calls: trailing whitespace is held until what
+        follows it is known (dropped before a call, written before text or a ``<tool_call>`` that
+        is none)."""
         text = self._held_space + text
-        self._held_space = ""
         if self._after_call:
             text = text.lstrip()
             self._after_call = not text
-        if before_call:
-            self._write(text.rstrip(), content)
-            return
         stripped = text.rstrip()
         self._write(stripped, content)
         self._held_space = text[len(stripped):]
@@ -266,6 +271,7 @@ class HermesToolParser:
             self._state, self._after_call = "text", is_call
             return True
         name = json.loads(f'"{found.group(1)}"')
+        self._held_space = ""
         call = ToolCall(f"call_{uuid.uuid4().hex[:24]}", name)
         self.calls.append(call)
         deltas.append(ToolCallDelta(len(self.calls) - 1, "", call.id, name))
@@ -279,9 +285,11 @@ class HermesToolParser:
             if not isinstance(name, str):
                 raise TypeError(name)
         except (ValueError, KeyError, TypeError):
-            self._write(START + body + END, content)  # not a call: the model's text, as written
+            self._write(self._held_space + START + body + END, content)  # not a call: the model's text
+            self._held_space = ""
             return False
         text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        self._held_space = ""
         call = ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, text)
         self.calls.append(call)
         deltas.append(ToolCallDelta(len(self.calls) - 1, text, call.id, name))
@@ -291,6 +299,9 @@ class HermesToolParser:
     def _arguments(self, deltas: list[ToolCallDelta]) -> bool:
         taken, done = 0, False
         for ch in self._buffer:
+            if self._value.ends_before(ch):
+                done = True
+                break
             taken += 1
             if not self._value.started and ch.isspace():
                 continue  # before the value
@@ -320,12 +331,12 @@ class HermesToolParser:
         """At the end of the text: what is left. An unfinished call stays as far as it got; a
         ``<tool_call>`` that never named a function is text."""
         rest, self._buffer = self._buffer, ""
+        held, self._held_space = self._held_space, ""
         if self._state == "head":
             self._state = "text"
-            return (START + rest).rstrip() if not self.calls else (START + rest).strip()
+            return held + (START + rest).rstrip()
         if self._state == "text":
-            text = self._held_space + rest
-            self._held_space = ""
+            text = held + rest
             return text.rstrip() if self.calls else text
         return ""
 
