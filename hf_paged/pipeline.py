@@ -59,6 +59,7 @@ class _Call:
     params: SamplingParams
     streamer: Any
     fill: int
+    start: list[int]  # an empty prompt's stand-in, as in generate(): the BOS token
 
 
 def _fill_token(config: GenerationConfig, beam_search: bool) -> int:
@@ -157,8 +158,8 @@ class PagedTextGenerationPipeline(TextGenerationPipeline):
         forward_params = {**self._forward_params, **forward_params}
         postprocess_params = {**self._postprocess_params, **postprocess_params}
         model_inputs = [self.preprocess(x, **preprocess_params) for x in items]
-        prompts = [mi["input_ids"][0].tolist() for mi in model_inputs]
         calls = [self._generate_call(mi, forward_params) for mi in model_inputs]
+        prompts = [mi["input_ids"][0].tolist() or call.start for mi, call in zip(model_inputs, calls)]
         if calls[0].streamer is None:
             outputs = self.engine.generate(prompts, [call.params for call in calls], use_tqdm=False)
             completions = [self._token_ids(out) for out in outputs]
@@ -185,11 +186,13 @@ class PagedTextGenerationPipeline(TextGenerationPipeline):
         for name, value in rest.items():
             if name not in IGNORED_GENERATE_ARGS and value is not None and not name.startswith("output_"):
                 raise _unsupported(name)
-        params = sampling_params(config, model_inputs["input_ids"].shape[-1], list(self.engine.eos_token_ids))
+        prompt_len = model_inputs["input_ids"].shape[-1] or 1  # an empty prompt starts from BOS
+        params = sampling_params(config, prompt_len, list(self.engine.eos_token_ids))
         if streamer is not None and (params.beam_search or params.n > 1):
             raise ValueError("paged-text-generation: a streamer needs one sequence per input (as in generate(): "
                              "no beam search, num_return_sequences=1)")
-        return _Call(params, streamer, _fill_token(config, params.beam_search))
+        start = [] if config.bos_token_id is None else [config.bos_token_id]
+        return _Call(params, streamer, _fill_token(config, params.beam_search), start)
 
     def _streamed(self, prompt: list[int], call: _Call) -> list[int]:
         """One input through the engine, its tokens handed to ``streamer`` as ``generate()`` does:
@@ -217,7 +220,8 @@ class PagedTextGenerationPipeline(TextGenerationPipeline):
         sequences = [prompt + ids for ids in completions]
         width = max(map(len, sequences))
         padded = torch.tensor([s + [fill] * (width - len(s)) for s in sequences])
-        model_outputs = {"generated_sequence": padded[None], "input_ids": model_inputs["input_ids"],
+        input_ids = model_inputs["input_ids"] if model_inputs["input_ids"].numel() else None  # as stock's _forward
+        model_outputs = {"generated_sequence": padded[None], "input_ids": input_ids,
                          "prompt_text": model_inputs["prompt_text"]}
         return self.postprocess(model_outputs, **postprocess_params)
 

@@ -28,6 +28,8 @@ def pipes():
     ([[{"role": "user", "content": "a"}], [{"role": "user", "content": "bcd"}]], dict(max_new_tokens=5, do_sample=False)),
     ("Beam me up", dict(max_new_tokens=6, num_beams=3, num_return_sequences=2, do_sample=False)),
     ("new text only", dict(max_new_tokens=5, do_sample=False, return_full_text=False)),
+    (["", "x"], dict(max_new_tokens=6, do_sample=False, return_tensors=True)),  # generate() starts "" from BOS
+    ("", dict(max_new_tokens=6, do_sample=False)),
 ])
 def test_paged_pipeline_matches_the_stock_pipeline(pipes, inputs, kwargs):
     stock, paged = pipes
