@@ -110,7 +110,7 @@ def sampling_params(config: GenerationConfig, prompt_len: int, engine_eos: list[
     ``engine_eos``: the ids the engine stops at; another ``eos_token_id`` replaces them."""
     defaults = GenerationConfig()._get_default_generation_params()
     for name, value in config.to_dict().items():
-        if name in HONORED or name in INERT or name.startswith(("output_", "_")):
+        if name in HONORED or name in INERT or name.startswith("_"):  # output_scores etc. are refused too
             continue
         if value is not None and value is not False and value != defaults.get(name, None):
             raise _unsupported(name)
@@ -118,7 +118,9 @@ def sampling_params(config: GenerationConfig, prompt_len: int, engine_eos: list[
     if max_new < 1:  # as generate() refuses it
         raise ValueError(f"paged-text-generation: max_length={config.max_length} leaves no room to generate after "
                          f"a prompt of {prompt_len} tokens; set max_new_tokens")
-    min_new = config.min_new_tokens if config.min_new_tokens is not None else max(0, (config.min_length or 0) - prompt_len)
+    min_new = config.min_new_tokens
+    if min_new is None:
+        min_new = max(0, (config.min_length or 0) - prompt_len)
     eos = _eos_ids(config.eos_token_id)
     own_eos = sorted(set(eos)) != sorted(set(engine_eos))
     sampling = bool(config.do_sample)
@@ -184,7 +186,7 @@ class PagedTextGenerationPipeline(TextGenerationPipeline):
         config, rest = model._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
         streamer = rest.pop(STREAMER, None)
         for name, value in rest.items():
-            if name not in IGNORED_GENERATE_ARGS and value is not None and not name.startswith("output_"):
+            if name not in IGNORED_GENERATE_ARGS and value is not None:
                 raise _unsupported(name)
         prompt_len = model_inputs["input_ids"].shape[-1] or 1  # an empty prompt starts from BOS
         params = sampling_params(config, prompt_len, list(self.engine.eos_token_ids))

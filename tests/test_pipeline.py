@@ -157,6 +157,7 @@ def test_a_streamer_gets_the_tokens_as_stock_hands_them_over(pipes):
     (dict(typical_p=0.5, do_sample=True), "typical_p"),
     (dict(logits_processor=transformers.LogitsProcessorList()), "logits_processor"),
     (dict(num_beams=2, stop_strings=["x"]), "stop strings"),
+    (dict(return_dict_in_generate=True, output_scores=True), "output_scores"),  # stock returns them
 ])
 def test_options_the_engine_cannot_honor_are_refused_by_name(pipes, kwargs, named):
     _, paged = pipes
