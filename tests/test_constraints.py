@@ -170,6 +170,42 @@ def test_refused_keywords_are_not_enforced_by_xgrammar(compiler, keyword):
         StructuredOutputsParams(json=schema)
 
 
+IGNORED_BESIDE = {  # xgrammar builds these nodes from $ref / enum / const / anyOf / allOf alone
+    "const+minimum": ({"type": "integer", "const": 5, "minimum": 6}, "5", "minimum", "/"),
+    "enum+type": ({"type": "integer", "enum": [1, "a"]}, '"a"', "type", "/"),
+    "enum+const": ({"enum": ["a"], "const": "b"}, '"b"', "const", "/"),
+    "anyOf+type": ({"anyOf": [{"type": "integer"}, {"type": "string"}], "type": "integer"}, '"a"', "type", "/"),
+    "$ref+maxLength": ({"$defs": {"s": {"type": "string"}}, "type": "object", "properties": {
+        "s": {"$ref": "#/$defs/s", "maxLength": 2}}, "required": ["s"]}, '{"s": "abc"}', "maxLength", "/properties/s"),
+    "allOf+maxLength": ({"allOf": [{"type": "string"}], "maxLength": 2}, '"abc"', "maxLength", "/"),
+    "lookahead": ({"type": "string", "pattern": "^(?!a)[a-z]+$"}, '"abc"', "pattern", "/"),
+    "lookbehind": ({"type": "array", "items": {"type": "string", "pattern": "(?<!x)a"}}, None, "pattern", "/items"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IGNORED_BESIDE))
+def test_keywords_xgrammar_would_skip_are_refused(compiler, case):
+    """The backend lets the invalid instance through (lookbehinds it refuses itself, in the C++
+    log's words); the checker names the skipped keyword and where it is."""
+    schema, invalid, keyword, path = IGNORED_BESIDE[case]
+    if invalid is not None:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(json.loads(invalid), schema)
+        assert matches(compiler, schema, invalid)
+    with pytest.raises(UnsupportedSchemaError, match=f"'{keyword}' at {path} cannot be enforced"):
+        StructuredOutputsParams(json=schema)
+
+
+def test_redundant_keywords_beside_enum_const_and_ref_are_allowed():
+    """What pydantic writes: a type every enum/const value has, annotations, a root's $defs; and a
+    pattern whose "(?=" is escaped or in a character class."""
+    for schema in ({"enum": ["red", "green"], "title": "Color", "type": "string"}, {"const": "x", "type": "string"},
+                   {"type": ["integer", "null"], "enum": [1, 2.0, None]}, {"anyOf": [{"type": "null"}], "default": None},
+                   {"$defs": {"n": {"type": "integer"}}, "$ref": "#/$defs/n", "description": "n", "default": 1},
+                   {"type": "string", "pattern": r"^\(?=[(?=]$"}):
+        StructuredOutputsParams(json=schema)
+
+
 def test_formats_listed_as_checked_are_checked(compiler):
     for name in sorted(FORMATS):
         assert not matches(compiler, {"type": "string", "format": name}, '"not ! valid ~"'), name

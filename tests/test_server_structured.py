@@ -115,6 +115,29 @@ def test_structured_outputs_and_guided_fields(client):
         jsonschema.validate(json.loads(content), PERSON)
 
 
+def test_vllms_older_structural_tag_is_xgrammars_triggered_tags(client, engine):
+    """vLLM's ``structures`` / ``triggers`` (once a 400 quoting xgrammar's "Format type not
+    recognized") constrains as the current format's triggered tags written out (a bias on "<",
+    "n" and ">" makes the model write the trigger; a digit must follow)."""
+    schema = {"type": "integer", "minimum": 0, "maximum": 9}
+    older = {"type": "structural_tag", "structures": [{"begin": "<n>", "schema": schema, "end": "</n>"}],
+             "triggers": ["<n>"]}
+    current = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<n>"], "tags": [
+        {"type": "tag", "begin": "<n>", "content": {"type": "json_schema", "json_schema": schema}, "end": "</n>"}]}}
+    bias = {TOKENIZER.convert_tokens_to_ids(c): 8 for c in "<n>"}
+    resp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=40, temperature=0,
+                                     logit_bias={str(t): b for t, b in bias.items()},
+                                     extra_body={"structured_outputs": {"structural_tag": older},
+                                                 "return_token_ids": True})
+    ref = engine.generate([TOKENIZER("Hi").input_ids], SamplingParams(
+        max_new_tokens=40, temperature=0, logit_bias=bias, structured_outputs=StructuredOutputsParams(
+            structural_tag=current)), use_tqdm=False)[0].outputs[0]
+    assert resp.choices[0].model_extra["token_ids"] == ref.token_ids and "<n>1</n>" in resp.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="uniqueItems"):  # its schemas are checked
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, extra_body={"structured_outputs": {
+            "structural_tag": {**older, "structures": [{"begin": "<n>", "schema": {"uniqueItems": True}, "end": "</n>"}]}}})
+
+
 def test_streamed_json_equals_the_non_streamed(client):
     args = dict(model=MODEL, messages=USER, max_tokens=80, temperature=0,
                 response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
@@ -398,6 +421,16 @@ BAD = [
      "response_format.json_schema.schema", "uniqueItems"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}),
      "response_format.json_schema.schema", "unknown type"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "integer", "const": 5, "minimum": 6}}}), "response_format.json_schema.schema",
+     "'minimum' at / cannot be enforced: ignored beside 'const'"),  # once 200 and 5
+    (dict(extra_body={"guided_json": {"$defs": {"s": {"type": "string"}}, "type": "object", "properties": {
+        "s": {"$ref": "#/$defs/s", "maxLength": 2}}}}), "guided_json", "'maxLength' at /properties/s"),
+    (dict(extra_body={"guided_json": {"type": "string", "pattern": "^(?!a)[a-z]+$"}}), "guided_json",
+     "'pattern' at / cannot be enforced: lookaheads"),  # once dropped: "abc" passed
+    (dict(extra_body={"structured_outputs": {"structural_tag": {"type": "structural_tag", "structures": [
+        {"begin": "<f>", "end": "</f>"}], "triggers": ["<f>"]}}}), "structured_outputs",
+     'structural_tag: the older format is {"type": "structural_tag", "structures"'),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.json_schema",
      "schema"),
     (dict(response_format={"type": "xml"}), "response_format.type", None),

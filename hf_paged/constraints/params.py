@@ -2,7 +2,8 @@
 
 Exactly one of ``json`` (a JSON schema), ``json_object`` (any JSON object), ``regex``, ``choice``
 (one of some strings), ``grammar`` (EBNF as xgrammar and llama.cpp's GBNF write it, or Lark when
-it has no ``::=``) or ``structural_tag`` (xgrammar's format: what tool calling builds) is set.
+it has no ``::=``) or ``structural_tag`` (xgrammar's format: what tool calling builds; vLLM's older
+``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`` is converted to it) is set.
 Everything that can be checked without compiling is checked here, so the engine, the server and
 ``generate()``'s processors refuse the same things with the same messages: sizes (a constraint is
 at most ``MAX_CONSTRAINT_BYTES`` of text, a structural tag ``MAX_STRUCTURAL_TAG_BYTES``, choices
@@ -89,7 +90,7 @@ class StructuredOutputsParams:
         return _canonical(self.choice)
 
     def _check_structural_tag(self) -> str:
-        self.structural_tag = _json_value(self.structural_tag, "structural_tag")
+        self.structural_tag = _current_tag(_json_value(self.structural_tag, "structural_tag"))
         for schema in _embedded_schemas(self.structural_tag):
             check_schema(schema)
         return _canonical(self.structural_tag)
@@ -109,6 +110,23 @@ def _json_value(value: Any, name: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"StructuredOutputsParams.{name} must be a JSON object, got {type(value).__name__}")
     return value
+
+
+def _current_tag(tag: dict) -> dict:
+    """vLLM's older structural tag in xgrammar's current format, as xgrammar converts it (free text
+    until a trigger, then a tag whose content follows its schema), so its schemas are checked."""
+    if "structures" not in tag:
+        return tag
+    structures, triggers = tag["structures"], tag.get("triggers")
+    if not (isinstance(structures, list) and isinstance(triggers, list) and all(isinstance(t, str) for t in triggers)
+            and all(isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+                    and isinstance(s.get("schema"), dict) for s in structures)):
+        raise ValueError('StructuredOutputsParams.structural_tag: the older format is {"type": "structural_tag", '
+                         '"structures": [{"begin": str, "schema": {...}, "end": str}], "triggers": [str]}; '
+                         'otherwise xgrammar\'s {"type": "structural_tag", "format": {...}}')
+    tags = [{"type": "tag", "begin": s["begin"], "content": {"type": "json_schema", "json_schema": s["schema"]},
+             "end": s["end"]} for s in structures]
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
 
 
 def _text(value: Any, name: str) -> str:

@@ -8,6 +8,12 @@ an invalid instance and checking that xgrammar 0.2.8 accepts the one and rejects
 (``tests/test_constraints.py`` keeps checking it). Annotations that constrain nothing (``title``,
 ``description``, ...) are allowed.
 
+xgrammar also builds a node with ``$ref``, ``enum``, ``const``, ``anyOf`` or ``allOf`` from that
+keyword alone, skipping the node's others, and drops lookaheads and lookbehinds from a ``pattern``:
+those are refused too (a ``type`` beside ``enum``/``const`` is allowed when every value has it, as
+pydantic writes them). ``format`` checks the syntax, not every rule: a date's day is not checked
+against its month (``2024-02-30`` passes), ipv4 parts may have leading zeros.
+
 Some keywords are enforced more strictly than the schema asks, which keeps every output valid:
 ``pattern`` matches the whole string (JSON Schema searches), objects without
 ``additionalProperties`` get none (OpenAI's strict mode), properties come in the schema's order.
@@ -15,6 +21,7 @@ Some keywords are enforced more strictly than the schema asks, which keeps every
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,7 +38,8 @@ ENFORCED = {
     "minLength": None, "maxLength": None, "pattern": None, "format": None,
     "minimum": None, "maximum": None, "exclusiveMinimum": None, "exclusiveMaximum": None, "multipleOf": None,
 }
-# string formats xgrammar checks (others, e.g. "idn-email" or "int32", it lets any string through)
+# string formats xgrammar checks, by their syntax (others, e.g. "idn-email" or "int32", it lets any
+# string through)
 FORMATS = frozenset({"email", "date", "date-time", "time", "duration", "uuid", "ipv4", "ipv6", "uri", "uri-reference",
                      "hostname", "uri-template", "json-pointer", "relative-json-pointer"})
 # why the keywords xgrammar leaves unenforced are refused (anything else unknown: "not a keyword it enforces")
@@ -47,6 +55,12 @@ REFUSED = {
     "dependencies": "dependencies between properties are not enforced",
     "unevaluatedProperties": "use additionalProperties", "unevaluatedItems": "use items",
 }
+# keywords xgrammar builds a node from alone; beside them only annotations and definitions may stand
+ALONE = ("$ref", "enum", "const", "anyOf", "allOf")
+BESIDE_ALONE = ANNOTATIONS | {"$defs", "definitions"}
+_JSON_TYPES = {"string": str, "boolean": bool, "null": type(None), "object": dict, "array": list}
+# a lookahead or lookbehind group, outside escapes and character classes
+_LOOKAROUND = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]|(\(\?<?[=!])")
 MAX_DEPTH = 32
 MAX_PROPERTIES = 512  # declared properties in the whole schema: compile time grows with them
 
@@ -75,6 +89,7 @@ def check_schema(schema: Any) -> None:
                              f"got {type(node).__name__}")
         for keyword, value in node.items():
             _check_keyword(node, keyword, value, path)
+        _check_alone(node, path)
         properties += len(node.get("properties", ()))
         if properties > MAX_PROPERTIES:
             raise UnsupportedSchemaError("properties", path, f"more than {MAX_PROPERTIES} properties in one schema")
@@ -106,9 +121,42 @@ def _check_keyword(node: dict, keyword: str, value: Any, path: str) -> None:
         raise UnsupportedSchemaError("$ref", path, f"only references inside the schema ('#/...') resolve, got {value!r}")
     elif keyword == "required":
         _check_required(node, value, path)
+    elif keyword == "pattern" and isinstance(value, str) and any(m.group(1) for m in _LOOKAROUND.finditer(value)):
+        raise UnsupportedSchemaError("pattern", path, "lookaheads and lookbehinds are dropped by the grammar "
+                                                      "backend (a regex constraint refuses them too)")
     elif keyword in ("minLength", "maxLength") and ("pattern" in node or "format" in node):
         raise UnsupportedSchemaError(keyword, path, "not enforced beside pattern or format (the pattern alone "
                                                     "is); write the length into the pattern")
+
+
+def _check_alone(node: dict, path: str) -> None:
+    """A keyword beside one of ``ALONE`` would be skipped: refused (a ``type`` that every value of
+    ``enum``/``const`` has is redundant, so allowed)."""
+    alone = next((keyword for keyword in ALONE if keyword in node), None)
+    if alone is None:
+        return
+    for keyword in node:
+        if keyword == alone or keyword in BESIDE_ALONE or (keyword == "type" and _values_typed(node, alone)):
+            continue
+        raise UnsupportedSchemaError(keyword, path, f"ignored beside '{alone}' (the grammar backend builds "
+                                                    f"this schema from '{alone}' alone)")
+
+
+def _values_typed(node: dict, alone: str) -> bool:
+    """Every value ``enum``/``const`` allows has one of the node's types."""
+    if alone not in ("enum", "const"):
+        return False
+    values = [node["const"]] if alone == "const" else node["enum"] if isinstance(node["enum"], list) else []
+    types = node["type"] if isinstance(node["type"], list) else [node["type"]]
+    return all(any(_has_type(value, name) for name in types) for value in values)
+
+
+def _has_type(value: Any, name: str) -> bool:
+    if name == "integer":
+        return _is_int(value) or (isinstance(value, float) and value.is_integer())
+    if name == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, _JSON_TYPES[name])
 
 
 def _check_required(node: dict, required: Any, path: str) -> None:
