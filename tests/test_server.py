@@ -390,7 +390,7 @@ BAD = {  # name -> (path, body or raw bytes, headers, status, param)
     "echo with logprobs": ("/v1/completions", completion(echo=True, logprobs=1), {}, 400, "echo"),
     "chat without messages": (CHAT, {"model": MODEL}, {}, 400, "messages"),
     "chat image part": (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]}, {}, 400, "messages.0.content"),
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, {}, 400, "messages[0].content"),
     "top_logprobs without logprobs": (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                                              "top_logprobs": 2}, {}, 400, "top_logprobs"),
     "chat tools": (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],

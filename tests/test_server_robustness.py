@@ -123,7 +123,7 @@ EXTREME = {  # name -> (path, body, statuses allowed, the param a 400 names)
     "logprobs 10**9": (COMPLETIONS, completion(logprobs=10**9), {400}, "logprobs"),
     "a lone surrogate in the prompt": (COMPLETIONS, completion(prompt="Hi \ud800"), {400}, "prompt"),
     "a lone surrogate as raw bytes": (COMPLETIONS, RAW_SURROGATE, {400}, "prompt"),
-    "a lone surrogate in a message": (CHAT, chat("Hi \udfff"), {400}, "messages.0.content"),
+    "a lone surrogate in a message": (CHAT, chat("Hi \udfff"), {400}, "messages[0].content"),
     "a lone surrogate in the model name": (COMPLETIONS, completion(model="tiny\ud800"), {400}, "model"),
     "a lone surrogate in a key": (COMPLETIONS, {**completion(), "\ud800": 1}, {400}, None),
     "JSON nested 10,000 deep": (COMPLETIONS, b'{"model": "tiny", "prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
@@ -212,7 +212,7 @@ def test_openai_fields_this_server_does_not_implement_are_named(server):
     history = [{"role": "user", "content": "Hi"}, reply, {"role": "user", "content": "And?"}]
     assert post(server, CHAT, {**chat(), "messages": history}).status_code == 200  # a reply's model_dump() sent back
     resp = post(server, CHAT, {**chat(), "messages": [*history[:1], {**reply, "annotations": [{"type": "x"}]}]})
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages.1.annotations", resp.text
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages[1].annotations", resp.text
 
 
 @pytest.mark.parametrize("path, name, value", [
@@ -279,8 +279,8 @@ def test_content_parts_that_are_not_plain_text_are_named(server):
     """Once both read "messages.0.content: Input should be a valid string"."""
     image = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
     cached = [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]
-    for content, param, fragment in [(image, "messages.0.content", "part 1 is 'image_url'"),
-                                     (cached, "messages.0.content.0.cache_control", "unknown parameter")]:
+    for content, param, fragment in [(image, "messages[0].content", "part 1 is 'image_url'"),
+                                     (cached, "messages[0].content[0].cache_control", "unknown parameter")]:
         resp = post(server, CHAT, {**chat(), "messages": [{"role": "user", "content": content}]})
         error = resp.json()["error"]
         assert resp.status_code == 400 and error["param"] == param and fragment in error["message"], error
@@ -298,7 +298,7 @@ def test_chat_roles_are_validated(server):
     assert post(server, CHAT, {**chat(), "messages": developer}).json()["choices"][0]["token_ids"] == system
     for role in ("function", "wizard", "", "System"):
         resp = post(server, CHAT, {**chat(), "messages": [{"role": role, "content": "Hi"}]})
-        assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages.0.role", (role, resp.text)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages[0].role", (role, resp.text)
 
 
 def test_a_wrong_method_gets_405_with_allow(server):
@@ -307,6 +307,15 @@ def test_a_wrong_method_gets_405_with_allow(server):
         resp = httpx.request(method, server.url + path)
         assert resp.status_code == 405 and resp.headers["allow"] == allow, (method, path)
         assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_head_answers_where_get_does_without_a_body(server):
+    """Load balancers and uptime checks probe with HEAD."""
+    for path in ("/health", "/metrics", "/v1/models", "/v1/models/" + MODEL):
+        get, head = httpx.get(server.url + path), httpx.head(server.url + path)
+        assert (get.status_code, head.status_code, head.content) == (200, 200, b""), path
+        assert head.headers["content-type"] == get.headers["content-type"], path
+    assert httpx.head(server.url + "/v1/models/no-such-model").status_code == 404
 
 
 def test_openapi_publishes_the_request_bodies(server):

@@ -120,10 +120,11 @@ def build_app(engine: LLMEngine | EngineProcess, settings: ServerSettings = Serv
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     _add_error_handlers(app)
     auth = [Depends(_api_key_check(settings.api_key))]
-    app.add_api_route("/health", serving.health, methods=["GET"])
-    app.add_api_route("/metrics", serving.metrics, methods=["GET"])
-    app.add_api_route("/v1/models", serving.models, methods=["GET"], dependencies=auth)
-    app.add_api_route("/v1/models/{model_id:path}", serving.model, methods=["GET"], dependencies=auth)
+    for path, handler, guard in (("/health", serving.health, []), ("/metrics", serving.metrics, []),
+                                 ("/v1/models", serving.models, auth), ("/v1/models/{model_id:path}", serving.model, auth)):
+        app.add_api_route(path, handler, methods=["GET"], dependencies=guard)
+        # HEAD as HTTP has it (load balancers and uptime checks probe with it); not a separate operation
+        app.add_api_route(path, handler, methods=["HEAD"], dependencies=guard, include_in_schema=False)
     app.add_api_route("/reset_prefix_cache", serving.reset_prefix_cache, methods=["POST"], dependencies=auth)
     bodies = {"/v1/completions": (serving.completions, CompletionRequest),
               "/v1/chat/completions": (serving.chat, ChatCompletionRequest)}

@@ -113,7 +113,7 @@ def check_json(data: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
         value, path, depth = stack.pop()
         if isinstance(value, str):
             if _SURROGATE.search(value):
-                where = ".".join(map(str, path)) or None
+                where = json_path(path)
                 raise invalid(where, f"{where or 'the body'}: the string is not valid Unicode (a lone surrogate)")
             continue
         if not isinstance(value, (dict, list)):
@@ -125,7 +125,7 @@ def check_json(data: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
             if isinstance(key, str) and _SURROGATE.search(key):
-                raise invalid(".".join(map(str, path)) or None, "a key is not valid Unicode (a lone surrogate)")
+                raise invalid(json_path(path), "a key is not valid Unicode (a lone surrogate)")
             stack.append((item, (*path, key), depth + 1))
 
 
@@ -150,17 +150,26 @@ def parse(model: type[BaseModel], data: Any) -> BaseModel:
 
 
 def _param(loc: tuple, unknown: bool) -> str | None:
-    """The field a validation error is about: its path up to a union's branch label (``content.str``
-    is about ``content``), through a list branch's (``content.list[TextPart].0.x`` is about
-    ``content.0.x``); an unknown field names itself."""
+    """The field a validation error is about, spelled as OpenAI spells it (``messages[0].role``):
+    its path up to a union's branch label (``content.str`` is about ``content``), through a list
+    branch's (``content.list[TextPart].0.x`` is about ``content[0].x``); an unknown field names itself."""
     parts = []
     for i, part in enumerate(loc):
         if isinstance(part, str) and part.startswith("list["):
             continue
         if isinstance(part, str) and part not in _field_names() and not (unknown and i == len(loc) - 1):
             break
-        parts.append(str(part))
-    return ".".join(parts) or None
+        parts.append(part)
+    return json_path(parts)
+
+
+def json_path(parts) -> str | None:
+    """A place in the request body as OpenAI names it: ``("messages", 0, "role")`` is
+    ``messages[0].role``."""
+    path = ""
+    for part in parts:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    return path or None
 
 
 @functools.cache
