@@ -255,6 +255,20 @@ def test_required_tool_calls(client, parallel):
             check_call(call)
 
 
+@pytest.mark.parametrize("max_tokens", [3, 16])  # inside "<tool_call>", inside the call before its name
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_call_cut_before_its_name_leaves_no_markup_in_the_content(client, choice, max_tokens):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    args = dict(model=MODEL, messages=USER, max_tokens=max_tokens, temperature=0, tools=TOOLS,
+                tool_choice=named if choice == "named" else "required", extra_body={"return_token_ids": True})
+    whole = client.chat.completions.create(**args).choices[0]
+    assert whole.finish_reason == "length" and not whole.message.tool_calls
+    assert whole.message.content is None, whole.message.content
+    assert _streamed(client, **args) == (None, [], "length")
+    cut = TOKENIZER.decode(whole.token_ids)
+    assert "<tool_call>".startswith(cut) or cut.startswith("<tool_call>"), cut  # the control: markup was cut
+
+
 def many_tools(count: int) -> list[dict]:
     return [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {
         "type": "object", "properties": {"query": {"type": "string", "maxLength": 4}, "limit": {"type": "integer"},

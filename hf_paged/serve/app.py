@@ -79,12 +79,13 @@ class _Job:
     ticket: Ticket
     stream: RequestStream | None = None
     tools: bool = False  # chat with tools: <tool_call> blocks become tool_calls (serve/tools.py)
+    calls_only: bool = False  # tool_choice "required" or named: the output is calls only
     parsers: dict[int, HermesToolParser] | None = None  # streaming with tools: a parser per choice
 
     def tool_parser(self, index: int) -> HermesToolParser:
         if self.parsers is None:
             self.parsers = {}
-        return self.parsers.setdefault(index, HermesToolParser())
+        return self.parsers.setdefault(index, HermesToolParser(self.calls_only))
 
     @property
     def n(self) -> int:
@@ -367,7 +368,8 @@ class _OpenAIServing:
             raise invalid("messages", "this model's tokenizer has no chat template")
         ids = await self.tokenizers.run(_chat_ids, req.conversation(), req.template_tools())
         max_tokens = resolve_max_tokens(req.max_tokens, None, len(ids), self.limits, "messages", req.max_tokens_param)
-        job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req, [], ticket, tools=req.tool_mode != "none")
+        job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req, [], ticket, tools=req.tool_mode != "none",
+                   calls_only=req.tool_mode not in ("none", "auto"))
         params = req.sampling_params(max_tokens)
         await self._compile_constraint(req, params)
         return job, [ids], params
@@ -441,7 +443,7 @@ class _OpenAIServing:
                 prefix = job.prompt_texts[i] if job.prompt_texts else ""
                 text, calls, finish = prefix + c.text, None, c.finish_reason
                 if job.tools:  # the model's <tool_call> blocks as tool_calls (serve/tools.py)
-                    text, found = parse_tool_calls(c.text)
+                    text, found = parse_tool_calls(c.text, job.calls_only)
                     calls = [call.body() for call in found]
                     finish = "tool_calls" if found and finish == "stop" else finish
                 choices.append(responses.choice(

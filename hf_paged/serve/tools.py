@@ -199,6 +199,7 @@ class _Value:
 class HermesToolParser:
     """Text in (any split), ``(content delta, tool-call deltas)`` out; see the module docstring."""
 
+    calls_only: bool = False  # "required" or named: the constraint lets the model write calls only
     calls: list[ToolCall] = field(default_factory=list)
     _buffer: str = ""
     _state: str = "text"  # "text" | "head" (before the arguments) | "arguments" | "tail" (until END)
@@ -243,7 +244,7 @@ class HermesToolParser:
             self._emit_text(self._buffer[:at], content)
             self._buffer, self._state = self._buffer[at + len(START):], "head"
             return True
-        keep = 0 if final else _partial_suffix(self._buffer, START)
+        keep = 0 if final and not self.calls_only else _partial_suffix(self._buffer, START)  # may begin a call
         self._emit_text(self._buffer[: len(self._buffer) - keep], content)
         self._buffer = self._buffer[len(self._buffer) - keep:]
         return False
@@ -329,13 +330,16 @@ class HermesToolParser:
 
     def _finish(self) -> str:
         """At the end of the text: what is left. An unfinished call stays as far as it got; a
-        ``<tool_call>`` that never named a function is text."""
+        ``<tool_call>`` that never named a function is text, unless :attr:`calls_only` (then it
+        is a call cut off by ``max_tokens`` before its name: no content, no call)."""
         rest, self._buffer = self._buffer, ""
         held, self._held_space = self._held_space, ""
         if self._state == "head":
             self._state = "text"
-            return held + (START + rest).rstrip()
+            return "" if self.calls_only else held + (START + rest).rstrip()
         if self._state == "text":
+            if self.calls_only and START.startswith(rest.strip()):
+                return ""  # a call's first characters
             text = held + rest
             return text.rstrip() if self.calls else text
         return ""
@@ -349,8 +353,8 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, calls_only: bool = False) -> tuple[str | None, list[ToolCall]]:
     """A whole message: ``(content or None, calls)``, exactly what a stream of it sends."""
-    parser = HermesToolParser()
+    parser = HermesToolParser(calls_only)
     content, _ = parser.feed(text, final=True)
-    return (content or None) if parser.calls else content, parser.calls
+    return (content or None) if parser.calls or calls_only else content, parser.calls
