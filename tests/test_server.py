@@ -220,6 +220,11 @@ def test_beam_search_extension(client, engine):
     ref = truth(engine, "Hello", max_new_tokens=8, temperature=0, num_beams=3, n=2)
     assert [c.model_extra["token_ids"] for c in resp.choices] == [c.token_ids for c in ref.outputs]
     assert len(resp.choices) == 2 and resp.choices[0].text != resp.choices[1].text
+    ends = {"stop_token_ids": [resp.choices[0].model_extra["token_ids"][2]], "repetition_penalty": 1.5}
+    resp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0, n=2, extra_body={
+        "use_beam_search": True, "best_of": 3, "return_token_ids": True, **ends})  # beams read them
+    ref = truth(engine, "Hello", max_new_tokens=8, temperature=0, num_beams=3, n=2, **ends)
+    assert [c.model_extra["token_ids"] for c in resp.choices] == [c.token_ids for c in ref.outputs]
 
 
 def test_usage_in_the_stream(client):

@@ -68,7 +68,7 @@ class SamplingParams:
     * ``top_p``: in ``(0, 1]``; ``top_k``: int >= 0, or -1 (0 and -1: no top-k; a value above the
       vocabulary keeps every token); ``min_p``: in ``[0, 1]``;
     * ``repetition_penalty``: in ``[0.01, 100]``; ``presence_penalty``, ``frequency_penalty``: in
-      ``[-2, 2]``, not with beam search;
+      ``[-2, 2]``;
     * ``n``, ``num_beams``: ints >= 1, ``n <= num_beams`` in beam search (the engine also bounds
       both by its ``max_num_seqs``);
     * ``length_penalty`` (beam search): a finite number; with ``num_beams > 1`` also
@@ -77,7 +77,9 @@ class SamplingParams:
     * ``early_stopping``: True, False or ``"never"``; ``ignore_eos``: a bool;
     * ``seed``: None or an int in ``[-(2**63), 2**64)`` (what ``torch.Generator`` takes);
     * ``stop_token_ids``: a list of ints >= 0 (they end beams as EOS does); ``stop``: a string or a
-      list of non-empty strings, not with beam search;
+      list of non-empty strings;
+    * beam search (``num_beams > 1``) reads no ``top_p``, ``top_k``, ``min_p``, ``seed``,
+      ``presence_penalty``, ``frequency_penalty`` or ``stop``: setting one is refused;
     * ``logprobs``: None or an int >= 0 (the engine also bounds it by the vocabulary size);
     * ``structured_outputs``: None or a :class:`~hf_paged.constraints.StructuredOutputsParams`
       (one constraint; it checks itself). Not with beam search, ``min_new_tokens`` or
@@ -128,6 +130,7 @@ class SamplingParams:
         self._check_penalties()
         self._check_width()
         self._check_stops()
+        self._check_beam_search()
         self._check_constraints()
 
     def _bad(self, name: str, rule: str) -> ValueError:
@@ -198,6 +201,22 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise self._bad("ignore_eos", "must be a bool")
 
+    def _check_beam_search(self) -> None:
+        """What beam search does not read is refused, not ignored: it is deterministic (no draws, so
+        no truncation of the distribution and no seed), scores beams by log-probability (no OpenAI
+        penalties) and ends beams at tokens (no stop strings). ``temperature`` is not checked: its
+        default is 1.0."""
+        if not self.beam_search:
+            return
+        unread = {"top_p": self.top_p != 1, "top_k": self.top_k not in (0, -1), "min_p": self.min_p != 0,
+                  "seed": self.seed is not None, "presence_penalty": self.presence_penalty != 0,
+                  "frequency_penalty": self.frequency_penalty != 0, "stop": bool(self.stop)}
+        for name, is_set in unread.items():
+            if is_set:
+                instead = {"stop": "; stop_token_ids end beams", "presence_penalty": "; repetition_penalty applies",
+                           "frequency_penalty": "; repetition_penalty applies"}.get(name, "")
+                raise self._bad(name, f"does not apply to beam search (num_beams > 1){instead}")
+
     def _check_constraints(self) -> None:
         """One constraint and a bias, and nothing that would override where the constraint ends."""
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -208,12 +227,6 @@ class SamplingParams:
                     _is_int(t) and t >= 0 and _is_real(b) and low <= b <= high for t, b in self.logit_bias.items()):
                 raise self._bad("logit_bias", f"must map token ids (ints >= 0) to numbers in [{low:g}, {high:g}]")
             self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()}
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) and self.beam_search:
-                raise self._bad(name, "does not apply to beam search (num_beams > 1); repetition_penalty does")
-        if self.stop and self.beam_search:
-            raise self._bad("stop", "(stop strings) cannot be combined with beam search (num_beams > 1); "
-                                    "stop_token_ids can")
         if self.constrained and self.beam_search:
             name = "structured_outputs" if self.structured_outputs is not None else "logit_bias"
             raise ValueError(f"SamplingParams.{name} cannot be combined with beam search (num_beams > 1): the engine "

@@ -3,7 +3,8 @@
 Every option is honoured or refused with a 400 that names it; none is silently ignored. Beyond
 OpenAI's fields the requests take vLLM's extensions: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, beam search
-(``use_beam_search`` with ``best_of`` beams, ``length_penalty``, ``early_stopping``) and
+(``use_beam_search`` with ``best_of`` beams, ``length_penalty``, ``early_stopping``,
+``repetition_penalty``, ``stop_token_ids``) and
 ``return_token_ids`` (token ids in every choice or chunk).
 
 Structured outputs: OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``),
@@ -372,8 +373,7 @@ class _GenerationRequest(_Strict):
                   "top_k": self.top_k not in (None, 0, -1), "min_p": self.min_p not in (None, 0),
                   "presence_penalty": self.presence_penalty not in (None, 0),
                   "frequency_penalty": self.frequency_penalty not in (None, 0),
-                  "repetition_penalty": self.repetition_penalty not in (None, 1), "seed": self.seed is not None,
-                  "stop": bool(self.stop), "stop_token_ids": bool(self.stop_token_ids),
+                  "seed": self.seed is not None, "stop": bool(self.stop),
                   "logprobs": self.num_logprobs() is not None, "logit_bias": bool(self.logit_bias),
                   self._constraint_param or "": self._constraint is not None}
         for name, is_set in unused.items():
@@ -388,7 +388,9 @@ class _GenerationRequest(_Strict):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's parameters for this request (``max_tokens`` already resolved)."""
-        common = dict(max_new_tokens=max_tokens, min_new_tokens=self.min_tokens, n=self.n, ignore_eos=self.ignore_eos)
+        common = dict(max_new_tokens=max_tokens, min_new_tokens=self.min_tokens, n=self.n, ignore_eos=self.ignore_eos,
+                      repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                      stop_token_ids=list(self.stop_token_ids or []))
         try:
             if self.use_beam_search:
                 return SamplingParams(**common, temperature=0, num_beams=self.best_of or self.n,
@@ -396,10 +398,9 @@ class _GenerationRequest(_Strict):
             return SamplingParams(
                 **common, temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-                min_p=self.min_p or 0.0, repetition_penalty=1.0 if self.repetition_penalty is None
-                else self.repetition_penalty, presence_penalty=self.presence_penalty or 0.0,
+                min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0, seed=self.seed,
-                stop_token_ids=list(self.stop_token_ids or []), stop=self.stop_strings(), logprobs=self.num_logprobs(),
+                stop=self.stop_strings(), logprobs=self.num_logprobs(),
                 structured_outputs=self._constraint,
                 logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             )
