@@ -12,15 +12,18 @@ prompts, paged KV).
 The options a call resolves to are the ones stock would hand to ``generate()``: the stock
 ``_forward`` runs up to that call, against a stand-in model that records it (so the pipeline's
 defaults, ``max_length`` and ``prefix`` arithmetic stay transformers' own, in every version).
-They become :class:`SamplingParams` (:func:`sampling_params`); an option the engine cannot honor
+They become :class:`SamplingParams` (:func:`_sampling_params`); an option the engine cannot honor
 is an error naming it, never ignored. Greedy decoding and beam search give stock's tokens; sampled
-tokens are the engine's draws, reproducible under ``torch.manual_seed`` but not stock's draws.
+tokens are the engine's draws, reproducible under ``torch.manual_seed`` but not stock's draws. A
+stop string ends an output when the output holds it (stock also stops at one that begins in the
+prompt's last characters).
 
 After ``import hf_paged`` it is also ``transformers.pipeline("paged-text-generation", model=...)``.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,14 +39,14 @@ from hf_paged.engine.beam_search import generate_fill_token
 TASK = "paged-text-generation"
 ENGINE_KWARGS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                  "preemption_mode", "swap_space_blocks", "gpu_memory_utilization", "kv_cache_bytes")
-# GenerationConfig fields that :func:`sampling_params` reads, or that change nothing the engine does
+# GenerationConfig fields that :func:`_sampling_params` reads, or that change nothing the engine does
 HONORED = {"max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample", "temperature", "top_k",
            "top_p", "min_p", "repetition_penalty", "num_return_sequences", "num_beams", "length_penalty",
            "early_stopping", "eos_token_id", "stop_strings"}
 INERT = {"pad_token_id", "bos_token_id", "use_cache", "cache_implementation", "cache_config", "return_dict_in_generate",
          "transformers_version", "compile_config", "disable_compile", "prefill_chunk_size"}
-# generate() arguments besides the config: what the engine reproduces, and what it does not need
-STREAMER, IGNORED_GENERATE_ARGS = "streamer", {"input_ids", "attention_mask", "tokenizer", "use_model_defaults"}
+# generate() arguments besides the config and the streamer that the engine has no use for
+IGNORED_GENERATE_ARGS = {"input_ids", "attention_mask", "tokenizer", "use_model_defaults"}
 
 
 def _is_chat(value: Any) -> bool:
@@ -53,8 +56,9 @@ def _is_chat(value: Any) -> bool:
 
 @dataclass
 class _Call:
-    """One input's generation: its parameters, the streamer if any, and the token that fills the
-    shorter of its sequences in the result (``generate()``'s padding)."""
+    """One input's generation: its parameters, the streamer if any, the token that fills the
+    shorter of its sequences in the result (``generate()``'s padding), and what the engine gets
+    for an empty prompt."""
 
     params: SamplingParams
     streamer: Any
@@ -104,7 +108,7 @@ def _eos_ids(value) -> list[int]:
                              value if isinstance(value, (list, tuple)) else [value])]
 
 
-def sampling_params(config: GenerationConfig, prompt_len: int, engine_eos: list[int]) -> SamplingParams:
+def _sampling_params(config: GenerationConfig, prompt_len: int, engine_eos: list[int]) -> SamplingParams:
     """The :class:`SamplingParams` that decode as ``generate()`` with ``config`` (resolved: the
     model's and transformers' defaults filled in) would on a prompt of ``prompt_len`` tokens.
     ``engine_eos``: the ids the engine stops at; another ``eos_token_id`` replaces them."""
@@ -124,12 +128,19 @@ def sampling_params(config: GenerationConfig, prompt_len: int, engine_eos: list[
     eos = _eos_ids(config.eos_token_id)
     own_eos = sorted(set(eos)) != sorted(set(engine_eos))
     sampling = bool(config.do_sample)
+    if sampling and (config.num_beams or 1) > 1:
+        raise _unsupported("do_sample", "with num_beams > 1 it is beam sampling; the engine's beam search is "
+                                        "deterministic")
+    temperature = 1.0 if config.temperature is None else config.temperature
+    if sampling and temperature <= 0:
+        raise ValueError(f"paged-text-generation: temperature={temperature!r} with do_sample=True; pass "
+                         f"do_sample=False for greedy decoding, as generate() asks")
     if config.stop_strings and min_new:
         raise _unsupported("stop_strings", "with min_new_tokens: generate() stops at a stop string before "
                                            "min_new_tokens, the engine does not")
     return SamplingParams(
         max_new_tokens=max_new, min_new_tokens=min(min_new, max_new),
-        temperature=config.temperature if sampling else 0.0,
+        temperature=temperature if sampling else 0.0,
         top_p=config.top_p if sampling and config.top_p is not None else 1.0,
         top_k=config.top_k if sampling and config.top_k else 0,
         min_p=config.min_p if sampling and config.min_p is not None else 0.0,
@@ -173,23 +184,21 @@ class PagedTextGenerationPipeline(TextGenerationPipeline):
 
     def _generate_call(self, model_inputs: dict, forward_params: dict) -> _Call:
         """The engine's version of the ``generate()`` call stock would make for this input."""
-        model = self.model
-        self.model = _RecordingModel(model)
+        shadow = copy.copy(self)  # not self: another thread may be calling this pipeline
+        shadow.model = _RecordingModel(self.model)
         try:
-            self._forward(dict(model_inputs), **forward_params)
+            shadow._forward(dict(model_inputs), **forward_params)
         except _GenerateCall as call:
             kwargs = call.kwargs
         else:
             raise RuntimeError("paged-text-generation: the stock pipeline step did not call generate()")
-        finally:
-            self.model = model
-        config, rest = model._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
-        streamer = rest.pop(STREAMER, None)
+        config, rest = self.model._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
+        streamer = rest.pop("streamer", None)
         for name, value in rest.items():
             if name not in IGNORED_GENERATE_ARGS and value is not None:
                 raise _unsupported(name)
         prompt_len = model_inputs["input_ids"].shape[-1] or 1  # an empty prompt starts from BOS
-        params = sampling_params(config, prompt_len, list(self.engine.eos_token_ids))
+        params = _sampling_params(config, prompt_len, list(self.engine.eos_token_ids))
         if streamer is not None and (params.beam_search or params.n > 1):
             raise ValueError("paged-text-generation: a streamer needs one sequence per input (as in generate(): "
                              "no beam search, num_return_sequences=1)")

@@ -515,3 +515,19 @@ def test_a_parameter_it_does_not_take_is_named_with_what_to_pass_instead(name, h
     with pytest.raises(TypeError, match=rf"^SamplingParams has no parameter '{name}'.*{hint}"):
         SamplingParams(**{name: 1})
     assert dataclasses.replace(SamplingParams(max_tokens=5), n=2).max_new_tokens == 5  # replace() still works
+
+
+def test_a_stream_raises_when_its_request_fails_and_aborts_when_left_early(model):
+    """``stream()``: a failed request was a stream that just ended (its text cut short, no error);
+    a consumer that stopped early left the request running, holding its blocks."""
+    engine = LLMEngine(model, num_blocks=64)
+    poison_rows(engine, "0", math.nan, at_call=3)  # stream()'s request gets the first automatic id
+    deltas = []
+    with pytest.raises(RuntimeError, match="request 0 failed: .*non-finite"):
+        for delta in engine.stream(PROMPTS[0], GREEDY):
+            deltas.append(delta)
+    assert sum(len(d["token_ids"]) for d in deltas) == 2  # what came before the fault
+    for delta in engine.stream(PROMPTS[1], SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True)):
+        break  # a consumer that stops after one token
+    assert not engine.has_unfinished_requests()
+    check_no_leak(engine)

@@ -148,7 +148,7 @@ def test_a_streamer_gets_the_tokens_as_stock_hands_them_over(pipes):
     result = paged("Streaming is", max_new_tokens=10, do_sample=False, streamer=streamer)
     assert "Streaming is" + "".join(streamer) == result[0]["generated_text"]
     with pytest.raises(ValueError, match="streamer needs one sequence"):
-        paged("x", max_new_tokens=3, num_beams=2, streamer=transformers.TextStreamer(paged.tokenizer))
+        paged("x", max_new_tokens=3, num_beams=2, do_sample=False, streamer=transformers.TextStreamer(paged.tokenizer))
 
 
 @pytest.mark.parametrize("kwargs, named", [
@@ -156,8 +156,10 @@ def test_a_streamer_gets_the_tokens_as_stock_hands_them_over(pipes):
     (dict(bad_words_ids=[[5]]), "bad_words_ids"),
     (dict(typical_p=0.5, do_sample=True), "typical_p"),
     (dict(logits_processor=transformers.LogitsProcessorList()), "logits_processor"),
-    (dict(num_beams=2, stop_strings=["x"]), "stop strings"),
+    (dict(num_beams=2, stop_strings=["x"]), "stop does not apply to beam search"),
     (dict(return_dict_in_generate=True, output_scores=True), "output_scores"),  # stock returns them
+    (dict(do_sample=True, num_beams=2), "beam sampling"),
+    (dict(do_sample=True, temperature=0.0), "temperature=0.0 with do_sample=True"),
 ])
 def test_options_the_engine_cannot_honor_are_refused_by_name(pipes, kwargs, named):
     _, paged = pipes
@@ -173,3 +175,5 @@ def test_sampling_is_repeatable_under_torch_manual_seed(pipes):
         torch.manual_seed(seed)
         runs.append(paged(["Hello", "Hi"], max_new_tokens=12, do_sample=True, temperature=1.5))
     assert runs[0] == runs[1] and runs[0] != runs[2]
+    torch.manual_seed(0)
+    assert paged(["Hello", "Hi"], max_new_tokens=12, do_sample=True, temperature=None) != runs[0]  # 1.0, as stock

@@ -513,23 +513,31 @@ class LLMEngine:
         """Serve one request (alongside any others queued) and yield its new tokens as they come:
         ``{"index", "token_ids", "text", "finished", "finish_reason"}`` deltas per completion.
         The text deltas add up to the final text: a character split over tokens goes out whole,
-        and what may begin a stop string is held back until it does not (the server's streams)."""
+        and what may begin a stop string is held back until it does not (the server's streams).
+        A request the engine fails raises ``RuntimeError`` after its last deltas; one whose
+        consumer stops early (``break``, an exception, closing the iterator) is aborted."""
         request_id = self.add_request(prompt, params)
         stop = self.requests[request_id].params.stop if request_id in self.requests else []
         texts: dict[int, TextStream] = {}
-        while True:
-            outputs = self._step()
-            self._keep_unclaimed(o for o in outputs if o.request_id != request_id)
-            mine = [o for o in outputs if o.request_id == request_id]
-            for out in mine:
-                for c in out.outputs:
-                    delta = self._stream_delta(texts, c, stop)
-                    if delta is not None:
-                        yield delta
-                if out.finished:
-                    return
-            if request_id not in self.requests and not mine:
-                return
+        ended = False
+        try:
+            while not ended:
+                outputs = self._step()
+                self._keep_unclaimed(o for o in outputs if o.request_id != request_id)
+                mine = [o for o in outputs if o.request_id == request_id]
+                for out in mine:
+                    for c in out.outputs:
+                        delta = self._stream_delta(texts, c, stop)
+                        if delta is not None:
+                            yield delta
+                    if out.finished and out.error:
+                        ended = True
+                        raise RuntimeError(f"request {request_id} failed: {out.error}")
+                    ended = ended or out.finished
+                ended = ended or (request_id not in self.requests and not mine)
+        finally:
+            if not ended:
+                self.abort(request_id)
 
     def _stream_delta(self, texts: dict, c: CompletionOutput, stop: list[str]) -> dict | None:
         """One completion's delta for ``stream()`` (None: nothing new)."""
