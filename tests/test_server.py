@@ -439,6 +439,14 @@ def test_a_chunked_body_over_the_limit_gets_413(strict):
     assert_all_free(loop)
 
 
+def test_head_is_guarded_by_the_key_as_get_is(strict):
+    server, _ = strict
+    for path in ("/v1/models", "/v1/models/" + MODEL):
+        assert httpx.head(server.url + path).status_code == 401
+        assert httpx.head(server.url + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert httpx.head(server.url + "/health").status_code == 200  # probes stay open
+
+
 def test_the_openai_client_sees_typed_errors(strict):
     server, loop = strict
     url = server.url + "/v1"

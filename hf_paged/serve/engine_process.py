@@ -123,7 +123,6 @@ def run_engine_core(build: Callable[[], LLMEngine], connection: Connection) -> N
     exit_process(0)
 
 
-
 class _EngineCore:
     def __init__(self, engine: LLMEngine, connection: Connection):
         self.engine, self.connection = engine, connection
