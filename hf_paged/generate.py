@@ -168,6 +168,8 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
         options = getattr(self, _OPTIONS_ATTR)
         cache = model_kwargs[name] = (options.prefix.bind(self).new_cache() if options.prefix is not None
                                       else PagedKVCache(self.config, options.block_size, options.num_blocks))
+        if getattr(generation_config, "is_assistant", False):  # as stock marks an assistant's new cache: its
+            cache.activate_past_recording()                    # drafts are rolled back (transformers 5.17)
     _note_prompt_copies(cache, generation_config)
     return None
 
