@@ -319,11 +319,16 @@ def serve(args) -> int:
     settings = ServerSettings(model_name=args.served_model_name or args.model or "hf-paged-demo", api_key=api_key,
                               max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting, max_n=args.max_n,
                               max_tokens=args.max_tokens_limit, shutdown_timeout_s=args.shutdown_timeout,
-                              stream_timeout_s=args.stream_timeout)
-    print(f"hf-paged serve: '{settings.model_name}' on http://{args.host}:{args.port}/v1 "
-          f"(API key {'required' if api_key else 'not required'}; {where})", flush=True)
+                              stream_timeout_s=args.stream_timeout, generation_config=args.generation_config)
     try:
-        return server.run(build_app(engine, settings), args.host, args.port, api_key)
+        app = build_app(engine, settings)
+        if app.state.sampling_defaults:
+            defaults = ", ".join(f"{k}={v}" for k, v in app.state.sampling_defaults.items())
+            print(f"hf-paged serve: request defaults from the model's generation config: {defaults} "
+                  f"(--generation-config vllm to ignore them)", flush=True)
+        print(f"hf-paged serve: '{settings.model_name}' on http://{args.host}:{args.port}/v1 "
+              f"(API key {'required' if api_key else 'not required'}; {where})", flush=True)
+        return server.run(app, args.host, args.port, api_key)
     finally:
         engine.close()  # the engine process, or the other tensor-parallel ranks
 
@@ -482,6 +487,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $HF_PAGED_API_KEY)")
     s.add_argument("--served-model-name", help="the model name clients pass (default: --model, or hf-paged-demo)")
     s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413")
+    s.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+                   help="auto (default, as vLLM): the temperature, top_p, top_k, min_p, repetition_penalty and "
+                        "max_new_tokens of the model's generation_config.json are the defaults of requests that "
+                        "set none; vllm: ignore them")
     s.add_argument("--max-n", type=int, default=16, help="the largest n (and best_of) a request may ask for")
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="the largest max_tokens a request may ask for")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,

@@ -582,3 +582,33 @@ def test_hf_paged_serve_answers_and_shuts_down_cleanly():
             proc.kill()
             proc.wait()
     assert "API key required" in output and "Application shutdown complete" in output and KEY not in output
+
+
+RECOMMENDED = {"do_sample": True, "top_k": 1, "repetition_penalty": 1.3, "max_new_tokens": 5}  # a generation_config.json
+
+
+@pytest.mark.parametrize("where", ENGINE_PLACES)
+@pytest.mark.parametrize("generation_config", ["auto", "vllm"])
+def test_the_models_generation_config_gives_the_defaults_of_requests_that_set_none(where, generation_config):
+    """As vLLM's ``--generation-config auto`` (its default): a model's recommended sampling values
+    (here top_k 1, so sampling is deterministic, and a repetition penalty) and max_new_tokens are
+    what a request that sets none gets; what a request sets wins; ``vllm`` ignores them."""
+    model = {"generation": RECOMMENDED}
+    reference = LLMEngine(tiny_model(**model), byte_tokenizer(), num_blocks=NUM_BLOCKS)
+    with single_threaded_torch(), serving({"num_blocks": NUM_BLOCKS}, model, engine_process=where != "thread",
+                                          generation_config=generation_config) as (server, loop):
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60) as api:
+            bare = api.completions.create(model=MODEL, prompt="Hello", seed=0, extra_body={"return_token_ids": True})
+            chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                               extra_body={"return_token_ids": True, "repetition_penalty": 1.0})
+        if generation_config == "auto":
+            expected = truth(reference, "Hello", max_new_tokens=5, temperature=1.0, top_k=1, repetition_penalty=1.3,
+                             seed=0)
+            chat_expected = truth(reference, chat_ids([{"role": "user", "content": "Hi"}]), max_new_tokens=5,
+                                  temperature=1.0, top_k=1, repetition_penalty=1.0)  # the request's own value wins
+            assert chat.choices[0].model_extra["token_ids"] == chat_expected.outputs[0].token_ids
+        else:  # OpenAI's defaults: 16 tokens for a completion, temperature 1, no top_k, no penalty
+            expected = truth(reference, "Hello", max_new_tokens=16, temperature=1.0, seed=0)
+        assert bare.choices[0].model_extra["token_ids"] == expected.outputs[0].token_ids
+        assert len(expected.outputs[0].token_ids) == (5 if generation_config == "auto" else 16)
+        assert_all_free(loop)

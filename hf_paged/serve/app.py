@@ -66,6 +66,9 @@ class ServerSettings:
     max_tokens: int = 4096
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S  # in-flight requests' time to finish at shutdown
     stream_timeout_s: float = 60.0  # a stream whose client reads nothing this long is aborted
+    # "auto": the model's generation_config.json values (temperature, top_p, top_k, min_p,
+    # repetition_penalty, max_new_tokens) are the defaults of requests that set none; "vllm": not
+    generation_config: str = "auto"
 
 
 @dataclass
@@ -105,6 +108,7 @@ def build_app(engine: LLMEngine | EngineProcess, settings: ServerSettings = Serv
                     vocab_size=facts.vocab_size, context=facts.max_positions, kv_tokens=facts.kv_tokens)
     drain = Drain(lambda: loop.end_all(shutting_down()), settings.shutdown_timeout_s)
     serving = _OpenAIServing(loop, copy.deepcopy(engine.tokenizer), settings, limits, drain)
+    serving.defaults = facts.sampling_defaults if settings.generation_config == "auto" else {}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -118,6 +122,7 @@ def build_app(engine: LLMEngine | EngineProcess, settings: ServerSettings = Serv
     app = FastAPI(title="hf_paged", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine_loop = loop
     app.state.drain = drain  # the server's signal handling drives it (server.py)
+    app.state.sampling_defaults = serving.defaults
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     _add_error_handlers(app)
     auth = [Depends(_api_key_check(settings.api_key))]
@@ -257,6 +262,7 @@ class _OpenAIServing:
         self.token_text = responses.TokenText(tokenizer)
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         self.document_start = [] if start is None else [start]  # what a completion without a prompt continues
+        self.defaults: dict[str, float | int] = {}  # the request defaults of the model's generation config
 
     def _unavailable(self) -> APIError | None:
         """Why generation requests get a 503 now (None: they are served)."""
@@ -320,6 +326,7 @@ class _OpenAIServing:
         req = parse(model, decode_body(await request.body()))
         self._check_model(req.model)
         req.check(self.limits)
+        req.fill_defaults(self.defaults)
         return req
 
     def _admit(self) -> Ticket:
@@ -354,9 +361,13 @@ class _OpenAIServing:
         req: CompletionRequest = await self._parse(request, CompletionRequest)
         prompts = req.prompts(self.document_start)
         encoded, texts = await self.tokenizers.run(self._encode_prompts, prompts, bool(req.echo))
-        max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-        for ids in encoded:
-            resolve_max_tokens(max_tokens, max_tokens, len(ids), self.limits, "prompt")
+        model_default = self.defaults.get("max_tokens")
+        if req.max_tokens is None and model_default is not None:  # at most what fits, as vLLM
+            max_tokens = min(resolve_max_tokens(None, model_default, len(ids), self.limits, "prompt") for ids in encoded)
+        else:
+            max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+            for ids in encoded:
+                resolve_max_tokens(max_tokens, None, len(ids), self.limits, "prompt")
         job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", req, texts, ticket)
         params = req.sampling_params(max_tokens)
         await self._compile_constraint(req, params)
@@ -367,7 +378,8 @@ class _OpenAIServing:
         if not getattr(self.tokenizer, "chat_template", None):
             raise invalid("messages", "this model's tokenizer has no chat template")
         ids = await self.tokenizers.run(_chat_ids, req.conversation(), req.template_tools())
-        max_tokens = resolve_max_tokens(req.max_tokens, None, len(ids), self.limits, "messages", req.max_tokens_param)
+        max_tokens = resolve_max_tokens(req.max_tokens, self.defaults.get("max_tokens"), len(ids), self.limits,
+                                        "messages", req.max_tokens_param)
         job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req, [], ticket, tools=req.tool_mode != "none",
                    calls_only=req.tool_mode not in ("none", "auto"))
         params = req.sampling_params(max_tokens)

@@ -34,6 +34,7 @@ from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import RequestOutput
 from hf_paged.process_exit import exit_process
 from hf_paged.serve.engine_loop import add_requests
+from hf_paged.serve.protocol import generation_defaults
 
 logger = logging.getLogger("hf_paged.serve")
 
@@ -47,13 +48,14 @@ class EngineFacts:
     kv_tokens: int | None  # tokens the KV cache holds; None when it grows
     eos_token_ids: list[int]
     max_num_seqs: int  # the widest request (n, beams) a step can hold
+    sampling_defaults: dict  # request defaults from the model's generation config (protocol.generation_defaults)
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineFacts:
         kv = engine.kv
         return cls(engine.config.vocab_size, engine.max_positions,
                    None if kv.growable else kv.num_blocks * kv.block_size, list(engine.eos_token_ids),
-                   engine.scheduler.max_num_seqs)
+                   engine.scheduler.max_num_seqs, generation_defaults(getattr(engine.model, "generation_config", None)))
 
 
 class EngineProcess:

@@ -386,6 +386,15 @@ class _GenerationRequest(_Strict):
         """Top log-probs per token the engine must report (None: no logprobs)."""
         raise NotImplementedError
 
+    def fill_defaults(self, defaults: dict[str, float | int]) -> None:
+        """Sampling fields the request leaves unset take ``defaults`` (:func:`generation_defaults`;
+        ``max_tokens`` is the server's to resolve). Beam search reads none of them."""
+        if self.use_beam_search:
+            return
+        for name, value in defaults.items():
+            if name != "max_tokens" and getattr(self, name) is None:
+                setattr(self, name, value)
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's parameters for this request (``max_tokens`` already resolved)."""
         common = dict(max_new_tokens=max_tokens, min_new_tokens=self.min_tokens, n=self.n, ignore_eos=self.ignore_eos,
@@ -410,6 +419,18 @@ class _GenerationRequest(_Strict):
                 field = self._constraint_param or field
             name = self.max_tokens_param if field == "max_new_tokens" else _API_NAME.get(field, field)
             raise invalid(name, str(err).replace("SamplingParams.", "")) from None
+
+
+# generation_config.json fields a model's authors recommend, as the request fields they default
+# (vLLM's --generation-config auto, its default: the model's values where a request sets none)
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(generation_config) -> dict[str, float | int]:
+    """The request defaults a model's generation config sets (``{}`` for none)."""
+    values = generation_config.to_diff_dict() if generation_config is not None else {}
+    return {field: values[name] for name, field in GENERATION_DEFAULTS.items() if values.get(name) is not None}
 
 
 class CompletionRequest(_GenerationRequest):
@@ -582,15 +603,16 @@ class ChatCompletionRequest(_GenerationRequest):
 def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, limits: Limits,
                        prompt_param: str, max_tokens_param: str = "max_tokens") -> int:
     """The request's ``max_tokens``, checked against the model's positions and the KV budget.
-    ``default=None``: as many as fit (chat's default). Too long is OpenAI's ``context_length_exceeded``
-    (what clients test for to trim a conversation), whichever of the two limits it is."""
+    Unset, it is ``default`` or as many as fit (chat's default), at most what fits. A requested
+    one too long is OpenAI's ``context_length_exceeded`` (what clients test for to trim a
+    conversation), whichever of the two limits it is."""
     room = [x - prompt_len for x in (limits.context, limits.kv_tokens) if x is not None]
     where = "the model's context" if limits.context is not None and room and room[0] == min(room) else "the KV cache"
     if room and min(room) < 1:
         raise APIError(400, f"the prompt ({prompt_len} tokens) leaves no room in {where} "
                             f"({prompt_len + min(room)} tokens)", param=prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
     if requested is None:
-        requested = default if default is not None else min([limits.max_tokens, *room])
+        return min([limits.max_tokens if default is None else default, limits.max_tokens, *room])
     if room and requested > min(room):
         raise APIError(400, f"{prompt_len} prompt tokens plus {max_tokens_param}={requested} exceed {where} "
                             f"({prompt_len + min(room)} tokens)", param=max_tokens_param, code=CONTEXT_LENGTH_EXCEEDED)

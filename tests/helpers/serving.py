@@ -13,6 +13,7 @@ import openai
 import pytest
 
 import torch
+from transformers import GenerationConfig
 
 from hf_paged import LLMEngine
 from hf_paged.demo import byte_tokenizer, demo_model
@@ -42,10 +43,14 @@ def wait_until_healthy(proc: subprocess.Popen, port: int, timeout: float, poll: 
             time.sleep(poll)
 
 
-def tiny_model(**overrides):
-    """The demo architecture, tiny and random (seed 0): varied bytes, multi-byte characters among them."""
+def tiny_model(generation: dict | None = None, **overrides):
+    """The demo architecture, tiny and random (seed 0): varied bytes, multi-byte characters among
+    them. ``generation``: the fields of its generation config (as a generation_config.json sets them)."""
     options = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, initializer_range=0.3)
-    return demo_model(seed=0, **{**options, **overrides})
+    model = demo_model(seed=0, **{**options, **overrides})
+    if generation is not None:
+        model.generation_config = GenerationConfig(**generation)
+    return model
 
 
 def tiny_engine(engine_kwargs: dict, model_overrides: dict, threads: int | None = None) -> LLMEngine:
