@@ -107,8 +107,8 @@ def build_app(engine: LLMEngine | EngineProcess, settings: ServerSettings = Serv
     limits = Limits(max_n=min(settings.max_n, facts.max_num_seqs), max_tokens=settings.max_tokens,
                     vocab_size=facts.vocab_size, context=facts.max_positions, kv_tokens=facts.kv_tokens)
     drain = Drain(lambda: loop.end_all(shutting_down()), settings.shutdown_timeout_s)
-    serving = _OpenAIServing(loop, copy.deepcopy(engine.tokenizer), settings, limits, drain)
-    serving.defaults = facts.sampling_defaults if settings.generation_config == "auto" else {}
+    defaults = facts.sampling_defaults if settings.generation_config == "auto" else {}
+    serving = _OpenAIServing(loop, copy.deepcopy(engine.tokenizer), settings, limits, drain, defaults)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -256,13 +256,14 @@ async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
 
 # ---------------------------------------------------------------------------- the routes
 class _OpenAIServing:
-    def __init__(self, loop: EngineLoop, tokenizer, settings: ServerSettings, limits: Limits, drain: Drain):
+    def __init__(self, loop: EngineLoop, tokenizer, settings: ServerSettings, limits: Limits, drain: Drain,
+                 defaults: dict[str, float | int]):
         self.loop, self.tokenizer, self.settings, self.limits, self.drain = loop, tokenizer, settings, limits, drain
+        self.defaults = defaults  # request defaults from the model's generation config (protocol.generation_defaults)
         self.tokenizers = TokenizerPool(tokenizer)
         self.token_text = responses.TokenText(tokenizer)
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         self.document_start = [] if start is None else [start]  # what a completion without a prompt continues
-        self.defaults: dict[str, float | int] = {}  # the request defaults of the model's generation config
 
     def _unavailable(self) -> APIError | None:
         """Why generation requests get a 503 now (None: they are served)."""
