@@ -78,7 +78,7 @@ class SamplingParams:
     * ``seed``: None or an int in ``[-(2**63), 2**64)`` (what ``torch.Generator`` takes);
     * ``stop_token_ids``: a list of ints >= 0 (they end beams as EOS does); ``stop``: a string or a
       list of non-empty strings;
-    * beam search (``num_beams > 1``) reads no ``top_p``, ``top_k``, ``min_p``, ``seed``,
+    * beam search (``num_beams > 1``) reads no ``top_p``, ``top_k``, ``min_p``,
       ``presence_penalty``, ``frequency_penalty`` or ``stop``: setting one is refused;
     * ``logprobs``: None or an int >= 0 (the engine also bounds it by the vocabulary size);
     * ``structured_outputs``: None or a :class:`~hf_paged.constraints.StructuredOutputsParams`
@@ -202,14 +202,14 @@ class SamplingParams:
             raise self._bad("ignore_eos", "must be a bool")
 
     def _check_beam_search(self) -> None:
-        """What beam search does not read is refused, not ignored: it is deterministic (no draws, so
-        no truncation of the distribution and no seed), scores beams by log-probability (no OpenAI
-        penalties) and ends beams at tokens (no stop strings). ``temperature`` is not checked: its
-        default is 1.0."""
+        """What would change a beam search that reads it is refused, not ignored: the search is
+        deterministic (no draws, so no truncation of the distribution), scores beams by
+        log-probability (no OpenAI penalties) and ends beams at tokens (no stop strings).
+        ``temperature`` (default 1.0) and ``seed`` are left alone: they change nothing here."""
         if not self.beam_search:
             return
         unread = {"top_p": self.top_p != 1, "top_k": self.top_k not in (0, -1), "min_p": self.min_p != 0,
-                  "seed": self.seed is not None, "presence_penalty": self.presence_penalty != 0,
+                  "presence_penalty": self.presence_penalty != 0,
                   "frequency_penalty": self.frequency_penalty != 0, "stop": bool(self.stop)}
         for name, is_set in unread.items():
             if is_set:
