@@ -489,8 +489,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413")
     s.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
                    help="auto (default, as vLLM): the temperature, top_p, top_k, min_p, repetition_penalty and "
-                        "max_new_tokens of the model's generation_config.json are the defaults of requests that "
-                        "set none; vllm: ignore them")
+                        "max_new_tokens (a chat's max_tokens) of the model's generation_config.json are the "
+                        "defaults of requests that set none; vllm: ignore them")
     s.add_argument("--max-n", type=int, default=16, help="the largest n (and best_of) a request may ask for")
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="the largest max_tokens a request may ask for")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,

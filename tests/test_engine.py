@@ -509,3 +509,22 @@ def test_building_an_engine_leaves_generate_untouched():
         model.generate(input_ids=ids, max_new_tokens=2, cache_implementation="hf_paged")
     assert torch.equal(model.generate(input_ids=ids, max_new_tokens=6, do_sample=False),
                        stock.generate(input_ids=ids, max_new_tokens=6, do_sample=False))
+
+
+def test_streams_read_side_by_side_and_a_generate_inside_one_lose_nothing(model, prompts, references):
+    """Each call's step may finish another call's request: its outputs wait for that call (they
+    were left for step(), and the other stream ended early without them)."""
+    engine = LLMEngine(model, num_blocks=128)
+    tokens: dict[int, list[int]] = {0: [], 3: []}
+    for a, b in zip(engine.stream(prompts[0], GREEDY), engine.stream(prompts[3], GREEDY)):
+        tokens[0] += a["token_ids"]
+        tokens[3] += b["token_ids"]
+    assert tokens == {0: references[0][0], 3: references[3][0]}
+    streamed = []
+    for delta in engine.stream(prompts[1], GREEDY):
+        streamed += delta["token_ids"]
+        if len(streamed) == 1:
+            (out,) = engine.generate([prompts[2]], GREEDY, use_tqdm=False)  # steps the stream's request too
+            assert out.outputs[0].token_ids == references[2][0]
+    assert streamed == references[1][0] and engine.step() == []
+    _check_no_leak(engine)

@@ -601,14 +601,22 @@ def test_the_models_generation_config_gives_the_defaults_of_requests_that_set_no
             bare = api.completions.create(model=MODEL, prompt="Hello", seed=0, extra_body={"return_token_ids": True})
             chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                                extra_body={"return_token_ids": True, "repetition_penalty": 1.0})
-        if generation_config == "auto":
-            expected = truth(reference, "Hello", max_new_tokens=5, temperature=1.0, top_k=1, repetition_penalty=1.3,
+        if generation_config == "auto":  # a completion keeps OpenAI's 16 tokens (as vLLM); a chat takes the 5
+            expected = truth(reference, "Hello", max_new_tokens=16, temperature=1.0, top_k=1, repetition_penalty=1.3,
                              seed=0)
             chat_expected = truth(reference, chat_ids([{"role": "user", "content": "Hi"}]), max_new_tokens=5,
                                   temperature=1.0, top_k=1, repetition_penalty=1.0)  # the request's own value wins
             assert chat.choices[0].model_extra["token_ids"] == chat_expected.outputs[0].token_ids
-        else:  # OpenAI's defaults: 16 tokens for a completion, temperature 1, no top_k, no penalty
+            assert len(chat_expected.outputs[0].token_ids) == 5
+        else:  # OpenAI's defaults: temperature 1, no top_k, no penalty
             expected = truth(reference, "Hello", max_new_tokens=16, temperature=1.0, seed=0)
+            assert chat.usage.completion_tokens != 5 or chat.choices[0].finish_reason == "stop"
         assert bare.choices[0].model_extra["token_ids"] == expected.outputs[0].token_ids
-        assert len(expected.outputs[0].token_ids) == (5 if generation_config == "auto" else 16)
+        assert len(expected.outputs[0].token_ids) == 16
         assert_all_free(loop)
+
+
+def test_a_generation_config_value_requests_cannot_take_is_refused_at_start():
+    with pytest.raises(ValueError, match="generation config holds a value requests cannot take.*temperature"):
+        with serving({"num_blocks": NUM_BLOCKS}, {"generation": {"do_sample": True, "temperature": 5e6}}):
+            pass

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -284,6 +284,14 @@ class LLMEngine:
         self._unclaimed.clear()
         return unclaimed + self._step()
 
+    def _claim(self, ids: Container[str]) -> list[RequestOutput]:
+        """A step for a ``generate()`` or ``stream()`` call: the outputs of its requests (``ids``),
+        first those another call's step left unclaimed; the others' are kept for ``step()``."""
+        claimed = [self._unclaimed.pop(rid) for rid in [rid for rid in self._unclaimed if rid in ids]]
+        outputs = self._step()
+        self._keep_unclaimed(out for out in outputs if out.request_id not in ids)
+        return claimed + [out for out in outputs if out.request_id in ids]
+
     def _keep_unclaimed(self, outputs: Iterable[RequestOutput]) -> None:
         """Outputs of other requests a ``generate()`` or ``stream()`` call stepped past: the next
         ``step()`` returns the latest of each."""
@@ -413,13 +421,13 @@ class LLMEngine:
                                              error=str(err), error_kind=REJECTED)
         progress = _progress(len(order), use_tqdm)
         mine = set(order)
-        while self.has_unfinished_requests():
-            outputs = self._step()
-            self._keep_unclaimed(out for out in outputs if out.request_id not in mine)
-            for out in outputs:
-                if out.finished and out.request_id in mine and out.request_id not in results:
+        while len(results) < len(order):
+            for out in self._claim(mine):
+                if out.finished and out.request_id not in results:
                     results[out.request_id] = out
                     progress.update(1)
+            if not self.has_unfinished_requests() and not any(rid in self._unclaimed for rid in mine):
+                break
         progress.close()
         outputs = [results[rid] for rid in order]
         if self.tp and not self._stopped:
@@ -514,7 +522,8 @@ class LLMEngine:
         ``{"index", "token_ids", "text", "finished", "finish_reason"}`` deltas per completion.
         The text deltas add up to the final text: a character split over tokens goes out whole,
         and what may begin a stop string is held back until it does not (the server's streams).
-        A request the engine fails raises ``RuntimeError`` after its last deltas; one whose
+        A request the engine fails raises ``RuntimeError`` after its last deltas (``ValueError``
+        when it could never be served, e.g. a grammar that does not compile); one whose
         consumer stops early (``break``, an exception, closing the iterator) is aborted."""
         request_id = self.add_request(prompt, params)
         stop = self.requests[request_id].params.stop if request_id in self.requests else []
@@ -522,9 +531,7 @@ class LLMEngine:
         ended = False
         try:
             while not ended:
-                outputs = self._step()
-                self._keep_unclaimed(o for o in outputs if o.request_id != request_id)
-                mine = [o for o in outputs if o.request_id == request_id]
+                mine = self._claim({request_id})
                 for out in mine:
                     for c in out.outputs:
                         delta = self._stream_delta(texts, c, stop)
@@ -532,7 +539,8 @@ class LLMEngine:
                             yield delta
                     if out.finished and out.error:
                         ended = True
-                        raise RuntimeError(f"request {request_id} failed: {out.error}")
+                        kind = ValueError if out.error_kind == REJECTED else RuntimeError  # bad input, or a fault
+                        raise kind(f"request {request_id} failed: {out.error}")
                     ended = ended or out.finished
                 ended = ended or (request_id not in self.requests and not mine)
         finally:

@@ -107,7 +107,7 @@ def build_app(engine: LLMEngine | EngineProcess, settings: ServerSettings = Serv
     limits = Limits(max_n=min(settings.max_n, facts.max_num_seqs), max_tokens=settings.max_tokens,
                     vocab_size=facts.vocab_size, context=facts.max_positions, kv_tokens=facts.kv_tokens)
     drain = Drain(lambda: loop.end_all(shutting_down()), settings.shutdown_timeout_s)
-    defaults = facts.sampling_defaults if settings.generation_config == "auto" else {}
+    defaults = _checked_defaults(facts.sampling_defaults) if settings.generation_config == "auto" else {}
     serving = _OpenAIServing(loop, copy.deepcopy(engine.tokenizer), settings, limits, drain, defaults)
 
     @asynccontextmanager
@@ -254,6 +254,17 @@ async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
     stream.abort()
 
 
+def _checked_defaults(defaults: dict[str, float | int]) -> dict[str, float | int]:
+    """The model's request defaults, refused at start when out of range (else every request that
+    leaves one unset would get a 400 naming a field it did not send)."""
+    try:
+        SamplingParams(**{"max_new_tokens" if k == "max_tokens" else k: v for k, v in defaults.items()})
+    except ValueError as err:
+        raise ValueError(f"the model's generation config holds a value requests cannot take ({err}); fix "
+                         "generation_config.json or serve with --generation-config vllm") from None
+    return defaults
+
+
 # ---------------------------------------------------------------------------- the routes
 class _OpenAIServing:
     def __init__(self, loop: EngineLoop, tokenizer, settings: ServerSettings, limits: Limits, drain: Drain,
@@ -362,13 +373,9 @@ class _OpenAIServing:
         req: CompletionRequest = await self._parse(request, CompletionRequest)
         prompts = req.prompts(self.document_start)
         encoded, texts = await self.tokenizers.run(self._encode_prompts, prompts, bool(req.echo))
-        model_default = self.defaults.get("max_tokens")
-        if req.max_tokens is None and model_default is not None:  # at most what fits, as vLLM
-            max_tokens = min(resolve_max_tokens(None, model_default, len(ids), self.limits, "prompt") for ids in encoded)
-        else:
-            max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-            for ids in encoded:
-                resolve_max_tokens(max_tokens, None, len(ids), self.limits, "prompt")
+        max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS  # as vLLM: not the model's max_new_tokens
+        for ids in encoded:
+            resolve_max_tokens(max_tokens, None, len(ids), self.limits, "prompt")
         job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", req, texts, ticket)
         params = req.sampling_params(max_tokens)
         await self._compile_constraint(req, params)

@@ -373,7 +373,7 @@ class _GenerationRequest(_Strict):
                   "top_k": self.top_k not in (None, 0, -1), "min_p": self.min_p not in (None, 0),
                   "presence_penalty": self.presence_penalty not in (None, 0),
                   "frequency_penalty": self.frequency_penalty not in (None, 0),
-                  "seed": self.seed is not None, "stop": bool(self.stop),
+                  "stop": bool(self.stop),
                   "logprobs": self.num_logprobs() is not None, "logit_bias": bool(self.logit_bias),
                   self._constraint_param or "": self._constraint is not None}
         for name, is_set in unused.items():
@@ -388,11 +388,11 @@ class _GenerationRequest(_Strict):
 
     def fill_defaults(self, defaults: dict[str, float | int]) -> None:
         """Sampling fields the request leaves unset take ``defaults`` (:func:`generation_defaults`;
-        ``max_tokens`` is the server's to resolve). Beam search reads none of them."""
-        if self.use_beam_search:
-            return
+        ``max_tokens`` is the server's to resolve). Beam search reads only ``repetition_penalty``."""
         for name, value in defaults.items():
-            if name != "max_tokens" and getattr(self, name) is None:
+            if name == "max_tokens" or (self.use_beam_search and name != "repetition_penalty"):
+                continue
+            if getattr(self, name) is None:
                 setattr(self, name, value)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
