@@ -35,6 +35,7 @@ from transformers.pipelines.text_generation import Chat
 
 from hf_paged.engine import LLMEngine, SamplingParams
 from hf_paged.engine.beam_search import generate_fill_token
+from hf_paged.model_info import token_id_list
 
 TASK = "paged-text-generation"
 ENGINE_KWARGS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
@@ -69,7 +70,7 @@ class _Call:
 def _fill_token(config: GenerationConfig, beam_search: bool) -> int:
     """What ``generate()`` writes after a sequence's end: the pad id, which defaults to the first
     EOS id (beam search also skips a pad id of 0)."""
-    eos = _eos_ids(config.eos_token_id)
+    eos = token_id_list(config.eos_token_id)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
     fill = generate_fill_token(pad, eos) if beam_search else pad
     return 0 if fill is None or fill < 0 else fill
@@ -101,13 +102,6 @@ def _unsupported(name: str, why: str = "the engine cannot honor it") -> ValueErr
                       f"transformers' text-generation pipeline, with cache_implementation='hf_paged' for paged KV")
 
 
-def _eos_ids(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(t) for t in (value.tolist() if isinstance(value, torch.Tensor) else
-                             value if isinstance(value, (list, tuple)) else [value])]
-
-
 def _sampling_params(config: GenerationConfig, prompt_len: int, engine_eos: list[int]) -> SamplingParams:
     """The :class:`SamplingParams` that decode as ``generate()`` with ``config`` (resolved: the
     model's and transformers' defaults filled in) would on a prompt of ``prompt_len`` tokens.
@@ -125,7 +119,7 @@ def _sampling_params(config: GenerationConfig, prompt_len: int, engine_eos: list
     min_new = config.min_new_tokens
     if min_new is None:
         min_new = max(0, (config.min_length or 0) - prompt_len)
-    eos = _eos_ids(config.eos_token_id)
+    eos = token_id_list(config.eos_token_id)
     own_eos = sorted(set(eos)) != sorted(set(engine_eos))
     sampling = bool(config.do_sample)
     if sampling and (config.num_beams or 1) > 1:

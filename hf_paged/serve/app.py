@@ -258,7 +258,7 @@ def _checked_defaults(defaults: dict[str, float | int]) -> dict[str, float | int
     """The model's request defaults, refused at start when out of range (else every request that
     leaves one unset would get a 400 naming a field it did not send)."""
     try:
-        SamplingParams(**{"max_new_tokens" if k == "max_tokens" else k: v for k, v in defaults.items()})
+        SamplingParams(**defaults)  # max_tokens is SamplingParams' vLLM spelling of max_new_tokens
     except ValueError as err:
         raise ValueError(f"the model's generation config holds a value requests cannot take ({err}); fix "
                          "generation_config.json or serve with --generation-config vllm") from None
