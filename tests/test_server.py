@@ -255,6 +255,34 @@ def test_models_health_and_metrics(client, served):
         assert count >= 1 and f'hf_paged_{hist}_bucket{{le="+Inf"}} {count}' in text
 
 
+def test_an_unsent_max_tokens_is_at_most_what_fits(client):
+    """As vLLM: a completion's default max_tokens (16) and a chat's (as many as fit) are at most the
+    room each prompt leaves in the model's context (once a 400 about a max_tokens=16 never sent); a
+    prompt that leaves none, or a max_tokens the client sent that does not fit, is a 400 saying so."""
+    context = client.models.retrieve(MODEL).model_extra["max_model_len"]
+    long = [72] * (context - 10)
+    resp = client.completions.create(model=MODEL, prompt=[long, [72, 105]], temperature=0,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert [(len(c.model_extra["token_ids"]), c.finish_reason) for c in resp.choices] == [(10, "length"),
+                                                                                          (16, "length")]
+    messages = [{"role": "user", "content": "a" * (context - 5 - len(chat_ids([{"role": "user", "content": ""}])))}]
+    assert len(chat_ids(messages)) == context - 5
+    chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 5 and chat.choices[0].finish_reason == "length"
+    refusals = {  # what is sent -> (param, message)
+        "no room": (dict(prompt=[72] * context), "prompt",
+                    f"the prompt ({context} tokens) leaves no room in the model's context ({context} tokens)"),
+        "sent, too many": (dict(prompt=long, max_tokens=11), "max_tokens",
+                           f"{context - 10} prompt tokens plus max_tokens=11 exceed the model's context "
+                           f"({context} tokens)")}
+    for args, param, message in refusals.values():
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=MODEL, **args)
+        assert caught.value.body == {"message": message, "type": "invalid_request_error", "param": param,
+                                     "code": "context_length_exceeded"}
+
+
 def test_reset_prefix_cache_forgets_cached_prompts_and_waits_for_requests_in_flight(client, served):
     server, loop = served
     prompt = "A prompt long enough to fill a few blocks of sixteen tokens each. " * 2  # 134 bytes: 8 full blocks
@@ -619,4 +647,14 @@ def test_the_models_generation_config_gives_the_defaults_of_requests_that_set_no
 def test_a_generation_config_value_requests_cannot_take_is_refused_at_start():
     with pytest.raises(ValueError, match="generation config holds a value requests cannot take.*temperature"):
         with serving({"num_blocks": NUM_BLOCKS}, {"generation": {"do_sample": True, "temperature": 5e6}}):
+            pass
+
+
+@pytest.mark.parametrize("value", ["Auto", "none"])
+def test_an_unknown_generation_config_is_refused_before_serving(value):
+    """``--generation-config`` takes auto or vllm; so do the settings behind it (a typo once served
+    quietly as vllm, without the model's defaults)."""
+    with pytest.raises(ValueError, match=f"ServerSettings.generation_config must be one of 'auto', 'vllm', "
+                                         f"got '{value}'"):
+        with serving({"num_blocks": NUM_BLOCKS}, generation_config=value):
             pass

@@ -301,12 +301,19 @@ def test_chat_roles_are_validated(server):
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages[0].role", (role, resp.text)
 
 
-def test_a_wrong_method_gets_405_with_allow(server):
-    for method, path, allow in (("GET", COMPLETIONS, "POST"), ("PUT", CHAT, "POST"), ("POST", "/v1/models", "GET"),
-                                ("DELETE", "/health", "GET")):
+def test_a_wrong_method_gets_405_with_allow_naming_every_method_the_path_answers(server):
+    """GET routes answer HEAD too (a route of its own, left out of the schema): Allow lists both (it
+    once named GET alone), and each method it lists is answered."""
+    for method, path, allow in (("GET", COMPLETIONS, "POST"), ("PUT", CHAT, "POST"),
+                                ("GET", "/reset_prefix_cache", "POST"), ("POST", "/v1/models", "GET, HEAD"),
+                                ("POST", "/v1/models/" + MODEL, "GET, HEAD"), ("DELETE", "/health", "GET, HEAD"),
+                                ("PUT", "/metrics", "GET, HEAD")):
         resp = httpx.request(method, server.url + path)
-        assert resp.status_code == 405 and resp.headers["allow"] == allow, (method, path)
+        assert (resp.status_code, resp.headers.get("allow")) == (405, allow), (method, path)
         assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+        for listed in allow.split(", "):
+            body = (chat() if path == CHAT else completion()) if listed == "POST" else None
+            assert httpx.request(listed, server.url + path, json=body).status_code == 200, (listed, path)
 
 
 def test_head_answers_where_get_does_without_a_body(server):

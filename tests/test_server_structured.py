@@ -7,6 +7,7 @@ block is free."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Literal
 
@@ -107,7 +108,7 @@ def test_structured_outputs_and_guided_fields(client):
     for extra, pattern in cases:
         text = client.completions.create(model=MODEL, prompt="Hi", max_tokens=30, temperature=0,
                                          extra_body=extra).choices[0].text
-        assert __import__("re").fullmatch(pattern, text), (extra, text)
+        assert re.fullmatch(pattern, text), (extra, text)
     for extra in ({"structured_outputs": {"json": PERSON}}, {"guided_json": PERSON},
                   {"structured_outputs": {"json": PERSON, "disable_any_whitespace": False}}):
         content = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=80, temperature=0,
@@ -115,27 +116,51 @@ def test_structured_outputs_and_guided_fields(client):
         jsonschema.validate(json.loads(content), PERSON)
 
 
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
+OLDER_TAG = {"type": "structural_tag", "structures": [{"begin": "<n>", "schema": DIGIT, "end": "</n>"}],
+             "triggers": ["<n>"]}  # vLLM's older structural tag
+CURRENT_TAG = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<n>"], "tags": [
+    {"type": "tag", "begin": "<n>", "content": {"type": "json_schema", "json_schema": DIGIT}, "end": "</n>"}]}}
+TAG_BIAS = {TOKENIZER.convert_tokens_to_ids(c): 8 for c in "<n>"}  # makes the model write the trigger
+
+
 def test_vllms_older_structural_tag_is_xgrammars_triggered_tags(client, engine):
     """vLLM's ``structures`` / ``triggers`` (once a 400 quoting xgrammar's "Format type not
     recognized") constrains as the current format's triggered tags written out (a bias on "<",
     "n" and ">" makes the model write the trigger; a digit must follow)."""
-    schema = {"type": "integer", "minimum": 0, "maximum": 9}
-    older = {"type": "structural_tag", "structures": [{"begin": "<n>", "schema": schema, "end": "</n>"}],
-             "triggers": ["<n>"]}
-    current = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<n>"], "tags": [
-        {"type": "tag", "begin": "<n>", "content": {"type": "json_schema", "json_schema": schema}, "end": "</n>"}]}}
-    bias = {TOKENIZER.convert_tokens_to_ids(c): 8 for c in "<n>"}
     resp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=40, temperature=0,
-                                     logit_bias={str(t): b for t, b in bias.items()},
-                                     extra_body={"structured_outputs": {"structural_tag": older},
+                                     logit_bias={str(t): b for t, b in TAG_BIAS.items()},
+                                     extra_body={"structured_outputs": {"structural_tag": OLDER_TAG},
                                                  "return_token_ids": True})
     ref = engine.generate([TOKENIZER("Hi").input_ids], SamplingParams(
-        max_new_tokens=40, temperature=0, logit_bias=bias, structured_outputs=StructuredOutputsParams(
-            structural_tag=current)), use_tqdm=False)[0].outputs[0]
+        max_new_tokens=40, temperature=0, logit_bias=TAG_BIAS, structured_outputs=StructuredOutputsParams(
+            structural_tag=CURRENT_TAG)), use_tqdm=False)[0].outputs[0]
     assert resp.choices[0].model_extra["token_ids"] == ref.token_ids and "<n>1</n>" in resp.choices[0].text
     with pytest.raises(openai.BadRequestError, match="uniqueItems"):  # its schemas are checked
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, extra_body={"structured_outputs": {
-            "structural_tag": {**older, "structures": [{"begin": "<n>", "schema": {"uniqueItems": True}, "end": "</n>"}]}}})
+            "structural_tag": {**OLDER_TAG, "structures": [{"begin": "<n>", "schema": {"uniqueItems": True},
+                                                            "end": "</n>"}]}}})
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_structural_tag_response_format_is_the_structured_outputs_one(client, kind):
+    """As vLLM: ``response_format={"type": "structural_tag", ...}``, xgrammar's ``format`` or the
+    older ``structures`` / ``triggers``, is ``structured_outputs.structural_tag`` (once a 400 on
+    response_format.type): the same tokens, a digit between the tags."""
+    if kind == "completion":
+        create, args, text_of = client.completions.create, dict(prompt="Hi"), lambda r: r.choices[0].text
+    else:
+        create, args = client.chat.completions.create, dict(messages=USER)
+        text_of = lambda r: r.choices[0].message.content  # noqa: E731
+    bias = {str(t): b for t, b in TAG_BIAS.items()}
+    common = dict(model=MODEL, max_tokens=40, temperature=0, logit_bias=bias, **args)
+    ids = lambda r: r.choices[0].model_extra["token_ids"]  # noqa: E731
+    expected = create(**common, extra_body={"structured_outputs": {"structural_tag": OLDER_TAG},
+                                            "return_token_ids": True})
+    assert re.search(r"<n>\d</n>", text_of(expected)), text_of(expected)
+    for tag in (CURRENT_TAG, OLDER_TAG):
+        resp = create(**common, extra_body={"response_format": tag, "return_token_ids": True})
+        assert (ids(resp), text_of(resp)) == (ids(expected), text_of(expected))
 
 
 def test_streamed_json_equals_the_non_streamed(client):
@@ -487,6 +512,20 @@ BAD = [
     (dict(messages=USER + [{"role": "tool", "content": "?"}]), "messages[1].tool_call_id", "tool_call_id"),
     (dict(messages=USER + [{"role": "user", "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "f", "arguments": "{}"}}]}]), "messages[1].tool_calls", "only assistant messages"),
+    (dict(response_format={"type": "structural_tag"}), "response_format.format", "needs format"),
+    (dict(response_format={"type": "structural_tag", "format": "<n>"}), "response_format.format",
+     "valid dictionary"),
+    (dict(response_format={"type": "structural_tag", "format": {"type": "nope"}}), "response_format.format",
+     "Format type not recognized: nope"),
+    (dict(response_format={**CURRENT_TAG, "triggers": ["<n>"]}), "response_format.triggers", "do not go with format"),
+    (dict(response_format={**OLDER_TAG, "triggers": None}), "response_format.triggers", "needs both"),
+    (dict(response_format={"type": "structural_tag", "structures": [{"begin": "<n>", "end": "</n>"}],
+                           "triggers": ["<n>"]}), "response_format.structures[0].schema", "Field required"),
+    (dict(response_format={**OLDER_TAG, "structures": [{"begin": "<n>", "schema": {"uniqueItems": True},
+                                                        "end": "</n>"}]}), "response_format.structures",
+     "uniqueItems"),
+    (dict(response_format={"type": "json_object", "format": CURRENT_TAG["format"]}), "response_format.format",
+     "only read with type structural_tag"),
 ]
 
 

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from hf_paged.constraints.compiler import ConstraintError, too_slow
 from hf_paged.engine.detokenize import TextStream
@@ -52,6 +53,7 @@ from hf_paged.serve.tools import HermesToolParser, parse_tool_calls
 
 logger = logging.getLogger("hf_paged.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+GENERATION_CONFIG_MODES = ("auto", "vllm")  # --generation-config
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,13 @@ class ServerSettings:
     # "auto": the model's generation_config.json values (temperature, top_p, top_k, min_p,
     # repetition_penalty, max_new_tokens) are the defaults of requests that set none; "vllm": not
     generation_config: str = "auto"
+
+    def __post_init__(self) -> None:
+        """A value the command line would refuse is refused here too: any other one (a typo, "Auto")
+        would quietly serve as "vllm" and drop the model's defaults."""
+        if self.generation_config not in GENERATION_CONFIG_MODES:
+            raise ValueError(f"ServerSettings.generation_config must be one of "
+                             f"{', '.join(map(repr, GENERATION_CONFIG_MODES))}, got {self.generation_config!r}")
 
 
 @dataclass
@@ -165,9 +174,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, err: APIError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)
 
-    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        headers = err.headers
+        if err.status_code == 405:  # Allow: every method the path answers (Starlette names one route's)
+            headers = {**(headers or {}), "Allow": _allowed_methods(request)}
         return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code,
-                            headers=err.headers)  # 405 carries Allow
+                            headers=headers)
 
     async def validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
         return await api_error(_, invalid(None, str(err.errors()[0].get("msg"))))
@@ -185,6 +197,16 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(ClientDisconnect, client_left)  # not a server error: no traceback
     app.add_exception_handler(Exception, internal_error)
+
+
+def _allowed_methods(request: Request) -> str:
+    """The methods of every route on the request's path: GET and HEAD are separate routes here
+    (HEAD is left out of the schema), so a 405 lists both."""
+    methods = set()
+    for route in request.app.router.routes:
+        if route.matches(request.scope)[0] != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
 
 
 def _api_key_check(api_key: str | None):
@@ -373,13 +395,13 @@ class _OpenAIServing:
         req: CompletionRequest = await self._parse(request, CompletionRequest)
         prompts = req.prompts(self.document_start)
         encoded, texts = await self.tokenizers.run(self._encode_prompts, prompts, bool(req.echo))
-        max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS  # as vLLM: not the model's max_new_tokens
-        for ids in encoded:
-            resolve_max_tokens(max_tokens, None, len(ids), self.limits, "prompt")
+        # unset: 16 (as vLLM: not the model's max_new_tokens), at most what fits after each prompt
+        max_tokens = [resolve_max_tokens(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), self.limits,
+                                         "prompt") for ids in encoded]
         job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", req, texts, ticket)
-        params = req.sampling_params(max_tokens)
-        await self._compile_constraint(req, params)
-        return job, encoded, params
+        params = {n: req.sampling_params(n) for n in set(max_tokens)}
+        await self._compile_constraint(req, params[max_tokens[0]])
+        return job, encoded, params[max_tokens[0]] if len(params) == 1 else [params[n] for n in max_tokens]
 
     async def _chat_job(self, request: Request, ticket: Ticket):
         req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
@@ -424,7 +446,8 @@ class _OpenAIServing:
             raise invalid("prompt", f"prompt token ids must be below the vocabulary size {self.limits.vocab_size}")
         return list(prompt)
 
-    async def _run(self, job: _Job, prompts: list[list[int]], params: SamplingParams, request: Request) -> Response:
+    async def _run(self, job: _Job, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                   request: Request) -> Response:
         job.stream = self.loop.submit(prompts, params, job.response_id, final_only=not job.request.stream)
         try:
             await job.stream.accepted()

@@ -180,9 +180,10 @@ class EngineLoop:
         before queueing it, so that a bad one is a 400 before its stream starts)."""
         return self.engine.structured.compiler
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+    def submit(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], request_id: str,
                final_only: bool = False) -> RequestStream:
-        """Queue one engine request per prompt (ids ``{request_id}-{i}``); await ``accepted()``."""
+        """Queue one engine request per prompt (ids ``{request_id}-{i}``; ``params`` for all, or one
+        per prompt); await ``accepted()``."""
         stream = RequestStream(self, [f"{request_id}-{i}" for i in range(len(prompts))], final_only)
         self._post(("add", stream, prompts, params))
         return stream
@@ -248,7 +249,8 @@ class EngineLoop:
             case ("stop",):
                 self._stopping = True
 
-    def _add(self, stream: RequestStream, prompts: list[list[int]], params: SamplingParams) -> None:
+    def _add(self, stream: RequestStream, prompts: list[list[int]],
+             params: SamplingParams | list[SamplingParams]) -> None:
         refusal = add_requests(self.engine, stream.request_ids, prompts, params, self.max_waiting)
         self._admit(stream, len(prompts), refusal)
 
@@ -328,18 +330,20 @@ class EngineLoop:
                 pass
 
 
-def add_requests(engine: LLMEngine, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,
-                 max_waiting: int | None) -> tuple[str, str] | None:
-    """Queue one engine request per prompt, all or none (in the engine's thread or process). None
-    when queued, else ``(why, message)``: "overloaded" (more than ``max_waiting`` would wait),
-    "invalid" (``ValueError``: a bad prompt or parameters) or "engine" (the engine refused, e.g. a
-    tensor-parallel engine whose group was stopped; logged)."""
+def add_requests(engine: LLMEngine, request_ids: list[str], prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams], max_waiting: int | None) -> tuple[str, str] | None:
+    """Queue one engine request per prompt, all or none (in the engine's thread or process), with
+    ``params``, or one of them per prompt (a completion's default ``max_tokens`` is what fits after
+    its own prompt). None when queued, else ``(why, message)``: "overloaded" (more than
+    ``max_waiting`` would wait), "invalid" (``ValueError``: a bad prompt or parameters) or "engine"
+    (the engine refused, e.g. a tensor-parallel engine whose group was stopped; logged)."""
     if max_waiting is not None and engine.stats()["waiting"] + len(prompts) > max_waiting:
         return "overloaded", f"more than {max_waiting} requests are waiting; retry later"
     added = []
     try:
-        for request_id, prompt in zip(request_ids, prompts):
-            engine.add_request(prompt, params, request_id=request_id)
+        each = params if isinstance(params, list) else [params] * len(prompts)
+        for request_id, prompt, prompt_params in zip(request_ids, prompts, each):
+            engine.add_request(prompt, prompt_params, request_id=request_id)
             added.append(request_id)
     except Exception as err:  # noqa: BLE001 - the caller answers 400 or 503
         for request_id in added:

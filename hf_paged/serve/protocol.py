@@ -7,7 +7,8 @@ OpenAI's fields the requests take vLLM's extensions: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``stop_token_ids``) and
 ``return_token_ids`` (token ids in every choice or chunk).
 
-Structured outputs: OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``),
+Structured outputs: OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``, and
+vLLM's ``structural_tag``: ``format``, or the older ``structures`` with ``triggers``),
 vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
 ``structural_tag``, ``disable_any_whitespace``) and its older ``guided_json`` / ``guided_regex`` /
 ``guided_choice`` / ``guided_grammar`` (at most one of them per request), ``logit_bias`` and, in
@@ -176,7 +177,7 @@ def json_path(parts) -> str | None:
 @functools.cache
 def _field_names() -> set[str]:
     models = (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions, ResponseFormat,
-              JSONSchemaFormat, StructuredOutputsRequest, ChatToolCall, FunctionCall)
+              JSONSchemaFormat, LegacyStructure, StructuredOutputsRequest, ChatToolCall, FunctionCall)
     return {key for model in models for name, f in model.model_fields.items() for key in (name, f.alias) if key}
 
 
@@ -216,9 +217,25 @@ class JSONSchemaFormat(_Strict):
     strict: bool | None = None
 
 
+class LegacyStructure(_Strict):
+    """One of vLLM's older ``response_format.structures``: text from ``begin`` to ``end`` whose
+    content follows ``schema``."""
+
+    model_config = ConfigDict(**_Strict.model_config, populate_by_name=True)
+    begin: str
+    schema_: dict = Field(alias="schema")
+    end: str
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
+    """OpenAI's formats, and vLLM's ``structural_tag``: xgrammar's ``format``, or the older
+    ``structures`` with ``triggers`` (each field only with the type that reads it)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JSONSchemaFormat | None = None
+    format: dict | None = None
+    structures: list[LegacyStructure] | None = None
+    triggers: list[str] | None = None
 
 
 class StructuredOutputsRequest(_Strict):
@@ -345,7 +362,7 @@ class _GenerationRequest(_Strict):
     def _constraint_sources(self):
         """``(param, builder)`` per field that asks for a constraint (None where it does not)."""
         fmt, so = self.response_format, self.structured_outputs
-        yield None if fmt is None or fmt.type == "text" else self._response_format_source(fmt)
+        yield None if fmt is None else self._response_format_source(fmt)
         if so is not None:
             fields = {name: getattr(so, "json_" if name == "json" else name) for name in
                       ("json", "regex", "choice", "grammar", "json_object", "structural_tag")}
@@ -359,6 +376,14 @@ class _GenerationRequest(_Strict):
 
     @staticmethod
     def _response_format_source(fmt: ResponseFormat):
+        tag_fields = [name for name in ("format", "structures", "triggers") if getattr(fmt, name) is not None]
+        if fmt.type == "structural_tag":
+            return _structural_tag_source(fmt, tag_fields)
+        if tag_fields:
+            raise invalid(f"response_format.{tag_fields[0]}", f"response_format.{tag_fields[0]} is only read with "
+                                                              "type structural_tag")
+        if fmt.type == "text":
+            return None
         if fmt.type == "json_object":
             return "response_format", lambda: StructuredOutputsParams(json_object=True)
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
@@ -419,6 +444,29 @@ class _GenerationRequest(_Strict):
                 field = self._constraint_param or field
             name = self.max_tokens_param if field == "max_new_tokens" else _API_NAME.get(field, field)
             raise invalid(name, str(err).replace("SamplingParams.", "")) from None
+
+
+def _structural_tag_source(fmt: ResponseFormat, tag_fields: list[str]):
+    """vLLM's ``response_format`` structural tag, as ``structured_outputs.structural_tag`` takes it
+    (vLLM passes the whole object on): ``{"type": "structural_tag", "format": {...}}``, or the older
+    ``structures`` with ``triggers`` (converted to xgrammar's ``triggered_tags`` there)."""
+    if fmt.json_schema is not None:
+        raise invalid("response_format.json_schema", "response_format.json_schema is only read with type json_schema")
+    if tag_fields == ["format"]:
+        tag = {"type": "structural_tag", "format": fmt.format}
+        return "response_format.format", lambda: StructuredOutputsParams(structural_tag=tag)
+    if tag_fields == ["structures", "triggers"]:
+        structures = [{"begin": s.begin, "schema": s.schema_, "end": s.end} for s in fmt.structures]
+        tag = {"type": "structural_tag", "structures": structures, "triggers": fmt.triggers}
+        return "response_format.structures", lambda: StructuredOutputsParams(structural_tag=tag)
+    if not tag_fields:
+        raise invalid("response_format.format", "response_format of type structural_tag needs format (xgrammar's "
+                                                "structural tag) or the older structures with triggers")
+    if "format" in tag_fields:
+        other = f"response_format.{tag_fields[1]}"
+        raise invalid(other, f"{other}: the older structural tag's fields do not go with format")
+    missing = f"response_format.{'triggers' if tag_fields == ['structures'] else 'structures'}"
+    raise invalid(missing, f"{missing}: the older structural tag needs both structures and triggers")
 
 
 # generation_config.json fields a model's authors recommend, as the request fields they default
