@@ -149,7 +149,7 @@ class PagedKVCache(StashingCache):
         config = config.get_text_config(decoder=True)
         self.layer_types, self.specs = layer_kinds(config)
         self.sliding_windows = [None if spec is None else spec.window for spec in self.specs]
-        super().__init__(self.sliding_windows)
+        super().__init__(self._cache_layer_windows())
         state_layers.build_state_layers(self, config, self.layer_types, self.sliding_windows)  # hybrid models
         self.config = config
         self.block_size = block_size
@@ -179,6 +179,11 @@ class PagedKVCache(StashingCache):
         # contiguous, as DynamicCache's torch.cat makes them (matmul rounds by layout; SDPA does not).
         self.contiguous_kv = False
 
+    def _cache_layer_windows(self) -> list[int | None]:
+        """The windows of ``self.layers``: one per layer type transformers gives, as ``DynamicCache``
+        has (transformers 5.17 builds none for KV-sharing layers; ``specs`` still covers every layer)."""
+        return self.sliding_windows[:len(self.layer_types)]
+
     def _join(self, pool: KVPool) -> None:
         self._pool, self.blocks, self.storage = pool, pool.blocks, pool.storage
         self.prefix = pool.prefix
@@ -206,7 +211,7 @@ class PagedKVCache(StashingCache):
         """A cache with the same rows, sharing every block (copy on write): both continue on their own."""
         self.check_no_pending()
         clone = object.__new__(type(self))
-        StashingCache.__init__(clone, self.sliding_windows)
+        StashingCache.__init__(clone, self._cache_layer_windows())
         clone.layer_types, clone.specs, clone.sliding_windows = self.layer_types, self.specs, self.sliding_windows
         clone.config, clone.block_size = self.config, self.block_size
         clone.groups, clone._group_of, clone._kv_sources = self.groups, self._group_of, self._kv_sources

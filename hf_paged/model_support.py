@@ -112,14 +112,20 @@ def layer_problem(config: PretrainedConfig, layer_types: list[str] | None = None
     ``layer_types``: what ``get_layer_types_and_kwargs(config)`` gives, when the caller has it already.
     """
     shared = _attr(config, "num_kv_shared_layers") or 0
-    if shared and not (state_layers.STATE_API and "reuse" in (_attr(config, "kv_sharing_modes") or ())):
-        return Support(KV_SHARING, f"{shared} layers reuse another layer's K/V (num_kv_shared_layers), and transformers "
-                                   f"{transformers_version()} does not mark them in kv_sharing_modes")
+    try:  # the config's kv_sharing_modes (transformers >= 5.24), else derived as 5.17's modeling code does
+        sharing = "reuse" in kinds.kv_sharing_modes(config)
+    except ValueError as error:
+        return Support(KV_SHARING, f"{shared} layers reuse another layer's K/V (num_kv_shared_layers): {error}")
+    if shared and not sharing:
+        return Support(KV_SHARING, f"{shared} layers reuse another layer's K/V (num_kv_shared_layers), and no "
+                                   "layer is marked as reusing (kv_sharing_modes)")
     try:
         layer_types = layer_types if layer_types is not None else get_layer_types_and_kwargs(config)[0]
     except (AttributeError, TypeError, ValueError) as error:
         return Support(NO_LAYER_STRUCTURE, f"{type(config).__name__} has no single decoder stack ({_short(error)})")
-    if len(layer_types) != config.num_hidden_layers:
+    # transformers 5.17 builds no cache layer for the sharing layers (the last num_kv_shared_layers)
+    cache_layers = {config.num_hidden_layers, config.num_hidden_layers - (shared if sharing else 0)}
+    if len(layer_types) not in cache_layers:
         return Support(KV_SHARING, f"{len(layer_types)} cache layers for {config.num_hidden_layers} layers")
     unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES) - set(state_layers.STATE_LAYER_TYPES))
     if unsupported:
@@ -129,10 +135,12 @@ def layer_problem(config: PretrainedConfig, layer_types: list[str] | None = None
             detail += (f" (transformers {transformers_version()} lacks the state-layer cache API, "
                        "Cache.update_conv_state and friends, that hf_paged's hybrid support uses)")
         return Support(kind, detail)
-    if shared or "reuse" in (_attr(config, "kv_sharing_modes") or ()):
+    if sharing:
         try:
             _, layer_kwargs = get_layer_types_and_kwargs(config)
-            kinds.layer_specs(config, layer_types, layer_kwargs)
+            if isinstance(layer_kwargs, dict):  # transformers < 5.24: one dict for all layers
+                layer_kwargs = [layer_kwargs] * len(layer_types)
+            kinds.layer_specs(config, list(layer_types), list(layer_kwargs))
         except NotImplementedError as error:  # e.g. an assistant model reading its target model's K/V
             return Support(KV_SHARING, str(error))
     return None
@@ -733,7 +741,7 @@ def build_tiny(model_type: str, class_name: str | None = None, seed: int = 0,
     config = tiny_config(config_class())
     if model_type in HYBRID_TINY_LAYERS and state_layers.STATE_API:
         config = _with_layers(config, HYBRID_TINY_LAYERS[model_type][0])
-    if model_type in SHARING_TINY_LAYERS and state_layers.STATE_API:
+    if model_type in SHARING_TINY_LAYERS:
         config = _with_layers(config, SHARING_TINY_LAYERS[model_type])
     if initializer_range is not None:
         for sub in [config, *(getattr(config, key) for key in getattr(config, "sub_configs", {}))]:
@@ -796,8 +804,7 @@ def _refused_configs(cls: type) -> str:
     """A supported architecture whose modeling code also has layers the paged cache refuses (by config)."""
     source = inspect.getsource(sys.modules[cls.__module__])
     marks = {}
-    if not state_layers.STATE_API:  # hybrid and KV-sharing layers need transformers' state-layer cache API
-        marks["KV-sharing layers"] = ("num_kv_shared_layers", "kv_sharing_modes")
+    if not state_layers.STATE_API:  # hybrid layers need transformers' state-layer cache API
         marks["conv / linear-attention layers"] = ("update_conv_state", "update_recurrent_state")
     kinds = [what for what, found in marks.items() if any(mark in source for mark in found)]
     return f"configs with {' or '.join(kinds)} are refused" if kinds else ""

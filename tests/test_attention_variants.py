@@ -16,10 +16,13 @@ engine differ from stock.
 from __future__ import annotations
 
 import copy
+import types
 import warnings
 
 import pytest
 import torch
+import transformers
+from transformers import DynamicCache
 
 import hf_paged
 from hf_paged import attention, kinds
@@ -99,6 +102,39 @@ def test_each_variant_has_its_kind_of_layers():
     assert gemma3n[2] == kinds.SharedKVSpec(0, gemma3n[0]) and gemma3n[3] == kinds.SharedKVSpec(1, gemma3n[1])
 
 
+def test_sharing_layers_and_their_sources_are_the_ones_the_model_uses():
+    """Which layers share and whose K/V they read: transformers >= 5.24 marks them in the config
+    (``kv_sharing_modes``); 5.17 has no marks and builds no cache layer for a sharing layer, and
+    hf_paged derives them from ``num_kv_shared_layers`` and ``layer_types`` as 5.17's modeling code
+    does. Seven layers, the last three sharing: each reads the last earlier layer of its type."""
+    types_ = ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention",
+                                                                                          "sliding_attention"]
+    config = transformers.Gemma3nTextConfig(**{
+        **build_variant("gemma3n_text").config.to_dict(), "num_hidden_layers": 7, "num_kv_shared_layers": 3,
+        "layer_types": types_, "intermediate_size": [96] * 7, "activation_sparsity_pattern": [0.0] * 7})
+    torch.manual_seed(0)
+    model = transformers.Gemma3nForCausalLM(config).float().eval()
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
+    attention = [layer.self_attn for layer in model.model.layers]
+    specs = hf_paged.model_info.layer_kinds(config)[1]
+    assert [isinstance(s, kinds.SharedKVSpec) for s in specs] == [a.is_kv_shared_layer for a in attention]
+    assert [s.source for s in specs[4:]] == [3, 2, 3] and specs[5] == kinds.SharedKVSpec(2, kinds.FullAttentionSpec())
+    for a, spec in zip(attention, specs):  # transformers 5.17 names the source layer
+        if getattr(a, "kv_shared_layer_index", None) is not None:
+            assert a.kv_shared_layer_index == spec.source
+    modes = kinds.kv_sharing_modes(config)
+    assert [m == "store" for m in modes] == [a.store_full_length_kv for a in attention]
+    plain = types.SimpleNamespace(num_hidden_layers=7, num_kv_shared_layers=3, layer_types=types_)
+    assert kinds.kv_sharing_modes(plain) == modes  # the derivation equals transformers' marks where it has them
+    # as many cache layers as DynamicCache (5.17: none for the sharing layers), and stock's tokens
+    assert len(hf_paged.PagedKVCache(config).layers) == len(DynamicCache(config=config).layers)
+    ids, mask = left_padded(PROMPTS)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    want = copy.deepcopy(model).generate(**kwargs)
+    assert torch.equal(_paged_generate(model, **kwargs)[0], want)
+    assert len(set(want[:, -NEW:].flatten().tolist())) > 4, "degenerate output: the comparison says little"
+
+
 # ------------------------------------------------------------------------------ generate()
 @pytest.mark.parametrize("name", VARIANTS)
 def test_generate_through_the_flag_equals_stock(name):
@@ -128,6 +164,7 @@ def test_cache_holds_what_dynamic_cache_holds(name):
     dynamic = sum(t.numel() * t.element_size() for layer in out.past_key_values.layers
                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
     _, cache = _paged_generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    assert len(cache.layers) == len(out.past_key_values.layers)  # transformers 5.17: none for sharing layers
     stats = cache.stats()
     assert stats["bytes_contiguous_equivalent"] == dynamic
     slack = sum(len(PROMPTS) * BLOCK * sum(cache.storage.layer_bytes_per_token(i) for i in g["layers"]

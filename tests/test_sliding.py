@@ -341,13 +341,13 @@ def test_assisted_decoding_with_an_enabled_sliding_assistant_equals_stock():
     hf_paged.enable(assistant, block_size=4)
     ids, mask = left_padded([26])
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    plain = stock.generate(**kwargs)  # greedy assisted decoding gives the target's own greedy tokens
+    got = paged.generate(**kwargs, assistant_model=assistant, cache_implementation="hf_paged")
+    assert torch.equal(got, plain)
     try:
         want = stock.generate(**kwargs, assistant_model=assistant_stock)
-    except RuntimeError as stock_error:  # transformers 5.17 crops sliding layers wrongly here: so must we fail
-        with pytest.raises(type(stock_error)):
-            paged.generate(**kwargs, assistant_model=assistant, cache_implementation="hf_paged")
-        return
-    got = paged.generate(**kwargs, assistant_model=assistant, cache_implementation="hf_paged")
+    except RuntimeError:  # transformers 5.17 crops its sliding layers wrongly here (a size mismatch in SDPA);
+        return  # the paged cache keeps every block it may crop back to, so it gives the right tokens
     assert torch.equal(got, want)
 
 

@@ -20,12 +20,12 @@ from hf_paged.kinds.chunked import ChunkedLocalAttentionSpec
 from hf_paged.kinds.full import FullAttentionSpec
 from hf_paged.kinds.mla import MLAAttentionSpec, is_mla_config
 from hf_paged.kinds.recurrent import STATE_LAYER_TYPES, NoKVSpec, RecurrentStateSpec, state_specs
-from hf_paged.kinds.shared import SharedKVSpec
+from hf_paged.kinds.shared import SharedKVSpec, kv_sharing_modes
 from hf_paged.kinds.sliding import SlidingWindowSpec
 
 __all__ = ["KVSpec", "attention_heads", "FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec", "SharedKVSpec",
            "MLAAttentionSpec", "RecurrentStateSpec", "NoKVSpec", "STATE_LAYER_TYPES", "LAYER_TYPE_SPECS", "spec_for_layer_type",
-           "layer_specs", "state_specs", "is_mla_config"]
+           "layer_specs", "state_specs", "is_mla_config", "kv_sharing_modes"]
 
 #: transformers layer type -> its spec, from ``get_layer_types_and_kwargs``'s per-layer kwargs.
 LAYER_TYPE_SPECS: dict[str, Callable[[dict], KVSpec]] = {
@@ -44,15 +44,20 @@ def spec_for_layer_type(layer_type: str, layer_kwargs: dict) -> KVSpec | None:
 
 
 def layer_specs(config, layer_types: list[str], layer_kwargs: list[dict]) -> list[KVSpec | None]:
-    """Each layer's spec. A layer transformers marks as reusing another's K/V (``kv_sharing_modes``
-    ``"reuse"``: its cache layer is a dummy) reads the last layer before it of the same original
-    type that stores (``"store"``), as the model passes ``shared_kv_states`` along. A config with a
-    KV latent rank (``kv_lora_rank``) has MLA layers (:mod:`hf_paged.kinds.mla`)."""
+    """Each layer's spec. A layer that reuses another's K/V (``"reuse"`` in :func:`kv_sharing_modes`:
+    on transformers >= 5.24 its cache layer is a dummy; transformers 5.17 builds no cache layer
+    for it, its ``layer_types`` stop before the sharing layers) reads the last layer before it of
+    the same original type that stores (``"store"``), as the model passes ``shared_kv_states``
+    along. A config with a KV latent rank (``kv_lora_rank``) has MLA layers (:mod:`hf_paged.kinds.mla`)."""
     specs = [spec_for_layer_type(t, kw) for t, kw in zip(layer_types, layer_kwargs)]
     if is_mla_config(config):  # MLA: full-attention layers that cache a latent and a rotary key
         mla = MLAAttentionSpec(config.kv_lora_rank, config.qk_rope_head_dim)
         specs = [mla if isinstance(spec, FullAttentionSpec) else spec for spec in specs]
-    modes = getattr(config, "kv_sharing_modes", None) or ()
+    try:
+        modes = kv_sharing_modes(config)
+    except ValueError as error:
+        raise NotImplementedError(str(error)) from None
+    specs += [None] * (len(modes) - len(specs))  # transformers 5.17: no cache layer for a sharing layer
     original = getattr(config, "layer_types", None) or layer_types
     for layer, mode in enumerate(modes):
         if mode != "reuse":
