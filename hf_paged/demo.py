@@ -9,6 +9,7 @@ memory and token-exactness do not depend on training).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -56,6 +57,9 @@ def demo_model(seed: int = 0, dtype: torch.dtype = torch.float32, trained: bool 
     the shape is the default one and the file is there), else seeded random weights."""
     if trained is None:
         trained = not overrides and DEMO_WEIGHTS.exists()
+        if not overrides and not trained:  # an install without its data files: say so, not just babble
+            warnings.warn(f"{DEMO_WEIGHTS} is missing: the demo model has random weights "
+                          "(python -m hf_paged.train_demo writes them)", stacklevel=2)
     if trained and overrides:
         raise ValueError(f"the trained demo weights have the default shape; {sorted(overrides)} change it")
     torch.manual_seed(seed)

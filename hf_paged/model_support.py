@@ -882,4 +882,10 @@ def transformers_version() -> str:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(
+        prog="python -m hf_paged.model_support",
+        description="Print README's supported-models table: every causal LM of the installed transformers, "
+                    "each judged on a tiny instance").parse_args()
     print(markdown_table(causal_lm_entries()), end="")

@@ -17,6 +17,7 @@ import ctypes
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -147,9 +148,24 @@ def _cache_dir() -> Path:
             return path
     except OSError:
         pass
-    path = Path(tempfile.gettempdir()) / f"hf_paged-{os.getuid()}" / "kernels"
-    path.mkdir(parents=True, exist_ok=True)
+    path = _private_temp_dir() / "kernels"
+    path.mkdir(exist_ok=True)
     return path
+
+
+def _private_temp_dir() -> Path:
+    """``$TMPDIR/hf_paged-<uid>``, made ours alone (mode 0700): the libraries built there get loaded,
+    so a folder another user made or can write to (its name is predictable) is not used; a fresh
+    private one is, then (no reuse across processes)."""
+    path = Path(tempfile.gettempdir()) / f"hf_paged-{os.getuid()}"
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        info = os.lstat(path)
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022:
+            return path
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix="hf_paged-"))
 
 
 def _cpu_flags() -> bytes:

@@ -166,6 +166,29 @@ def test_a_build_is_cached_on_disk_and_a_missing_compiler_is_named(tmp_path):
     assert "/nonexistent/cc" in missing.stdout
 
 
+def test_the_temporary_build_folder_is_ours_alone(tmp_path, monkeypatch):
+    """Where the cache folder cannot be made, builds go to ``$TMPDIR/hf_paged-<uid>``: a predictable
+    name, so a folder there that another user made, or that others can write to, is not used (the
+    libraries in it get loaded); a fresh private folder is."""
+    from hf_paged.kernels import cpu_build
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("HF_PAGED_CACHE", str(blocked))  # mkdir under a file fails: the fallback is taken
+    monkeypatch.setattr(cpu_build.tempfile, "tempdir", str(tmp_path))
+    planted = tmp_path / f"hf_paged-{os.getuid()}"
+    fresh = cpu_build._cache_dir()
+    assert fresh == planted / "kernels" and (planted.stat().st_mode & 0o777) == 0o700  # made ours alone: used
+    planted.chmod(0o777)  # others may write to it now
+    elsewhere = cpu_build._cache_dir()
+    assert planted not in elsewhere.parents and elsewhere.is_dir()
+    assert (elsewhere.parent.stat().st_mode & 0o777) == 0o700 and elsewhere.parent.stat().st_uid == os.getuid()
+    if os.geteuid() == 0:  # one made by another user, with our mode
+        planted.chmod(0o700)
+        os.chown(planted, 12345, 12345)
+        assert planted not in cpu_build._cache_dir().parents
+
+
 # ------------------------------------------------------------------------------------ the engine
 PROMPTS = [list(range(3, 3 + n)) for n in (70, 41, 5, 33)] + [[9] * 64]
 

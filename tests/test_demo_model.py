@@ -5,10 +5,12 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
+from hf_paged import demo
 from hf_paged.demo import DEMO_WEIGHTS, byte_tokenizer, demo_model, describe_model
 
 SAMPLE = ("Return a list of the words in the string, using sep as the delimiter string. If maxsplit is given, "
@@ -30,6 +32,17 @@ def test_the_trained_weights_ship_with_the_package_and_load_by_default():
     with pytest.raises(ValueError, match="default shape"):
         demo_model(trained=True, num_hidden_layers=2)
     assert trained.lm_head.weight.data_ptr() == trained.model.embed_tokens.weight.data_ptr()  # still tied
+
+
+def test_a_missing_weights_file_is_said_not_hidden(monkeypatch, tmp_path):
+    """An install without its data file gives random weights, with a warning naming the file."""
+    monkeypatch.setattr(demo, "DEMO_WEIGHTS", tmp_path / "demo_model.safetensors")
+    with pytest.warns(UserWarning, match="demo_model.safetensors is missing"):
+        assert demo_model().hf_paged_demo == "random"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        demo_model(trained=False)  # asked for: no warning
+        demo_model(num_hidden_layers=2)  # another shape: random by design
 
 
 def test_the_trained_model_models_english_text_and_the_random_one_does_not():

@@ -17,7 +17,7 @@ constraint is built and checked here (a 400 names the field that holds it); it c
 handler before the request is queued.
 
 A body is checked before the models see it (:func:`decode_body`): JSON nested deeper than
-``MAX_JSON_DEPTH`` and strings that are not valid Unicode (a lone surrogate, from ``"\ud800"`` or
+``MAX_JSON_DEPTH`` and strings that are not valid Unicode (a lone surrogate, from ``"\\ud800"`` or
 the raw bytes ``ED A0 80``) are a 400 naming where they are. ``null`` means "not set" for every
 optional field (as the ``openai`` package types them), OpenAI's own fields this server does not
 implement included; a value for one of those is a 400 naming it. Numeric ranges are
