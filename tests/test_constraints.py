@@ -5,7 +5,9 @@ errors and limits, special tokens, and the UTF-8 guard."""
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import jsonschema
 import pytest
@@ -264,6 +266,42 @@ def test_the_compiler_caches_grammars_and_errors():
     tiny_cache.compile(StructuredOutputsParams(regex="a"))
     tiny_cache.compile(StructuredOutputsParams(regex="b"))
     assert tiny_cache.cached(StructuredOutputsParams(regex="a")) is None
+
+
+class _Request:
+    """Stands for what a caller's frame holds while it waits for a compile (a request, its prompt)."""
+
+
+def test_a_cached_error_does_not_keep_its_callers_alive():
+    """Each request that sends a bad constraint again gets the cached error: a fresh copy, so its raise
+    does not chain the caller's frames onto the cached one (a server kept every such request's body
+    alive while the bad schema stayed in the cache)."""
+    compiler = ConstraintCompiler(TOKENIZER, VOCAB, [EOS])
+    bad = StructuredOutputsParams(regex="(a")
+
+    def ask(how: str) -> weakref.ref:
+        request = _Request()
+        try:
+            if how == "compile":
+                compiler.compile(bad)
+            elif how == "cached":
+                compiler.cached(bad)
+            else:
+                compiler.submit(bad).result()
+        except ConstraintError:
+            pass
+        return weakref.ref(request)
+
+    asked = [ask(how) for how in ("compile", "compile", "cached", "submit", "cached")]
+    gc.collect()
+    assert all(ref() is None for ref in asked)
+    assert compiler.stats["failed"] == 1 and compiler.stats["cache_hits"] >= 2
+    raised = []
+    for _ in range(2):
+        with pytest.raises(ConstraintError, match="invalid regex") as info:
+            compiler.cached(bad)
+        raised.append(info.value)
+    assert raised[0] is not raised[1] and raised[0].kind == raised[1].kind == "regex"
 
 
 def test_special_tokens_are_never_allowed(compiler):

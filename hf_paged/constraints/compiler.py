@@ -45,6 +45,12 @@ class ConstraintError(ValueError):
         super().__init__(message)
         self.kind = kind
 
+    def copy(self) -> ConstraintError:
+        """The same error, never raised. The compiler caches a failed compile's error and raises a copy
+        for each request: raising the cached one would chain every raise's traceback onto it, and
+        with them the frames (requests, prompts) of every caller, for as long as it is cached."""
+        return ConstraintError(self.kind, str(self))
+
 
 def xgrammar():
     """The xgrammar module (imported on first use: a model that is never constrained never loads it)."""
@@ -101,7 +107,7 @@ class ConstraintCompiler:
             if found is not None:
                 self._cache.move_to_end(params.key)
         if isinstance(found, ConstraintError):
-            raise found
+            raise found.copy()
         return found
 
     def submit(self, params: StructuredOutputsParams) -> Future:
@@ -112,7 +118,7 @@ class ConstraintCompiler:
             if found is not None:
                 self._cache.move_to_end(params.key)
                 self.stats["cache_hits"] += 1
-                return _done(found)
+                return _done(found.copy() if isinstance(found, ConstraintError) else found)
             future = self._pending.get(params.key)
             if future is None or future.cancelled():
                 future = self._pending[params.key] = self._pool.submit(self._compile_and_keep, params)
@@ -130,6 +136,8 @@ class ConstraintCompiler:
             result = err
         except Exception as err:  # noqa: BLE001 - xgrammar's own errors: a bad regex, grammar or schema
             result = ConstraintError(params.kind, f"invalid {params.kind}: {clean_error(err)}")
+        if isinstance(result, ConstraintError):
+            result = result.copy()  # the cache keeps one never raised (see ConstraintError.copy)
         with self._lock:
             self._pending.pop(params.key, None)
             self._cache[params.key] = result
@@ -138,7 +146,7 @@ class ConstraintCompiler:
             self.stats["failed" if isinstance(result, ConstraintError) else "compiled"] += 1
             self.stats["compile_s"] += time.perf_counter() - start
         if isinstance(result, ConstraintError):
-            raise result
+            raise result.copy()
         return result
 
     def _compile(self, params: StructuredOutputsParams):
