@@ -10,6 +10,7 @@ from hf_paged.cache import PagedKVCache
 from hf_paged.constraints import StructuredOutputsParams
 from hf_paged.engine import CompletionOutput, LLMEngine, RequestOutput, SamplingParams
 from hf_paged.generate import CACHE_IMPLEMENTATION, disable, enable, prefix_cache
+from hf_paged.llm import LLM
 from hf_paged.pipeline import PagedTextGenerationPipeline, pipeline
 from hf_paged.prefix_cache import PrefixCache
 from hf_paged.prefix_snapshot import SnapshotError
@@ -20,6 +21,7 @@ __all__ = [
     "BlockManager",
     "BlockManagerError",
     "CompletionOutput",
+    "LLM",
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
