@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from hf_paged.bench.optional import plot_or_note
+
 NEW_TOKENS = 16
 _SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=8192, initializer_range=0.1, pad_token_id=0)
@@ -120,7 +122,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "kv_bytes_vs_context.json").write_text(json.dumps(results, indent=1))
-    plot(results, out / "kv_bytes_vs_context.png")
+    plot_or_note(plot, results, out / "kv_bytes_vs_context.png")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from hf_paged.bench.optional import plot_or_note
+
 NEW_TOKENS = 16
 BATCH = 8
 SYSTEMS = ("stock", "flag", "flag + prefix caching")
@@ -186,10 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefix_generate.json").write_text(json.dumps(results, indent=1))
-    try:
-        plot(results, out / "prefix_generate.png")
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
+    plot_or_note(plot, results, out / "prefix_generate.png")
     identical = all(r["identical_to_stock"] for part in ("few_shot", "multi_turn")
                     for r in results[part]["systems"].values())
     return 0 if identical else 1

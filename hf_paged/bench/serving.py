@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from hf_paged.bench import workloads
+from hf_paged.bench.optional import MissingDependency, require
 
 ENGINE_ARGS = dict(block_size=16, num_blocks=4096, max_num_batched_tokens=512, max_num_seqs=256)
 
@@ -127,34 +128,44 @@ async def http_closed_loop(base_url: str, requests: list[workloads.Request], con
 
 
 class ServerProcess:
-    """``python -m hf_paged serve`` on a free loopback port with the engine settings of the bench."""
+    """``python -m hf_paged serve`` on a free loopback port with the engine settings of the bench.
+
+    The process starts in ``__enter__``, which stops it again if anything fails before it returns
+    (a missing httpx, a server that never answers, Ctrl-C while waiting): none is left behind."""
 
     def __init__(self, threads: int):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "hf_paged", "serve", "--port", str(self.port), "--device", "cpu",
-               "--block-size", str(ENGINE_ARGS["block_size"]), "--num-blocks", str(ENGINE_ARGS["num_blocks"]),
-               "--max-num-batched-tokens", str(ENGINE_ARGS["max_num_batched_tokens"]),
-               "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]), "--max-waiting", "100000"]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        self.cmd = [sys.executable, "-m", "hf_paged", "serve", "--port", str(self.port), "--device", "cpu",
+                    "--block-size", str(ENGINE_ARGS["block_size"]), "--num-blocks", str(ENGINE_ARGS["num_blocks"]),
+                    "--max-num-batched-tokens", str(ENGINE_ARGS["max_num_batched_tokens"]),
+                    "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]), "--max-waiting", "100000"]
+        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> ServerProcess:
+        require("the serving benchmark", "httpx")
         import httpx
 
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                if httpx.get(self.url + "/health").status_code == 200:
-                    return self
-            except httpx.TransportError:
-                time.sleep(0.2)
-        self.__exit__()
-        raise RuntimeError("the server did not start")
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=self.env)
+        try:
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    if httpx.get(self.url + "/health").status_code == 200:
+                        return self
+                except httpx.TransportError:
+                    time.sleep(0.2)
+            raise RuntimeError("the server did not start")
+        except BaseException:
+            self.__exit__()
+            raise
 
     def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -162,6 +173,8 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
 
 
 # ---------------------------------------------------------------------------- the comparison
@@ -177,7 +190,9 @@ def _single_request_latency(engine, url: str, repeats: int) -> dict:
 
 def run(*, num_requests: int = 256, concurrency: int = 32, scale: float = 0.25, rounds: int = 3, threads: int = 1,
         log=print) -> dict:
-    """Closed-loop clients against the server and the in-process engine, ``rounds`` interleaved rounds."""
+    """Closed-loop clients against the server and the in-process engine, ``rounds`` interleaved rounds
+    (:class:`~hf_paged.bench.optional.MissingDependency` before anything starts without httpx)."""
+    require("the serving benchmark", "httpx")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -263,8 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
     parser.add_argument("--out", default="benchmarks/out", help="where serving.json goes")
     args = parser.parse_args(argv)
-    results = run(num_requests=args.num_requests, concurrency=args.concurrency, scale=args.scale, rounds=args.rounds,
-                  threads=args.threads)
+    try:
+        results = run(num_requests=args.num_requests, concurrency=args.concurrency, scale=args.scale,
+                      rounds=args.rounds, threads=args.threads)
+    except MissingDependency as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serving.json").write_text(json.dumps(results, indent=1))

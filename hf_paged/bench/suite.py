@@ -1,6 +1,8 @@
 """The side-by-side benchmark suite (``python -m hf_paged bench``): one process, one model, the same
 requests for every system; ratios are printed and saved as JSON, with plots when matplotlib is
-installed (``pip install -e .[bench]``)."""
+installed (``pip install "hf_paged[bench]"``; from a checkout ``pip install -e ".[bench]"``). A section
+whose optional dependency is missing (the serving section needs httpx) is skipped, and a section that
+fails is recorded as failed, with the reason, in bench.json beside the others' results."""
 
 from __future__ import annotations
 
@@ -12,6 +14,10 @@ from pathlib import Path
 import torch
 
 from hf_paged.bench import generate_speed, memory, prefix_generate, serving, systems, tensor_parallel, workloads
+from hf_paged.bench.optional import INSTALL, missing
+
+# The sections that need an optional dependency (the ``bench`` extra), checked before anything runs.
+SECTION_NEEDS = {"serving": ("httpx",)}
 
 
 def _ratio(a: dict, b: dict, key: str = "tokens_per_s") -> float:
@@ -35,6 +41,10 @@ def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int =
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    skipped = {name: f"{' and '.join(gone)} not installed: {INSTALL}"
+               for name, needs in SECTION_NEEDS.items() if (gone := missing(*needs))}
+    for name, why in skipped.items():
+        log(f"the {name} section will be skipped: {why}")
     vocab = model.config.get_text_config(decoder=True).vocab_size
     engine_kwargs = dict(block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens,
                          max_num_seqs=256)
@@ -156,21 +166,35 @@ def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int =
                             off["computed_prompt_tokens"] - on["computed_prompt_tokens"]})
     results["shared_prefix"] = prefix_rows
 
+    # The sections below each stand alone: one that is skipped or fails is recorded so, with the reason.
+    not_run = results["sections_not_run"] = {}
+
+    def section(name: str, title: str, fn) -> None:
+        if name in skipped:
+            results[name] = not_run[name] = {"skipped": skipped[name]}
+            log(f"{title}: skipped ({skipped[name]})")
+            return
+        log(f"{title}:")
+        try:
+            results[name] = fn()
+        except Exception as err:  # noqa: BLE001 - one section failing must not lose the others' results
+            results[name] = not_run[name] = {"failed": f"{type(err).__name__}: {err}"}
+            log(f"  {name} failed: {type(err).__name__}: {err}")
+
     # generate() with the flag against stock generate(), on generate_speed's own model (see its docstring).
-    log("generate() with the flag vs stock generate() (stock time / flag time):")
-    results["generate_flag_vs_stock"] = generate_speed.run(rounds=max(1, repeats), log=log,
-                                                           new_tokens=generate_new_tokens)
+    section("generate_flag_vs_stock", "generate() with the flag vs stock generate() (stock time / flag time)",
+            lambda: generate_speed.run(rounds=max(1, repeats), log=log, new_tokens=generate_new_tokens))
 
     # Prefix caching inside generate(): few-shot and multi-turn, against stock and the flag without it.
-    log("prefix caching in generate():")
-    results["prefix_generate"] = prefix_generate.run(questions=16 if quick else 128, prefix_len=200 if quick else 1000,
-                                                     turns=3 if quick else 8, log=log)
+    section("prefix_generate", "prefix caching in generate()",
+            lambda: prefix_generate.run(questions=16 if quick else 128, prefix_len=200 if quick else 1000,
+                                        turns=3 if quick else 8, log=log))
 
     # Serving: the HTTP server against the in-process engine (32 clients); tensor parallelism: 2 ranks vs 1 process.
-    log("HTTP server vs in-process engine, 32 concurrent clients:")
-    results["serving"] = serving.run(num_requests=32 if quick else 256, rounds=1 if quick else 3, log=log)
-    log("tensor parallelism, 2 ranks vs 1 process:")
-    results["tensor_parallel"] = tensor_parallel.run(requests=8 if quick else 48, log=log)
+    section("serving", "HTTP server vs in-process engine, 32 concurrent clients",
+            lambda: serving.run(num_requests=32 if quick else 256, rounds=1 if quick else 3, log=log))
+    section("tensor_parallel", "tensor parallelism, 2 ranks vs 1 process",
+            lambda: tensor_parallel.run(requests=8 if quick else 48, log=log))
 
     # Utilization depends on lengths only: computed at the paper's own length scale (ShareGPT-like,
     # means 161 / 338 tokens, reservation to a 2048-token maximum as the paper's OPT-13B), 1000 requests.
@@ -232,16 +256,16 @@ def report(results: dict) -> str:
               f"{v['engine_vs_padded_generate']:.2f}x |" for v in results.get("decoding_variants", [])]
     lines += ["", "| generate() case | stock time / flag time (median) | sequences identical |", "| --- | --- | --- |"]
     lines += [f"| {case} | {r['median']:.2f}x | {r['sequences_identical']} |"
-              for case, r in results.get("generate_flag_vs_stock", {}).items()]
-    few = results.get("prefix_generate", {}).get("few_shot")
+              for case, r in _ran(results, "generate_flag_vs_stock").items()]
+    few = _ran(results, "prefix_generate").get("few_shot")
     if few:
         lines += ["", f"| few-shot generate(), {few['questions']} questions, {few['prefix_tokens']}-token prefix | wall s | "
                   "vs stock | tokens computed | prefix not recomputed |", "| --- | --- | --- | --- | --- |"]
         lines += [f"| {name} | {r['wall_s']:.2f} | {r['speedup_vs_stock']:.2f}x | {r['tokens_computed']} | "
                   f"{r['prefix_tokens_not_recomputed']:.1%} |" for name, r in few["systems"].items()]
-    if "serving" in results:
+    if _ran(results, "serving"):
         lines += ["", serving.report(results["serving"])]
-    if "tensor_parallel" in results:
+    if _ran(results, "tensor_parallel"):
         tp = results["tensor_parallel"]
         lines += ["", f"tensor parallelism: {tp['ranks']} ranks {tp['tensor_parallel']['tokens_per_s']:.1f} tok/s, "
                       f"1 process {tp['single_process']['tokens_per_s']:.1f} tok/s ({tp['tp_over_single']:.2f}x), "
@@ -253,7 +277,14 @@ def report(results: dict) -> str:
     lines += ["", "| shared prefix | speedup with prefix caching | prompt tokens not recomputed |", "| --- | --- | --- |"]
     lines += [f"| {r['shots']}-shot | {r['speedup']:.2f}x | {r['computed_prompt_tokens_saved']} |"
               for r in results["shared_prefix"]]
+    lines += [f"\n{name}: {next(iter(why))} ({next(iter(why.values()))})"
+              for name, why in results.get("sections_not_run", {}).items()]
     return "\n".join(lines)
+
+
+def _ran(results: dict, name: str) -> dict:
+    """A section's results; empty where it did not run (skipped or failed)."""
+    return {} if name in results.get("sections_not_run", {}) else results.get(name) or {}
 
 
 def _plots(results: dict, out_dir: Path, log) -> None:
@@ -263,7 +294,7 @@ def _plots(results: dict, out_dir: Path, log) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log("(matplotlib not installed: no plots; pip install -e .[bench])")
+        log(f"(matplotlib not installed: no plots; {INSTALL})")
         return
     if results["online"]:
         fig, ax = plt.subplots(figsize=(5, 3.5))

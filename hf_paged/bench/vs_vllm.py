@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from hf_paged.bench import workloads
+from hf_paged.bench.optional import MissingDependency, require
 from hf_paged.bench.vllm_worker import Meter, machine_busy_seconds, versions
 
 VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -364,9 +365,8 @@ class Server:
             self.port = s.getsockname()[1]
         self.url, self.name = f"http://127.0.0.1:{self.port}", config.name
         self.log_path = Path(ctx["work_dir"]) / f"server-{config.name.replace(' ', '_')}-{next(ctx['ids'])}.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.command(config, opts, ctx), env=system_env(config, opts.equal, opts.hf_env),
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.cmd, self.env = self.command(config, opts, ctx), system_env(config, opts.equal, opts.hf_env)
+        self.log = self.proc = None  # started by __enter__
 
     def command(self, config: Config, opts: Options, ctx: dict) -> list[str]:
         common = ["--model", ctx["model_dir"], "--served-model-name", "bench", "--host", "127.0.0.1",
@@ -386,26 +386,35 @@ class Server:
         return cmd
 
     def __enter__(self) -> Server:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.5)
-        self.__exit__()
-        raise RuntimeError(f"{self.name}: the server did not start; the end of {self.log_path}:\n{_tail(self.log_path)}")
+        """Start the server and wait for it; whatever fails on the way (Ctrl-C too) stops it again."""
+        self.log = open(self.log_path, "w")
+        try:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                        if resp.status == 200:
+                            return self
+                except OSError:
+                    time.sleep(0.5)
+            raise RuntimeError(f"{self.name}: the server did not start; the end of {self.log_path}:\n"
+                               f"{_tail(self.log_path)}")
+        except BaseException:
+            self.__exit__()
+            raise
 
     def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)  # the group this class started
                 self.proc.wait()
-        self.log.close()
+        if self.log is not None:
+            self.log.close()
 
 
 def run_online(config: Config, requests: list[dict], warmup: list[dict], opts: Options, ctx: dict) -> dict:
@@ -476,8 +485,10 @@ def loadgen(spec: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------- rounds and summaries
-def interleaved(configs: list[Config], run_one, opts: Options, label: str) -> dict[str, list[dict]]:
-    """Every config once per round, in alternating order; a config that fails is dropped (logged)."""
+def interleaved(configs: list[Config], run_one, opts: Options, label: str,
+                failures: dict | None = None) -> dict[str, list[dict]]:
+    """Every config once per round, in alternating order; a config that fails is dropped (logged, and
+    its error kept in ``failures`` under "label: config")."""
     runs: dict[str, list[dict]] = {}
     failed: set[str] = set()
     for r in range(opts.rounds):
@@ -490,6 +501,8 @@ def interleaved(configs: list[Config], run_one, opts: Options, label: str) -> di
                 failed.add(config.name)
                 runs.pop(config.name, None)
                 opts.log(f"  {label}: {config.name} failed: {err}")
+                if failures is not None:
+                    failures[f"{label}: {config.name}"] = str(err)
                 continue
             runs.setdefault(config.name, []).append(result)
             opts.log(f"  {label}, round {r + 1}: {config.name:<24} {result['tokens_per_s']:8.1f} tok/s "
@@ -602,7 +615,8 @@ def offline_section(opts: Options, ctx: dict) -> dict:
     for name, requests in (("sharegpt", sharegpt_requests(sizes.requests, sizes, vocab)),
                            ("long_prompts", long_requests(sizes.long_requests, sizes, vocab, seed=7))):
         opts.log(f"offline, {name}: {describe(requests)}")
-        runs = interleaved(configs, lambda c: run_offline(c, requests, warmup, opts, ctx), opts, f"offline {name}")
+        runs = interleaved(configs, lambda c: run_offline(c, requests, warmup, opts, ctx), opts, f"offline {name}",
+                           ctx.get("failures"))
         out[name] = {"workload": describe(requests), "ratios": _ratios(runs, OFFLINE_PAIRS),
                      "agreement": _agreements(runs, opts.greedy),
                      "runs": {k: {**median_run(v, OFFLINE_KEYS), "resolved": v[0]["resolved"],
@@ -619,10 +633,11 @@ def online_section(opts: Options, ctx: dict) -> dict:
     warmup = sharegpt_requests(sizes.warmup, replace(sizes, output=(sizes.output[0], sizes.output[0])), vocab, seed=98)
     configs = _configs(ONLINE_CONFIGS, opts, ctx)
     opts.log(f"online: {describe(requests)}, {sizes.concurrency} streaming clients")
-    served = interleaved(configs, lambda c: run_online(c, requests, warmup, opts, ctx), opts, "online server")
+    served = interleaved(configs, lambda c: run_online(c, requests, warmup, opts, ctx), opts, "online server",
+                         ctx.get("failures"))
     twins = [replace(c, max_num_seqs=sizes.concurrency) for c in configs]
     in_process = interleaved(twins, lambda c: run_offline(c, requests, warmup, opts, ctx), opts,
-                             f"in-process, {sizes.concurrency} sequences")
+                             f"in-process, {sizes.concurrency} sequences", ctx.get("failures"))
     pairs = [(f"{s}, servers", f"hf_paged {s}", f"vllm {s} compiled") for s in ("equal", "defaults")]
     return {"workload": {**describe(requests), "concurrency": sizes.concurrency, "streaming": True},
             "ratios": _ratios(served, pairs), "agreement": _agreements(served, opts.greedy),
@@ -688,8 +703,15 @@ def vllm_versions(python: str | None) -> tuple[dict | None, str]:
     return json.loads(done.stdout.strip().splitlines()[-1]), ""
 
 
+ONLINE_NEEDS = ("httpx", "openai")  # the load generator's client (the ``bench`` extra)
+
+
 def run(opts: Options) -> dict:
-    """The sections asked for; returns the results (``main`` writes them)."""
+    """The sections asked for; returns the results (``main`` writes them). Without the online
+    section's client dependencies: :class:`~hf_paged.bench.optional.MissingDependency` before anything
+    runs. Runs that failed are listed under "failures"."""
+    if opts.section in ("online", "all"):
+        require("the online section (its load generator)", *ONLINE_NEEDS)
     from transformers import AutoConfig
 
     from hf_paged.model_info import kv_bytes_per_token
@@ -708,12 +730,13 @@ def run(opts: Options) -> dict:
         config = AutoConfig.from_pretrained(model_dir)
         ctx = {"model_dir": str(model_dir), "work_dir": str(work_dir), "ids": iter(range(10**6)),
                "vocab": config.vocab_size, "kv_bytes_per_token": kv_bytes_per_token(config, torch.float32),
-               "systems": {"hf_paged", "vllm"} if vllm else {"hf_paged"}}
+               "systems": {"hf_paged", "vllm"} if vllm else {"hf_paged"}, "failures": {}}
         results = _header(opts, model, vllm)
         for section, fn in (("offline", offline_section), ("online", online_section), ("profile", profile_section)):
             if opts.section == section or (opts.section == "all" and section != "profile"):
                 results[section] = fn(opts, ctx)
         results["load_avg_after"] = os.getloadavg()
+        results["failures"] = ctx["failures"]
         return results
     finally:
         if opts.work_dir is None:
@@ -866,13 +889,32 @@ def main(argv: list[str] | None = None) -> int:
                    equal=Equal(args.block_size, args.max_num_batched_tokens, args.max_num_seqs, args.threads),
                    sampling=sampling)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    results = run(opts)
+    try:
+        results = run(opts)
+    except MissingDependency as err:
+        print(f"error: {err}" + (" (or leave that section out: --section offline)" if args.section == "all" else ""),
+              file=sys.stderr)
+        return 2
     results["command"] = " ".join(["python -m hf_paged.bench.vs_vllm", *argv])
     out = Path(args.out) / "vs_vllm.json"
     out.write_text(json.dumps(results, indent=1, default=str))
     print(report(results))
     print(f"\nresults: {out}")
+    empty = unmeasured(results)
+    if empty:
+        print(f"error: no run succeeded in {', '.join(empty)}; what failed:\n" + "\n".join(
+            f"  {name}: {err.splitlines()[0] if err else ''}" for name, err in results.get("failures", {}).items()),
+            file=sys.stderr)
+        return 1
     return 0
+
+
+def unmeasured(results: dict) -> list[str]:
+    """The parts of the sections that ran where every run failed (nothing measured)."""
+    parts = {f"offline {name}": sec["runs"] for name, sec in (results.get("offline") or {}).items()}
+    if results.get("online") is not None:
+        parts |= {"online servers": results["online"]["servers"], "online in-process": results["online"]["in_process"]}
+    return [name for name, runs in parts.items() if not runs]
 
 
 if __name__ == "__main__":
