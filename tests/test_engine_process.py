@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -260,3 +261,33 @@ def test_engine_threads_default_takes_every_core_only_on_two_cores_in_a_process_
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(cli, "_usable_cores", lambda: 2)
     assert cli.engine_threads(None, True) == (1, "OMP_NUM_THREADS")
+
+
+def test_an_engine_process_still_building_leaves_when_the_server_is_killed(tmp_path):
+    """A server killed while its engine process builds (here: a build that takes a minute): the engine
+    process leaves within a second or two instead of building for nobody."""
+    script = tmp_path / "server.py"
+    script.write_text(textwrap.dedent("""
+        import functools, multiprocessing, sys, threading, time
+        from hf_paged.demo import byte_tokenizer
+        from hf_paged.serve.engine_process import EngineProcess
+
+        def report():
+            while not multiprocessing.active_children():
+                time.sleep(0.05)
+            print(multiprocessing.active_children()[0].pid, flush=True)
+
+        if __name__ == "__main__":
+            threading.Thread(target=report, daemon=True).start()
+            EngineProcess(functools.partial(time.sleep, 60), byte_tokenizer())
+    """))
+    server = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        engine_pid = int(server.stdout.readline())
+        time.sleep(1.0)  # building
+        assert _pid_alive(engine_pid)
+    finally:
+        server.kill()
+        server.wait()
+    assert _wait_gone(engine_pid, timeout=10), "the engine process kept building after its server was killed"

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -66,8 +68,8 @@ class EngineProcess:
         self.tokenizer = tokenizer
         context = multiprocessing.get_context("spawn")
         self.connection, child = context.Pipe()
-        self.process = context.Process(target=run_engine_core, args=(build, child), name="hf-paged-engine-core",
-                                       daemon=True)
+        self.process = context.Process(target=run_engine_core, args=(build, child, os.getpid()),
+                                       name="hf-paged-engine-core", daemon=True)
         self.process.start()
         child.close()
         self.facts = self._wait_ready(start_timeout)
@@ -105,24 +107,42 @@ class EngineProcess:
 
 
 # ---------------------------------------------------------------------------- the engine's process
-def run_engine_core(build: Callable[[], LLMEngine], connection: Connection) -> None:
+def run_engine_core(build: Callable[[], LLMEngine], connection: Connection, server_pid: int | None = None) -> None:
     """The engine process: build the engine, report its facts, serve commands and step until told
     to stop or the server's end of the pipe closes."""
     for name in ("SIGINT", "SIGTERM"):  # the server stops it; a service manager signals the whole group
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="hf-paged engine: %(levelname)s %(message)s")
+    built = threading.Event()
+    threading.Thread(target=_exit_if_orphaned, args=(server_pid or os.getppid(), built),
+                     name="hf-paged-build-watch", daemon=True).start()
     try:
         engine = build()
         facts = EngineFacts.of(engine)
     except BaseException as err:  # noqa: BLE001 - reported to the server, which raises it
         connection.send(("failed", f"{type(err).__name__}: {err}"))
         return
-    connection.send(("ready", facts))
+    finally:
+        built.set()
+    try:
+        connection.send(("ready", facts))
+    except OSError:  # the server is gone (BrokenPipeError): nobody to serve
+        exit_process(0)
     try:
         _EngineCore(engine, connection).run()
     finally:
         engine.close()
     exit_process(0)
+
+
+def _exit_if_orphaned(parent: int, built: threading.Event) -> None:
+    """While the engine builds (minutes for a large model) nothing reads the pipe, so a server killed
+    then (SIGKILL, or SIGTERM before its handlers are in place) would leave this process building for
+    nobody, then failing on the pipe: it leaves as soon as its parent is gone instead (``parent`` is the
+    server's pid as the server gave it: one killed while this process was still importing is gone already)."""
+    while not built.wait(0.5):
+        if os.getppid() != parent:
+            os._exit(0)
 
 
 class _EngineCore:
