@@ -264,8 +264,9 @@ def test_soak(model, mode):
     expected = {}
     for i in range(total):
         prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 60))]
-        params = SamplingParams(max_new_tokens=rng.randrange(1, 12), n=rng.choice([1, 1, 2, 3]), seed=i,
-                                temperature=rng.choice([0, 0.7]))
+        max_new_tokens, n, temperature = rng.randrange(1, 12), rng.choice([1, 1, 2, 3]), rng.choice([0, 0.7])
+        params = SamplingParams(max_new_tokens=max_new_tokens, n=n if temperature else 1, seed=i,
+                                temperature=temperature)  # greedy takes n=1 only
         expected[engine.add_request(prompt, params)] = params
     finished, aborted = {}, set()
     steps = 0

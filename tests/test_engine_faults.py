@@ -276,7 +276,7 @@ BATCH = [
     (PROMPTS[1], SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.9, seed=11, n=2, ignore_eos=True)),
     (PROMPTS[2], SamplingParams(max_new_tokens=8, num_beams=3, n=2, ignore_eos=True)),
     (PROMPTS[3], SamplingParams(max_new_tokens=8, temperature=0.7, seed=3, logprobs=2, ignore_eos=True)),
-    (PROMPTS[4], SamplingParams(max_new_tokens=8, temperature=0, n=2, ignore_eos=True)),
+    (PROMPTS[4], SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)),
 ]
 VICTIMS = {  # (prompt, params, logits call at which it is poisoned, rows poisoned)
     "plain greedy": (PROMPTS[5], SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True), 3, 1),

@@ -228,11 +228,10 @@ def test_beam_search_extension(client, engine):
 
 
 def test_usage_in_the_stream(client):
-    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=9,
-                                           temperature=0, n=2)
+    sampled = dict(max_tokens=9, temperature=1.0, seed=5, n=2, extra_body={"ignore_eos": True})  # greedy takes n=1
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], **sampled)
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                                 max_tokens=9, temperature=0, n=2, stream=True,
-                                                 stream_options={"include_usage": True}))
+                                                 stream=True, stream_options={"include_usage": True}, **sampled))
     assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
     assert all(c.usage is None for c in chunks[:-1]) and plain.usage.completion_tokens == 18
     texts = {i: "".join(c.choices[0].delta.content or "" for c in chunks[:-1] if c.choices[0].index == i)

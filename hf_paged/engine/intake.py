@@ -6,6 +6,7 @@ Everything that can be wrong with a request is found here, before it is queued, 
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Container
 
@@ -46,7 +47,11 @@ class RequestIntake:
                              "stop_token_ids need none")
 
     def tokens(self, prompt) -> tuple[str | None, list[int]]:
-        """``(text, token ids)`` of a string, a list of ids or a 1-D tensor of ids."""
+        """``(text, token ids)`` of a string, a list of ids, a 1-D tensor of ids, or vLLM's prompt
+        dicts: ``{"prompt_token_ids": ids}`` (``TokensPrompt``, its optional ``"prompt"`` text kept for
+        the output) and ``{"prompt": text}`` (``TextPrompt``)."""
+        if isinstance(prompt, dict):
+            return self._dict_tokens(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a string prompt needs a tokenizer (pass tokenizer= to LLMEngine)")
@@ -59,6 +64,24 @@ class RequestIntake:
         if odd is not None:
             raise ValueError(f"a prompt's token ids must be integers, got {type(odd).__name__} {odd!r}")
         return None, [int(t) for t in prompt]  # numpy integers too
+
+    def _dict_tokens(self, prompt: dict) -> tuple[str | None, list[int]]:
+        """The other keys of vLLM's prompt dicts (``multi_modal_data``, ``cache_salt``, ...) ask for
+        what this engine does not do: refused by name, not ignored (None values ask for nothing)."""
+        other = sorted(str(k) for k, v in prompt.items() if k not in ("prompt", "prompt_token_ids") and v is not None)
+        if other:
+            raise ValueError(f"prompt dict key(s) {other} are not supported: a prompt dict is "
+                             "{'prompt_token_ids': [...]} or {'prompt': '...'}")
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"a prompt dict's 'prompt' must be a string, got {type(text).__name__}")
+        if prompt.get("prompt_token_ids") is not None:
+            if isinstance(prompt["prompt_token_ids"], (str, dict)):
+                raise ValueError("a prompt dict's 'prompt_token_ids' must be a list of token ids")
+            return text, self.tokens(prompt["prompt_token_ids"])[1]
+        if text is None:
+            raise ValueError("a prompt dict needs 'prompt_token_ids' (vLLM's TokensPrompt) or 'prompt' (TextPrompt)")
+        return self.tokens(text)
 
     def request(self, request_id: str, prompt, params: SamplingParams | None, taken: Container[str]) -> Request:
         """A new request; ``taken`` holds the ids of the requests in flight."""
@@ -79,6 +102,8 @@ class RequestIntake:
         if not self.kv.growable and self.kv.blocks_for(len(ids) + 1) > self.kv.num_blocks:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds the whole KV cache "
                              f"({self.kv.num_blocks} blocks of {self.kv.block_size})")
+        if params.max_new_tokens is None:
+            params = self._fill_positions(params, len(ids))
         request = Request(request_id, ids, params, prompt=text)
         if params.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -89,6 +114,16 @@ class RequestIntake:
                 prompt_len=len(ids), max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens,
             )
         return request
+
+    def _fill_positions(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """``max_new_tokens=None`` (vLLM's ``max_tokens=None``): as many as fit in the model's
+        positions after this prompt, as a copy for this request (the caller's may serve several
+        prompts); checked again with that number (``min_new_tokens``, a beam ``length_penalty``)."""
+        if self.max_positions is None:
+            raise ValueError("SamplingParams.max_new_tokens=None (as many as fit) needs a model whose config gives "
+                             "its length (max_position_embeddings); pass a number")
+        room = self.max_positions - prompt_len
+        return dataclasses.replace(params, max_new_tokens=room, max_tokens=room)  # replace() passes both
 
     def _beam_ends(self, params: SamplingParams) -> list[int]:
         """The tokens that finish a beam: ``stop_token_ids`` and (unless ignored) EOS."""

@@ -232,8 +232,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue a request; returns its id. Bad input raises ``ValueError`` and queues nothing."""
+        """Queue a request; returns its id. Bad input raises ``ValueError`` and queues nothing.
+        ``prompt``: a string, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``."""
         self._check_driver("add_request")
+        if isinstance(request_id, SamplingParams) or isinstance(params, (str, dict)):  # vLLM's argument order
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}: LLMEngine.add_request "
+                             "takes (prompt, params, request_id=None), not vLLM's (request_id, prompt, params)")
         if request_id is None:  # a fresh number no request in flight uses (a caller's "2" included)
             request_id = str(next(self._ids))
             while request_id in self.requests:
@@ -247,15 +251,29 @@ class LLMEngine:
         return request_id
 
     @torch.inference_mode()
-    def abort(self, request_id: str) -> None:
-        """Stop a request now and free its blocks."""
-        request = self.requests.pop(str(request_id), None)
-        if request is None:
-            return
-        for seq in request.live_seqs:
-            seq.finish_reason = "abort"
-        self.structured.forget(request)
-        self.scheduler.finish_request(request)
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        """Stop requests now and free their blocks: one id or several (as vLLM's ``abort_request``
+        takes them); ids of requests not in flight are ignored."""
+        for rid in [request_id] if isinstance(request_id, (str, int)) else request_id:
+            request = self.requests.pop(str(rid), None)
+            if request is None:
+                continue
+            for seq in request.live_seqs:
+                seq.finish_reason = "abort"
+            self.structured.forget(request)
+            self.scheduler.finish_request(request)
+
+    # vLLM's LLMEngine names, for scripts written against it
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """vLLM's name of :meth:`abort`."""
+        self.abort(request_ids)
+
+    def get_num_unfinished_requests(self) -> int:
+        """The requests in flight (waiting, running, swapped, or waiting for their grammar)."""
+        return len(self.requests)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._held) or self.structured.has_waiting()
@@ -396,13 +414,19 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ offline and streaming use
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, *, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
         """Run all prompts to completion; outputs in input order. A bad prompt or bad parameters
         give that request an output with ``error`` set; the others are served. Under tensor
-        parallelism every rank calls it; the others execute rank 0's steps and return its outputs."""
+        parallelism every rank calls it; the others execute rank 0's steps and return its outputs.
+        ``sampling_params`` is vLLM's name of ``params``."""
+        if sampling_params is not None:
+            if params is not None:
+                raise TypeError("generate() got both params and sampling_params (vLLM's name of params): pass one")
+            params = sampling_params
         if self.tp and not self.tp.is_driver:
             return self._follow(until="done")
-        if isinstance(prompts, (str, torch.Tensor)) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict, torch.Tensor)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
@@ -416,9 +440,11 @@ class LLMEngine:
             except ValueError as err:
                 rid = f"rejected-{next(self._ids)}"
                 order.append(rid)
-                ids = prompt if isinstance(prompt, list) else []
-                results[rid] = RequestOutput(rid, ids, [], finished=True, prompt=prompt if isinstance(prompt, str) else None,
-                                             error=str(err), error_kind=REJECTED)
+                ids, text = (prompt, prompt) if not isinstance(prompt, dict) else (
+                    prompt.get("prompt_token_ids"), prompt.get("prompt"))
+                results[rid] = RequestOutput(rid, ids if isinstance(ids, list) else [], [], finished=True,
+                                             prompt=text if isinstance(text, str) else None, error=str(err),
+                                             error_kind=REJECTED)
         progress = _progress(len(order), use_tqdm)
         mine = set(order)
         while len(results) < len(order):

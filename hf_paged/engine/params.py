@@ -33,6 +33,8 @@ PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty (OpenAI's 
 LENGTH_SCALE_MAX = 1e30
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [-(2**63), 2**64)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+# max_tokens' default: not passed (16 new tokens), unlike an explicit None (as many as fit, vLLM's meaning)
+_UNSET = object()
 
 
 def _is_int(value) -> bool:
@@ -51,17 +53,19 @@ def max_length_penalty(max_new_tokens: int) -> float:
     return math.log(LENGTH_SCALE_MAX) / log_len if log_len else math.inf
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SamplingParams:
     """Per-request generation parameters.
 
     ``temperature=0`` means greedy decoding (as in vLLM). ``n`` samples are drawn from one shared
     prefill; with ``num_beams > 1`` the request runs beam search and returns its ``n`` best beams.
-    ``seed`` makes a request's sampling reproducible whatever else is in the batch.
+    ``seed`` makes a request's sampling reproducible whatever else is in the batch. Keyword
+    arguments only: vLLM's first positional parameter is ``n``, this class's was ``max_new_tokens``.
 
     Invalid values raise ``ValueError("SamplingParams.<field> <rule>, got <value>")``. The rules:
 
-    * ``max_new_tokens``: int >= 1; ``min_new_tokens``: int in ``[0, max_new_tokens]``;
+    * ``max_new_tokens``: int >= 1, or None (vLLM's ``max_tokens=None``): as many as fit in the
+      model's positions after the prompt; ``min_new_tokens``: int in ``[0, max_new_tokens]``;
     * ``temperature``: 0 (greedy) or a number in ``(0, 1e6]``; a value in ``(0, 0.01)`` is raised
       to 0.01 with a logged warning (vLLM does the same): dividing logits by less would overflow
       them or leave a one-hot distribution that float32 cannot represent;
@@ -70,12 +74,14 @@ class SamplingParams:
     * ``repetition_penalty``: in ``[0.01, 100]``; ``presence_penalty``, ``frequency_penalty``: in
       ``[-2, 2]``;
     * ``n``, ``num_beams``: ints >= 1, ``n <= num_beams`` in beam search (the engine also bounds
-      both by its ``max_num_seqs``);
+      both by its ``max_num_seqs``); ``n`` is 1 with greedy decoding (``temperature=0``, no beams),
+      whose ``n`` outputs would all be the same (vLLM and transformers refuse it too);
     * ``length_penalty`` (beam search): a finite number; with ``num_beams > 1`` also
       ``|length_penalty| * ln(max_new_tokens) <= ln(1e30)`` (scores are divided by
       ``length ** length_penalty``, which must stay finite in float32);
     * ``early_stopping``: True, False or ``"never"``; ``ignore_eos``: a bool;
-    * ``seed``: None or an int in ``[-(2**63), 2**64)`` (what ``torch.Generator`` takes);
+    * ``seed``: None or an int in ``[-(2**63), 2**64)`` (what ``torch.Generator`` takes); -1 is
+      None (unseeded), as in vLLM;
     * ``stop_token_ids``: a list of ints >= 0 (they end beams as EOS does); ``stop``: a string or a
       list of non-empty strings;
     * beam search (``num_beams > 1``) reads no ``top_p``, ``top_k``, ``min_p``,
@@ -93,7 +99,7 @@ class SamplingParams:
     Every float must be a finite number (bools, NaN and inf are refused).
     """
 
-    max_new_tokens: int = 16
+    max_new_tokens: int | None = 16  # None: up to the model's positions (resolved per request by the engine)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1): no top-k
@@ -114,13 +120,13 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
     # vLLM's spellings, accepted as they are what its users write (not kept: max_new_tokens / min_new_tokens)
-    max_tokens: InitVar[int | None] = None
+    max_tokens: InitVar[int | None] = _UNSET  # None here is vLLM's "as many as fit", not "unset"
     min_tokens: InitVar[int | None] = None
 
-    def __post_init__(self, max_tokens: int | None = None, min_tokens: int | None = None) -> None:
-        for alias, name, value in (("max_tokens", "max_new_tokens", max_tokens),
-                                   ("min_tokens", "min_new_tokens", min_tokens)):
-            if value is not None:
+    def __post_init__(self, max_tokens: int | None = _UNSET, min_tokens: int | None = None) -> None:
+        for alias, name, value, unset in (("max_tokens", "max_new_tokens", max_tokens, _UNSET),
+                                          ("min_tokens", "min_new_tokens", min_tokens, None)):
+            if value is not unset:
                 if getattr(self, name) not in (value, _DEFAULTS[name]):
                     raise ValueError(f"SamplingParams: {alias} (vLLM's name) and {name} say different things "
                                      f"({value!r}, {getattr(self, name)!r}): pass one")
@@ -142,9 +148,9 @@ class SamplingParams:
             raise self._bad(name, rule)
 
     def _check_lengths(self) -> None:
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise self._bad("max_new_tokens", "must be an int >= 1")
-        if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+        if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):
+            raise self._bad("max_new_tokens", "must be an int >= 1 or None (as many as fit)")
+        if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= (self.max_new_tokens or math.inf):
             raise self._bad("min_new_tokens", "must be an int between 0 and max_new_tokens")
 
     def _check_sampling(self) -> None:
@@ -160,6 +166,8 @@ class SamplingParams:
         if not _is_int(self.top_k) or self.top_k < -1:
             raise self._bad("top_k", "must be an int >= 0 (or -1 for no limit)")
         self._check_real("min_p", 0, 1, "must be a number in [0, 1]")
+        if _is_int(self.seed) and self.seed == -1:  # vLLM's "unseeded"
+            self.seed = None
         if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
             raise self._bad("seed", "must be None or an int in [-(2**63), 2**64)")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
@@ -178,9 +186,13 @@ class SamplingParams:
             raise self._bad("num_beams", "must be an int >= 1")
         if self.num_beams > 1 and self.n > self.num_beams:
             raise self._bad("n", f"must not exceed num_beams={self.num_beams} in beam search")
+        if self.greedy and self.n > 1 and not self.beam_search:
+            raise self._bad("n", "must be 1 with greedy decoding (temperature=0): its n outputs would be the same; "
+                                 "sample (temperature > 0) or run beam search (num_beams >= n)")
         if not _is_real(self.length_penalty):
             raise self._bad("length_penalty", "must be a finite number")
-        bound = max_length_penalty(self.max_new_tokens)
+        # max_new_tokens=None: checked once the engine resolves it for a prompt
+        bound = max_length_penalty(self.max_new_tokens) if self.max_new_tokens else math.inf
         if self.num_beams > 1 and abs(self.length_penalty) > bound:
             raise self._bad("length_penalty", f"must be in [-{bound:.4g}, {bound:.4g}] for max_new_tokens="
                                               f"{self.max_new_tokens} (max_new_tokens ** length_penalty must stay "
@@ -276,6 +288,11 @@ VLLM_ONLY = {
     "skip_special_tokens": "outputs' text always skips special tokens",
     "prompt_logprobs": "prompt log-probabilities are not computed",
     "truncate_prompt_tokens": "truncate the prompt before adding it",
+    "detokenize": "outputs carry text whenever the engine has a tokenizer; token_ids are always there",
+    "spaces_between_special_tokens": "outputs' text skips special tokens, so there are none to space",
+    "output_kind": "generate() returns final outputs, step() cumulative ones, stream() deltas",
+    "extra_args": "there are no custom sampling plugins to read them",
+    "thinking_token_budget": "not supported (no budget for reasoning tokens); bound max_tokens instead",
 }
 
 
@@ -284,6 +301,9 @@ def _naming_unknown_parameters(init):
     instead (vLLM users write vLLM's names), not the dataclass's bare one."""
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
+        if args:  # vLLM's SamplingParams(2) is n=2: a positional value is refused, never guessed at
+            raise TypeError(f"SamplingParams takes keyword arguments only (e.g. SamplingParams(max_tokens=32, "
+                            f"n=2)), got positional {args!r}")
         known = {f.name for f in fields(SamplingParams)} | {"max_tokens", "min_tokens"}
         for name in kwargs:
             if name not in known:
