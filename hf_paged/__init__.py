@@ -8,7 +8,7 @@ from hf_paged.attention import ATTN_IMPLEMENTATION, PagedMask, set_kernel_mode
 from hf_paged.block_manager import BlockManager, BlockManagerError, NoFreeBlocksError, UnknownSequenceError
 from hf_paged.cache import PagedKVCache
 from hf_paged.constraints import StructuredOutputsParams
-from hf_paged.engine import CompletionOutput, LLMEngine, RequestOutput, SamplingParams
+from hf_paged.engine import CompletionOutput, LLMEngine, Logprob, RequestOutput, SamplingParams
 from hf_paged.generate import CACHE_IMPLEMENTATION, disable, enable, prefix_cache
 from hf_paged.llm import LLM
 from hf_paged.pipeline import PagedTextGenerationPipeline, pipeline
@@ -23,6 +23,7 @@ __all__ = [
     "CompletionOutput",
     "LLM",
     "LLMEngine",
+    "Logprob",
     "RequestOutput",
     "SamplingParams",
     "SnapshotError",

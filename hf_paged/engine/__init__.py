@@ -12,7 +12,7 @@ processor never call each other.
 """
 
 from hf_paged.engine.llm_engine import LLMEngine
-from hf_paged.engine.outputs import CompletionOutput, RequestOutput
+from hf_paged.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from hf_paged.engine.params import SamplingParams
 
-__all__ = ["CompletionOutput", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["CompletionOutput", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams"]

@@ -12,11 +12,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_paged.engine.outputs import CompletionOutput
+from hf_paged.engine.outputs import CompletionOutput, ended_by_token
 
 REPLACEMENT = "\ufffd"
 MAX_HELD_TOKENS = 8  # a UTF-8 character has at most 4 bytes: more than this is really invalid text
 PENDING_TOKENS = 3  # still held when invalid text is released: the start of a character they may complete
+
+
+class TokenTexts:
+    """Each token's text decoded alone (``Logprob.decoded_token``, as vLLM decodes it), once per id."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer, self._cache = tokenizer, {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self.tokenizer.decode([token_id])
+        return text
 
 
 class IncrementalDetokenizer:
@@ -82,10 +95,13 @@ class TextStream:
 
     def update(self, completion: CompletionOutput) -> tuple[str, list[int]]:
         """``(text delta, new token ids)`` for the completion's latest state. The engine's final
-        text (cut at a stop string) closes the stream: what was sent is always its prefix."""
+        text (cut at a stop string) closes the stream: what was sent is always its prefix. A last
+        token that ended it (EOS, a stop token) is left out of the text, as the engine's text does."""
         new_ids = completion.token_ids[self.num_tokens:]
         self.num_tokens = len(completion.token_ids)
-        self._detokenizer.push(new_ids, final=completion.finished)
+        ended = new_ids and ended_by_token(completion.finish_reason, completion.stop_reason)
+        shown = new_ids[:-1] if ended else new_ids
+        self._detokenizer.push(shown, final=completion.finished)
         if completion.finished:
             self.finished = True
             final = completion.text

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_paged.engine import sampler
-from hf_paged.engine.outputs import FAULT, REJECTED, CompletionOutput, RequestOutput
+from hf_paged.engine.detokenize import TokenTexts
+from hf_paged.engine.outputs import FAULT, REJECTED, CompletionOutput, Logprob, RequestOutput, ended_by_token
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.sequence import Request, Sequence
@@ -139,6 +140,7 @@ class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: list[int], max_positions: int | None, structured=None):
         self.tokenizer, self.eos_token_ids, self.max_positions = tokenizer, eos_token_ids, max_positions
         self.structured = structured  # StructuredOutputManager (hf_paged.engine.structured): masks and matchers
+        self.token_texts = TokenTexts(tokenizer) if tokenizer is not None else None  # Logprob.decoded_token
 
     def process(self, step: SchedulerOutput, logits: torch.Tensor | None,
                 requests: Mapping[str, Request]) -> StepResult:
@@ -150,9 +152,10 @@ class OutputProcessor:
         for request_id, reason in step.rejected:
             outcome.fail(requests[request_id], reason, REJECTED)
         constrained = self.structured is not None and self.structured.active  # structured outputs, logit_bias
+        unbiased = None  # rows whose log-probs are reported from a copy taken before their logit_bias
         try:
             if constrained:  # their rows masked and biased in place, before anything reads the logits
-                self.structured.mask(step, logits, requests)
+                unbiased = self.structured.mask(step, logits, requests)
             maxima = sampler.chunk_maxima(logits)
             plain, ready = self._rows(step, logits, maxima, requests, outcome)
             self._advance_plain_greedy(plain, logits, maxima, outcome)
@@ -161,7 +164,7 @@ class OutputProcessor:
                 request, tokens = requests[request_id], drawn.get(request_id)
                 if not (tokens is not None and len(got) == 1 and request.forked and request.params.logprobs is None
                         and self._append_quietly(request, got[0][0], tokens[0][0], outcome)):
-                    self._guarded(request, outcome, self._advance, request, got, logits, tokens, outcome)
+                    self._guarded(request, outcome, self._advance, request, got, logits, tokens, outcome, unbiased)
             if constrained:  # their matchers follow the new tokens (forks start from their parents')
                 forks = [u for _, u in outcome.updates if isinstance(u, ForkSequence)]
                 self.structured.advance(list(outcome.changed.values()), forks,
@@ -293,21 +296,24 @@ class OutputProcessor:
         return {rid: [next(tokens) for _ in got] for rid, got in sampled.items()}
 
     def _advance(self, request: Request, got: list[tuple[Sequence, int]], logits: torch.Tensor,
-                 drawn: list[list[int]] | None, outcome: _Outcome) -> None:
+                 drawn: list[list[int]] | None, outcome: _Outcome,
+                 unbiased: dict[int, torch.Tensor] | None = None) -> None:
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         if request.beam is not None:
             self._advance_beams(request, [(seq, logits[row]) for seq, row in got], outcome)
         else:
             for (seq, row), tokens in zip(got, drawn, strict=True):
-                self._sample(request, seq, logits[row], tokens, outcome)
+                self._sample(request, seq, unbiased[row] if unbiased and row in unbiased else logits[row], tokens,
+                             outcome)
         if not request.live_seqs:
             outcome.add(request, FinishRequest(request))
 
     def _sample(self, request: Request, seq: Sequence, logits: torch.Tensor, tokens: list[int],
                 outcome: _Outcome) -> None:
-        """Append ``tokens`` (drawn from ``logits``, the row's raw logits), forking the prompt's
-        sequence into the request's samples at its first token."""
+        """Append ``tokens`` (drawn from the row; ``logits``: its raw logits, which log-probs are
+        reported from: a constraint's mask in, ``logit_bias`` out), forking the prompt's sequence
+        into the request's samples at its first token."""
         params = request.params
         width = len(tokens)
         raw = torch.log_softmax(logits, -1) if params.logprobs is not None else None
@@ -325,6 +331,11 @@ class OutputProcessor:
         for child, token in zip(children, tokens):
             self._append(request, child, token, None if raw is None else float(raw[token]), outcome, raw)
 
+    def _stop_token(self, params: SamplingParams, token: int) -> int | None:
+        """vLLM's ``stop_reason`` for an output a token ended: a stop token's id, None for EOS."""
+        stops = token in params.stop_token_ids and (params.ignore_eos or token not in self.eos_token_ids)
+        return token if stops else None
+
     def _stop_reason(self, params: SamplingParams, token: int, num_output_tokens: int, num_tokens: int) -> str | None:
         """Why a sequence ends with ``token`` appended (its counts then given), stop strings aside;
         None: it goes on."""
@@ -338,22 +349,33 @@ class OutputProcessor:
 
     def _append(self, request: Request, seq: Sequence, token: int, logprob: float | None, outcome: _Outcome,
                 raw_logprobs: torch.Tensor | None = None) -> None:
-        """``logprob`` (and ``raw_logprobs``) only for requests that asked for log-probabilities."""
+        """``logprob`` (and ``raw_logprobs``) only for requests that asked for log-probabilities.
+
+        A sequence that finishes "stop" gets ``stop_reason`` (vLLM's; Sequence has no field for it,
+        it is set only here and read only beside that finish reason): the stop string, the stop
+        token, or None for EOS. A token that ends it is left out of the text, as in vLLM."""
         params = request.params
         seq.token_ids.append(token)
         if logprob is not None:
             seq.cumulative_logprob += logprob
-            seq.logprobs = (seq.logprobs or []) + [sampler.top_logprobs(raw_logprobs, token, params.logprobs)]
+            texts = self.token_texts
+            seq.logprobs = (seq.logprobs or []) + [{t: Logprob(v, r, token=t, texts=texts) for t, v, r in
+                                                    sampler.top_logprobs(raw_logprobs, token, params.logprobs)}]
         outcome.generated[request.request_id] += 1
         seq.finish_reason = self._stop_reason(params, token, seq.num_output_tokens, len(seq.token_ids))
+        if seq.finish_reason == "stop":
+            seq.stop_reason = self._stop_token(params, token)
         if params.stop and self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            shown = seq.output_token_ids[:-1] if seq.finish_reason == "stop" else seq.output_token_ids
+            seq.text = self.tokenizer.decode(shown, skip_special_tokens=True)
             if seq.num_output_tokens < params.min_new_tokens:  # no stop string may end in this text
                 seq.stop_floor = len(seq.text)
             else:
-                hits = [i for s in params.stop if (i := seq.text.find(s, max(0, seq.stop_floor - len(s) + 1))) >= 0]
+                hits = [(i, s) for s in params.stop
+                        if (i := seq.text.find(s, max(0, seq.stop_floor - len(s) + 1))) >= 0]
                 if hits:
-                    seq.text = seq.text[: min(hits)]
+                    cut, seq.stop_reason = min(hits, key=lambda hit: hit[0])
+                    seq.text = seq.text[:cut]
                     seq.finish_reason = "stop"
         if seq.is_finished:  # a finished sequence gives its blocks back at once
             request.seqs.remove(seq)
@@ -398,6 +420,8 @@ class OutputProcessor:
                 seq = Sequence(request.prompt_token_ids + tokens, len(request.prompt_token_ids), index=index)
                 seq.cumulative_logprob = score  # the length-penalised beam score (generate's sequences_scores)
                 seq.finish_reason = "stop" if tokens and tokens[-1] in state.eos_token_ids else "length"
+                if seq.finish_reason == "stop":
+                    seq.stop_reason = self._stop_token(request.params, tokens[-1])
                 request.finished_seqs.append(seq)
 
     # ------------------------------------------------------------------ outputs
@@ -416,15 +440,17 @@ class OutputProcessor:
         for s in seqs:
             token_ids = s.output_token_ids
             text, decode = s.text, None
+            stop_reason = getattr(s, "stop_reason", None) if s.finish_reason == "stop" else None
             if with_text and text is None and self.tokenizer is not None and token_ids:
                 if s.is_finished:  # decoded here, once, so that a tokenizer fault fails this request
-                    text = s.text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+                    shown = token_ids[:-1] if ended_by_token(s.finish_reason, stop_reason) else token_ids
+                    text = s.text = self.tokenizer.decode(shown, skip_special_tokens=True)
                 else:  # decoded by whoever reads it (the server never does), not on the engine thread
                     decode = self._decoder(token_ids)
             outputs.append(CompletionOutput(
                 index=s.index, token_ids=token_ids, text=text or "", finish_reason=s.finish_reason,
                 cumulative_logprob=s.cumulative_logprob if scored else None, logprobs=s.logprobs,
-                decode=decode,
+                decode=decode, stop_reason=stop_reason,
             ))
         return RequestOutput(
             request.request_id, request.prompt_token_ids, outputs, finished=request.is_finished,

@@ -9,7 +9,7 @@ compile, or takes longer than the compiler's ``timeout_s``, fails its request al
 
 Every step, before sampling, :meth:`mask` fills the bitmasks of all the step's constrained rows
 together (one ``BatchGrammarMatcher`` call), applies them to the logits in place
-(:func:`~hf_paged.constraints.bitmask.apply_bitmask`) and adds each biased row's ``logit_bias``.
+(:func:`~hf_paged.constraints.bitmask.apply_bitmask`), then adds each biased row's ``logit_bias``.
 After tokens are appended, :meth:`advance` moves each sequence's matcher over its new tokens. Matchers are kept per sequence
 and counted by the output tokens they have accepted, which makes every engine feature fall out:
 
@@ -21,8 +21,9 @@ and counted by the output tokens they have accepted, which makes every engine fe
 * the tokens after a stop string, or over ``max_tokens``, are never sampled, so nothing else changes.
 
 An unconstrained batch pays nothing: with no constrained request in flight, :attr:`active` is
-False and neither hook is called. Logprobs of a constrained row are those of the masked (and
-biased) distribution, the one sampled from (vLLM does the same).
+False and neither hook is called. Logprobs of a constrained row are those of the masked
+distribution, before ``logit_bias`` (as vLLM reports them): :meth:`mask` keeps a copy of a biased
+row from before its bias only when its request asks for logprobs.
 """
 
 from __future__ import annotations
@@ -181,11 +182,15 @@ class StructuredOutputManager:
             request.structured.matchers.clear()
 
     # ------------------------------------------------------------------ the step
-    def mask(self, step: SchedulerOutput, logits: torch.Tensor | None, requests: Mapping[str, Request]) -> None:
-        """Constrain the step's logits in place (rows: the ``needs_logits`` sequences in order)."""
+    def mask(self, step: SchedulerOutput, logits: torch.Tensor | None,
+             requests: Mapping[str, Request]) -> dict[int, torch.Tensor]:
+        """Constrain the step's logits in place (rows: the ``needs_logits`` sequences in order):
+        grammar masks, then biases (``-inf + bias`` stays ``-inf``: the order changes no value).
+        Returns, by row, the masked rows before their bias, for the biased requests that ask for
+        logprobs (reported before ``logit_bias``)."""
         if logits is None:
-            return
-        rows, matchers, last, row = [], [], [], -1
+            return {}
+        rows, matchers, last, biased, row = [], [], [], [], -1
         for scheduled in step.sequences:
             if not scheduled.needs_logits:
                 continue
@@ -195,8 +200,7 @@ class StructuredOutputManager:
             if state is None:
                 continue
             if state.bias is not None:
-                ids, values = state.bias
-                logits[row].index_add_(0, ids, values)
+                biased.append((row, state.bias, request.params.logprobs is not None))
             if state.grammar is not None:
                 seq = request.sequence(scheduled.seq_id)
                 rows.append(row)
@@ -204,6 +208,12 @@ class StructuredOutputManager:
                 last.append(seq.token_ids[-1] if seq.num_tokens > seq.num_prompt_tokens else None)
         if matchers:
             self._apply(logits, rows, matchers, last)
+        unbiased = {}
+        for row, (ids, values), reported in biased:
+            if reported:
+                unbiased[row] = logits[row].clone()
+            logits[row].index_add_(0, ids, values)
+        return unbiased
 
     def _apply(self, logits: torch.Tensor, rows: list[int], matchers: list, last: list[int | None]) -> None:
         """One batched bitmask fill for the rows (xgrammar), one in-place apply (:mod:`.bitmask`)."""
