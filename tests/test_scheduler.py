@@ -30,12 +30,14 @@ def scheduler(num_blocks: int | None = 32, *, budget: int = 64, max_seqs: int = 
 
 
 def request(rid: str, prompt: list[int] | int, new: int = 3, **params) -> Request:
-    """A greedy request; an int prompt is that many tokens no other prompt shares."""
+    """A greedy request (sampled when it has n > 1 samples: greedy takes n=1); an int prompt is that
+    many tokens no other prompt shares."""
     if isinstance(prompt, int):
         start = next(_prompt_starts)
         prompt = list(range(start, start + prompt))
     tokens = prompt
-    return Request(rid, tokens, SamplingParams(max_new_tokens=new, temperature=0, **params))
+    params.setdefault("temperature", 1.0 if params.get("n", 1) > 1 and params.get("num_beams", 1) == 1 else 0)
+    return Request(rid, tokens, SamplingParams(max_new_tokens=new, **params))
 
 
 def play(s: Scheduler, out: SchedulerOutput, requests: dict[str, Request]) -> StepResult:

@@ -251,7 +251,7 @@ class OutputProcessor:
         (nothing done): the caller takes the guarded path."""
         rid, params = request.request_id, request.params
         if (len(request.seqs) != 1 or rid in outcome.saved or (params.stop and self.tokenizer is not None)
-                or self._stop_reason(params, token, seq.num_output_tokens + 1, len(seq.token_ids) + 1) is not None):
+                or self._finish_reason(params, token, seq.num_output_tokens + 1, len(seq.token_ids) + 1) is not None):
             return False
         outcome.saved[rid] = _Appended(seq)
         seq.token_ids.append(token)
@@ -336,7 +336,7 @@ class OutputProcessor:
         stops = token in params.stop_token_ids and (params.ignore_eos or token not in self.eos_token_ids)
         return token if stops else None
 
-    def _stop_reason(self, params: SamplingParams, token: int, num_output_tokens: int, num_tokens: int) -> str | None:
+    def _finish_reason(self, params: SamplingParams, token: int, num_output_tokens: int, num_tokens: int) -> str | None:
         """Why a sequence ends with ``token`` appended (its counts then given), stop strings aside;
         None: it goes on."""
         if token in self.eos_token_ids and not params.ignore_eos:
@@ -351,8 +351,7 @@ class OutputProcessor:
                 raw_logprobs: torch.Tensor | None = None) -> None:
         """``logprob`` (and ``raw_logprobs``) only for requests that asked for log-probabilities.
 
-        A sequence that finishes "stop" gets ``stop_reason`` (vLLM's; Sequence has no field for it,
-        it is set only here and read only beside that finish reason): the stop string, the stop
+        A sequence that finishes "stop" gets ``stop_reason`` (vLLM's): the stop string, the stop
         token, or None for EOS. A token that ends it is left out of the text, as in vLLM."""
         params = request.params
         seq.token_ids.append(token)
@@ -362,7 +361,7 @@ class OutputProcessor:
             seq.logprobs = (seq.logprobs or []) + [{t: Logprob(v, r, token=t, texts=texts) for t, v, r in
                                                     sampler.top_logprobs(raw_logprobs, token, params.logprobs)}]
         outcome.generated[request.request_id] += 1
-        seq.finish_reason = self._stop_reason(params, token, seq.num_output_tokens, len(seq.token_ids))
+        seq.finish_reason = self._finish_reason(params, token, seq.num_output_tokens, len(seq.token_ids))
         if seq.finish_reason == "stop":
             seq.stop_reason = self._stop_token(params, token)
         if params.stop and self.tokenizer is not None:
@@ -440,7 +439,7 @@ class OutputProcessor:
         for s in seqs:
             token_ids = s.output_token_ids
             text, decode = s.text, None
-            stop_reason = getattr(s, "stop_reason", None) if s.finish_reason == "stop" else None
+            stop_reason = s.stop_reason if s.finish_reason == "stop" else None
             if with_text and text is None and self.tokenizer is not None and token_ids:
                 if s.is_finished:  # decoded here, once, so that a tokenizer fault fails this request
                     shown = token_ids[:-1] if ended_by_token(s.finish_reason, stop_reason) else token_ids

@@ -35,6 +35,7 @@ class Sequence:
     text: str | None = None  # None: not decoded yet ("" is a decoded text, e.g. one cut at a stop string)
     generator: Any = None  # a seeded sample's own torch.Generator after the first token (output_processor)
     stop_floor: int = 0  # text written before min_new_tokens: a stop string must end past it
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that finished it
 
     @property
     def num_tokens(self) -> int:
