@@ -52,6 +52,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from hf_paged import kinds, state_layers
+from hf_paged.kinds.base import config_attr
 
 SUPPORTED_LAYER_TYPES = tuple(t for t in kinds.LAYER_TYPE_SPECS if t not in ("hybrid", "hybrid_sliding"))
 _NOT_MODEL_CODE = ("torch", "builtins", "transformers.modeling_utils", "transformers.generation",
@@ -111,7 +112,7 @@ def layer_problem(config: PretrainedConfig, layer_types: list[str] | None = None
 
     ``layer_types``: what ``get_layer_types_and_kwargs(config)`` gives, when the caller has it already.
     """
-    shared = _attr(config, "num_kv_shared_layers") or 0
+    shared = config_attr(config, "num_kv_shared_layers") or 0
     try:  # the config's kv_sharing_modes (transformers >= 5.24), else derived as 5.17's modeling code does
         sharing = "reuse" in kinds.kv_sharing_modes(config)
     except ValueError as error:
@@ -178,13 +179,6 @@ def check_engine_supported(model: PreTrainedModel) -> None:
     )
 
 
-def _attr(config: PretrainedConfig, name: str):
-    try:
-        return getattr(config, name, None)
-    except Exception:  # noqa: BLE001 - heterogeneous configs refuse global reads of per-layer values
-        return None
-
-
 def _per_layer(config: PretrainedConfig) -> list[PretrainedConfig]:
     try:
         return list(config.per_layer_config)
@@ -193,11 +187,11 @@ def _per_layer(config: PretrainedConfig) -> list[PretrainedConfig]:
 
 
 def _key_head_dim(config: PretrainedConfig) -> int | None:
-    if _attr(config, "qk_head_dim") is not None:
-        return _attr(config, "qk_head_dim")
-    if _attr(config, "qk_nope_head_dim") is not None:
-        return _attr(config, "qk_nope_head_dim") + (_attr(config, "qk_rope_head_dim") or 0)
-    return _attr(config, "head_dim")
+    if config_attr(config, "qk_head_dim") is not None:
+        return config_attr(config, "qk_head_dim")
+    if config_attr(config, "qk_nope_head_dim") is not None:
+        return config_attr(config, "qk_nope_head_dim") + (config_attr(config, "qk_rope_head_dim") or 0)
+    return config_attr(config, "head_dim")
 
 
 # ------------------------------------------------------------------------------- source checks
@@ -382,7 +376,7 @@ def config_problem(config: PretrainedConfig) -> Support | None:
     """What a (top-level) config alone rules out: cross-attention layers, unsupported layers, KV sharing."""
     text = config.get_text_config(decoder=True)
     for holder in [config] if text is config else [config, text]:
-        if _attr(holder, "add_cross_attention") or _attr(holder, "cross_attention_layers"):
+        if config_attr(holder, "add_cross_attention") or config_attr(holder, "cross_attention_layers"):
             return Support(CROSS_ATTENTION, f"{type(holder).__name__} declares cross-attention layers")
     return layer_problem(text)
 
@@ -390,7 +384,7 @@ def config_problem(config: PretrainedConfig) -> Support | None:
 def head_dim_problem(config: PretrainedConfig) -> Support | None:
     """Keys and values of different head sizes (multi-head latent attention): one pool shape per layer."""
     for layer_config in _per_layer(config.get_text_config(decoder=True)):
-        k_dim, v_dim = _key_head_dim(layer_config), _attr(layer_config, "v_head_dim")
+        k_dim, v_dim = _key_head_dim(layer_config), config_attr(layer_config, "v_head_dim")
         if v_dim is not None and k_dim is not None and v_dim != k_dim:
             return Support(HEAD_DIMS, f"key head {k_dim}, value head {v_dim}; a paged layer stores one head size")
     return None
@@ -454,7 +448,7 @@ def _structure_problem(model: PreTrainedModel, reference: PretrainedConfig,
     """What every route needs of the model's structure: decoder-only, a config whose layers the cache
     can hold, modules that keep K/V through ``cache.update`` and leave ``cache.layers`` alone, and no
     cross-attention."""
-    if _attr(model.config, "is_encoder_decoder"):
+    if config_attr(model.config, "is_encoder_decoder"):
         return Support(ENCODER_DECODER, "an encoder-decoder model (the paged cache is for decoder-only models)")
     problem = config_problem(reference)
     if problem is not None:

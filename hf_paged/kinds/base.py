@@ -6,6 +6,15 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 
+def config_attr(config, name: str):
+    """``config.name``, or None where it is unset or the config refuses to read it (heterogeneous
+    configs refuse global reads of per-layer values)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - whatever the config raises, the value is not there to read
+        return None
+
+
 def attention_heads(layer_config) -> tuple[int, int, int]:
     """``(query heads, K/V heads, head size)`` of an attention layer's config (K/V heads default to
     the query heads, the head size to hidden size / heads)."""

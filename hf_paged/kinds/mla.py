@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hf_paged.kinds.base import KVSpec
+from hf_paged.kinds.base import KVSpec, config_attr
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,4 @@ class MLAAttentionSpec(KVSpec):
 
 def is_mla_config(config) -> bool:
     """Whether ``config`` (a text config) describes MLA layers (a KV latent rank)."""
-    try:
-        return getattr(config, "kv_lora_rank", None) is not None and getattr(config, "qk_rope_head_dim", None) is not None
-    except Exception:  # noqa: BLE001 - heterogeneous configs refuse global reads
-        return False
+    return config_attr(config, "kv_lora_rank") is not None and config_attr(config, "qk_rope_head_dim") is not None

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hf_paged.kinds.base import KVSpec
+from hf_paged.kinds.base import KVSpec, config_attr
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,10 @@ def kv_sharing_modes(config: Any) -> list[str | None]:
     (none when that would be every layer), and the last earlier layer of each type stores.
     ``ValueError`` when a sharing layer's type has no earlier layer (transformers cannot build it either).
     """
-    modes = _get(config, "kv_sharing_modes")
+    modes = config_attr(config, "kv_sharing_modes")
     if modes is not None:
         return list(modes)
-    shared = _get(config, "num_kv_shared_layers") or 0
+    shared = config_attr(config, "num_kv_shared_layers") or 0
     if shared <= 0:
         return []
     num_layers = config.num_hidden_layers
@@ -74,10 +74,3 @@ def kv_sharing_modes(config: Any) -> list[str | None]:
             raise ValueError(f"{layer_type} layers share K/V, but no layer before the sharing ones is one")
         modes[first_shared - 1 - earlier[::-1].index(layer_type)] = "store"
     return modes
-
-
-def _get(config: Any, name: str):
-    try:
-        return getattr(config, name, None)
-    except Exception:  # noqa: BLE001 - heterogeneous configs refuse global reads of per-layer values
-        return None
