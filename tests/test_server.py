@@ -167,11 +167,17 @@ def test_stop_token_ids_and_stop_strings(client, engine):
     cut = client.completions.create(model=MODEL, prompt="Hello", max_tokens=24, temperature=0,
                                     extra_body={"stop_token_ids": [stop_id], "return_token_ids": True}).choices[0]
     assert cut.model_extra["token_ids"] == free.token_ids[: free.token_ids.index(stop_id) + 1]
-    assert cut.finish_reason == "stop"
+    assert cut.finish_reason == "stop" and cut.model_extra["stop_reason"] == stop_id  # vLLM's extension
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=24, temperature=0, stream=True,
+                                            extra_body={"stop_token_ids": [stop_id]}))
+    assert [c.choices[0].model_extra["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [stop_id]
     j = next(j for j in range(3, len(free.text) - 2) if free.text.find(free.text[j: j + 2]) == j)
     stop = free.text[j: j + 2]
     resp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=24, temperature=0, stop=[stop])
     assert (resp.choices[0].text, resp.choices[0].finish_reason) == (free.text[:j], "stop")
+    assert resp.choices[0].model_extra["stop_reason"] == stop
+    plain = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0).choices[0]
+    assert (plain.finish_reason, plain.model_extra["stop_reason"]) == ("length", None)
     assert resp.choices[0].text == truth(engine, "Hello", max_new_tokens=24, temperature=0, stop=[stop]).outputs[0].text
     streamed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=24, temperature=0, stop=stop,
                                          stream=True)

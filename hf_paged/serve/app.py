@@ -493,7 +493,7 @@ class _OpenAIServing:
                     job.kind, i * job.n + c.index, text, finish,
                     self._logprobs(job, c.token_ids, c.logprobs, responses.TextOffsets()),
                     c.token_ids if req.return_token_ids else None,
-                    tool_calls=calls))
+                    tool_calls=calls, stop_reason=c.stop_reason))
         choices.sort(key=lambda ch: ch["index"])
         return responses.envelope(job.kind, job.response_id, self.settings.model_name, choices,
                                   responses.usage(outputs))
@@ -567,4 +567,4 @@ class _OpenAIServing:
             return None
         return responses.choice(job.kind, index, delta, finish, logprobs,
                                 new_ids if job.request.return_token_ids else None, delta=True, first=first,
-                                tool_calls=calls)
+                                tool_calls=calls, stop_reason=c.stop_reason if text_stream.finished else None)

@@ -133,9 +133,10 @@ def usage(outputs: list[RequestOutput]) -> dict:
 
 def choice(kind: str, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
            token_ids: list[int] | None = None, *, delta: bool = False, first: bool = False,
-           tool_calls: list[dict] | None = None) -> dict:
+           tool_calls: list[dict] | None = None, stop_reason: str | int | None = None) -> dict:
     """A completions or chat choice; ``delta``: a stream chunk's (chat: ``delta`` not ``message``).
-    ``tool_calls``: a chat message's calls (or a chunk's call deltas); its content may then be None."""
+    ``tool_calls``: a chat message's calls (or a chunk's call deltas); its content may then be None.
+    ``stop_reason`` (vLLM's extension): the stop string or stop token id that ended it, else null."""
     if kind == "completion":
         body = {"index": index, "text": text}
     elif delta:
@@ -144,7 +145,7 @@ def choice(kind: str, index: int, text: str | None, finish_reason: str | None, l
         body = {"index": index, "message": {"role": "assistant", "content": text}}
     if tool_calls:
         body["delta" if delta else "message"]["tool_calls"] = tool_calls
-    body.update(logprobs=logprobs, finish_reason=finish_reason)
+    body.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
     if token_ids is not None:
         body["token_ids"] = token_ids
     return body
