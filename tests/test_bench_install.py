@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_paged.bench import optional, serving, suite, systems, vs_vllm
+from hf_paged.bench import local_server, optional, serving, suite, systems, vs_vllm
 from tests.helpers.tiny_models import build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,12 +113,10 @@ def test_serving_without_httpx_refuses_up_front_and_starts_no_server(tmp_path):
 def test_the_server_process_is_stopped_when_its_start_fails(monkeypatch):
     """Anything failing between starting ``hf-paged serve`` and ``__enter__`` returning (here Ctrl-C
     while waiting for /health) stops the server again."""
-    import httpx
-
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(httpx, "get", interrupted)
+    monkeypatch.setattr(local_server.urllib.request, "urlopen", interrupted)
     server = serving.ServerProcess(threads=1)
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -135,7 +133,7 @@ def test_vs_vllm_server_is_stopped_when_its_start_fails(tmp_path, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(vs_vllm.urllib.request, "urlopen", interrupted)
+    monkeypatch.setattr(local_server.urllib.request, "urlopen", interrupted)
     ctx = {"work_dir": str(tmp_path), "ids": iter(range(10)), "model_dir": str(tmp_path / "model"),
            "kv_bytes_per_token": 2048}
     server = vs_vllm.Server(vs_vllm.Config("hf_paged", "equal"), vs_vllm.Options(), ctx)

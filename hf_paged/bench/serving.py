@@ -17,10 +17,7 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,6 +26,7 @@ from pathlib import Path
 import torch
 
 from hf_paged.bench import workloads
+from hf_paged.bench.local_server import LocalServer, free_port
 from hf_paged.bench.optional import MissingDependency, require
 
 ENGINE_ARGS = dict(block_size=16, num_blocks=4096, max_num_batched_tokens=512, max_num_seqs=256)
@@ -127,54 +125,18 @@ async def http_closed_loop(base_url: str, requests: list[workloads.Request], con
     return Run(wall, tokens, latency, ttft if stream else [])
 
 
-class ServerProcess:
-    """``python -m hf_paged serve`` on a free loopback port with the engine settings of the bench.
-
-    The process starts in ``__enter__``, which stops it again if anything fails before it returns
-    (a missing httpx, a server that never answers, Ctrl-C while waiting): none is left behind."""
+class ServerProcess(LocalServer):
+    """``python -m hf_paged serve`` on a free loopback port with the engine settings of the bench
+    (started in ``__enter__``, never left behind: :class:`~hf_paged.bench.local_server.LocalServer`)."""
 
     def __init__(self, threads: int):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "hf_paged", "serve", "--port", str(self.port), "--device", "cpu",
-                    "--block-size", str(ENGINE_ARGS["block_size"]), "--num-blocks", str(ENGINE_ARGS["num_blocks"]),
-                    "--max-num-batched-tokens", str(ENGINE_ARGS["max_num_batched_tokens"]),
-                    "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]), "--max-waiting", "100000"]
-        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> ServerProcess:
-        require("the serving benchmark", "httpx")
-        import httpx
-
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=self.env)
-        try:
-            deadline = time.monotonic() + 180
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                try:
-                    if httpx.get(self.url + "/health").status_code == 200:
-                        return self
-                except httpx.TransportError:
-                    time.sleep(0.2)
-            raise RuntimeError("the server did not start")
-        except BaseException:
-            self.__exit__()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
+        port = free_port()
+        cmd = [sys.executable, "-m", "hf_paged", "serve", "--port", str(port), "--device", "cpu",
+               "--block-size", str(ENGINE_ARGS["block_size"]), "--num-blocks", str(ENGINE_ARGS["num_blocks"]),
+               "--max-num-batched-tokens", str(ENGINE_ARGS["max_num_batched_tokens"]),
+               "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]), "--max-waiting", "100000"]
+        super().__init__(cmd, port, name="hf-paged serve", env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+                         start_timeout=180, stop_timeout=30)
 
 
 # ---------------------------------------------------------------------------- the comparison

@@ -41,18 +41,16 @@ import os
 import platform
 import random
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from hf_paged.bench import workloads
+from hf_paged.bench.local_server import LocalServer, free_port, tail
 from hf_paged.bench.optional import MissingDependency, require
 from hf_paged.bench.vllm_worker import Meter, machine_busy_seconds, versions
 
@@ -346,31 +344,25 @@ def _subprocess_json(cmd: list[str], spec: dict, name: str, env: dict, opts: Opt
         except subprocess.TimeoutExpired:
             rc = "timeout"
     if rc != 0 or not result_path.exists():
-        raise RuntimeError(f"{name} failed ({rc}); the end of {log_path}:\n{_tail(log_path)}")
+        raise RuntimeError(f"{name} failed ({rc}); the end of {log_path}:\n{tail(log_path)}")
     return {**json.loads(result_path.read_text()), "load_avg_1min_before": load}
 
 
-def _tail(path: Path, lines: int = 25) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
 # ---------------------------------------------------------------------------- online: servers and the load generator
-class Server:
-    """One server (``hf-paged serve`` or vLLM's OpenAI server) in a fresh process group on a free
-    loopback port, up once ``/health`` answers 200; stopped with SIGINT, then killed."""
+class Server(LocalServer):
+    """One server (``hf-paged serve`` or vLLM's OpenAI server) on a free loopback port, its output
+    in the run's work folder (started in ``__enter__``, never left behind)."""
 
     def __init__(self, config: Config, opts: Options, ctx: dict):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url, self.name = f"http://127.0.0.1:{self.port}", config.name
-        self.log_path = Path(ctx["work_dir"]) / f"server-{config.name.replace(' ', '_')}-{next(ctx['ids'])}.log"
-        self.cmd, self.env = self.command(config, opts, ctx), system_env(config, opts.equal, opts.hf_env)
-        self.log = self.proc = None  # started by __enter__
+        port = free_port()
+        log_path = Path(ctx["work_dir"]) / f"server-{config.name.replace(' ', '_')}-{next(ctx['ids'])}.log"
+        super().__init__(self.command(config, opts, ctx, port), port, name=config.name,
+                         env=system_env(config, opts.equal, opts.hf_env), log_path=log_path)
 
-    def command(self, config: Config, opts: Options, ctx: dict) -> list[str]:
+    @staticmethod
+    def command(config: Config, opts: Options, ctx: dict, port: int) -> list[str]:
         common = ["--model", ctx["model_dir"], "--served-model-name", "bench", "--host", "127.0.0.1",
-                  "--port", str(self.port)]
+                  "--port", str(port)]
         eq = opts.equal
         if config.system == "vllm":
             cmd = [opts.vllm_python, "-m", "vllm.entrypoints.openai.api_server", *common, "--dtype", "float32",
@@ -384,37 +376,6 @@ class Server:
             cmd += ["--block-size", str(eq.block_size), "--max-num-batched-tokens", str(eq.max_num_batched_tokens),
                     "--max-num-seqs", str(eq.max_num_seqs)]
         return cmd
-
-    def __enter__(self) -> Server:
-        """Start the server and wait for it; whatever fails on the way (Ctrl-C too) stops it again."""
-        self.log = open(self.log_path, "w")
-        try:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-            deadline = time.monotonic() + 600
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                try:
-                    with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                        if resp.status == 200:
-                            return self
-                except OSError:
-                    time.sleep(0.5)
-            raise RuntimeError(f"{self.name}: the server did not start; the end of {self.log_path}:\n"
-                               f"{_tail(self.log_path)}")
-        except BaseException:
-            self.__exit__()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the group this class started
-                self.proc.wait()
-        if self.log is not None:
-            self.log.close()
 
 
 def run_online(config: Config, requests: list[dict], warmup: list[dict], opts: Options, ctx: dict) -> dict:
