@@ -10,13 +10,16 @@ from hf_paged.cache import PagedKVCache
 from hf_paged.constraints import StructuredOutputsParams
 from hf_paged.engine import CompletionOutput, LLMEngine, Logprob, RequestOutput, SamplingParams
 from hf_paged.generate import CACHE_IMPLEMENTATION, disable, enable, prefix_cache
-from hf_paged.llm import LLM
+from hf_paged.llm import LLM, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from hf_paged.pipeline import PagedTextGenerationPipeline, pipeline
 from hf_paged.prefix_cache import PrefixCache
 from hf_paged.prefix_snapshot import SnapshotError
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CACHE_IMPLEMENTATION",
     "BlockManager",
     "BlockManagerError",

@@ -103,8 +103,17 @@ def test_generate_takes_vllms_sampling_params_keyword(engine):
         engine.generate([PROMPT], GREEDY, sampling_params=GREEDY, use_tqdm=False)
 
 
-@pytest.mark.parametrize("name, value", [("detokenize", False), ("spaces_between_special_tokens", False),
+@pytest.mark.parametrize("name, value", [("detokenize", False), ("truncate_prompt_tokens", 8),
                                          ("output_kind", 1), ("extra_args", {}), ("thinking_token_budget", 8)])
 def test_vllm_only_fields_say_what_to_do(name, value):
     with pytest.raises(TypeError, match=rf"^SamplingParams has no parameter '{name}': \w"):
         SamplingParams(**{name: value})
+
+
+@pytest.mark.parametrize("name", ["include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"])
+def test_vllms_text_options_are_taken_as_bools(name):
+    """Once refused as vLLM-only names; tests/test_output_text_options.py checks what they do."""
+    flipped = not getattr(SamplingParams(), name)
+    assert getattr(SamplingParams(**{name: flipped}), name) is flipped
+    with pytest.raises(ValueError, match=rf"^SamplingParams\.{name} must be a bool, got 1$"):
+        SamplingParams(**{name: 1})

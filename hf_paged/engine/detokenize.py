@@ -6,17 +6,80 @@ put a broken character on the wire and make the chunks add up to something else 
 non-streamed text. :class:`IncrementalDetokenizer` holds such tokens back until the character is
 whole; :class:`TextStream` also holds back what could be the start of a stop string, and ends on
 the engine's final text, so a stream's deltas always concatenate to the non-streamed response.
+
+What an output's text shows is vLLM's (``SamplingParams``' text options): :func:`decode_text`
+keeps special tokens when ``skip_special_tokens=False`` (and, with
+``spaces_between_special_tokens=False``, joins consecutive added tokens without the spaces a
+decoder puts between tokens); :func:`shown_token_ids` leaves out the token that ended an output
+(EOS, a stop token) unless ``include_stop_str_in_output`` asks for it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from hf_paged.engine.outputs import CompletionOutput, ended_by_token
+
+if TYPE_CHECKING:
+    from hf_paged.engine.params import SamplingParams
 
 REPLACEMENT = "\ufffd"
 MAX_HELD_TOKENS = 8  # a UTF-8 character has at most 4 bytes: more than this is really invalid text
 PENDING_TOKENS = 3  # still held when invalid text is released: the start of a character they may complete
+
+
+def decode_text(tokenizer: Any, token_ids: Sequence[int], skip_special_tokens: bool = True,
+                spaces_between_special_tokens: bool = True) -> str:
+    """The text of ``token_ids`` as an output shows it: the tokenizer's own decode (special tokens
+    skipped or kept). With special tokens kept and ``spaces_between_special_tokens=False``, an
+    added token that follows another added token is its bare content, without the space a
+    decoder (WordPiece's, say) would put before it: what vLLM's detokenizer shows. Requests with
+    the default options pay for one decode, as before."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    if skip_special_tokens or spaces_between_special_tokens:
+        return text
+    return _unspaced_added_runs(tokenizer, list(token_ids), text)
+
+
+def text_decoder(tokenizer: Any, params: SamplingParams | None = None) -> Callable[[Sequence[int]], str]:
+    """``decode(token_ids)`` with the text options of ``params`` (the defaults without them)."""
+    skip = params is None or params.skip_special_tokens
+    spaces = params is None or params.spaces_between_special_tokens
+    return functools.partial(decode_text, tokenizer, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+
+
+def _unspaced_added_runs(tokenizer: Any, token_ids: list[int], text: str) -> str:
+    """``text`` (the decode of ``token_ids``) with each run of consecutive added tokens after its
+    first written as their bare contents. Runs are replaced from the last one back, so the
+    offsets (lengths of prefix decodes) of the earlier ones stay valid; a run whose prefix
+    decodes are not prefixes of the text (a decoder that rewrites across tokens) is left as is."""
+    added = {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    runs, start = [], None
+    for i, token in enumerate([*token_ids, None]):
+        if token is not None and token in added:
+            start = i if start is None else start
+            continue
+        if start is not None and i - start > 1:
+            runs.append((start, i))
+        start = None
+    for start, end in reversed(runs):
+        head = tokenizer.decode(token_ids[:start + 1], skip_special_tokens=False)
+        spaced = tokenizer.decode(token_ids[:end], skip_special_tokens=False)
+        if spaced.startswith(head) and text.startswith(spaced):
+            text = head + "".join(added[t] for t in token_ids[start + 1:end]) + text[len(spaced):]
+    return text
+
+
+def shown_token_ids(token_ids: list[int], finish_reason: str | None, stop_reason: str | int | None,
+                    include_stop_str_in_output: bool = False) -> list[int]:
+    """The ids an output's text is decoded from: vLLM leaves out the token that ended it (EOS or a
+    stop token; its id stays in ``token_ids``), unless ``include_stop_str_in_output``, where that
+    token is decoded too (an EOS then shows as its text when special tokens are kept)."""
+    if not include_stop_str_in_output and ended_by_token(finish_reason, stop_reason):
+        return token_ids[:-1]
+    return token_ids
 
 
 class TokenTexts:
@@ -40,15 +103,17 @@ class IncrementalDetokenizer:
     tokenizers that treat a leading space specially (SentencePiece) see their context.
     """
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.token_ids: list[int] = []
         self.text = ""
         self._start = 0  # window start
         self._read = 0  # token_ids[:_read] are in self.text
 
     def _decode(self, start: int, end: int) -> str:
-        return self.tokenizer.decode(self.token_ids[start:end], skip_special_tokens=self.skip_special_tokens)
+        return decode_text(self.tokenizer, self.token_ids[start:end], self.skip_special_tokens,
+                           self.spaces_between_special_tokens)
 
     def push(self, token_ids: list[int], final: bool = False) -> str:
         """Add tokens; returns the text they complete ('' while a character is still partial).
@@ -84,14 +149,29 @@ class IncrementalDetokenizer:
 
 
 class TextStream:
-    """The text deltas of one completion (one choice) as its outputs arrive from the engine."""
+    """The text deltas of one completion (one choice) as its outputs arrive from the engine.
 
-    def __init__(self, tokenizer: Any, stop: list[str] | None = None):
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
-        self._hold = max((len(s) for s in stop or ()), default=1) - 1  # a stop string may be starting
+    The text options are the request's (:meth:`of` reads them from its ``SamplingParams``). With
+    ``include_stop_str_in_output`` nothing is held back for stop strings (as in vLLM): the text
+    is cut after the stop string, in the token that completes it, so what was sent before stays
+    a prefix of the final text."""
+
+    def __init__(self, tokenizer: Any, stop: list[str] | None = None, *, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True, include_stop_str_in_output: bool = False):
+        self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens, spaces_between_special_tokens)
+        self._include_stop = include_stop_str_in_output
+        longest = 0 if include_stop_str_in_output else max((len(s) for s in stop or ()), default=0)
+        self._hold = max(longest - 1, 0)  # a stop string may be starting
         self.sent = ""
         self.num_tokens = 0
         self.finished = False
+
+    @classmethod
+    def of(cls, tokenizer: Any, params: SamplingParams) -> TextStream:
+        """The stream of a request with ``params``: its stop strings and text options."""
+        return cls(tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens,
+                   spaces_between_special_tokens=params.spaces_between_special_tokens,
+                   include_stop_str_in_output=params.include_stop_str_in_output)
 
     def update(self, completion: CompletionOutput) -> tuple[str, list[int]]:
         """``(text delta, new token ids)`` for the completion's latest state. The engine's final

@@ -28,18 +28,29 @@ class RequestIntake:
     def check_params(self, params: SamplingParams) -> None:
         """The checks that depend on this engine (``SamplingParams`` checks the rest itself): one
         step never runs more than ``max_num_seqs`` sequences, so a request wider than that could
-        never be scheduled; log-probabilities exist for the vocabulary's tokens only."""
+        never be scheduled; log-probabilities, biases and allowed tokens exist for the vocabulary's
+        tokens only; what is text (stop strings, bad words, grammars) needs the tokenizer. The
+        bad words' own checks (each tokenizes to something inside the vocabulary) come when the
+        request is admitted (:func:`hf_paged.engine.structured.bad_words_token_ids`)."""
         for name in ("n", "num_beams"):
             value = getattr(params, name)
             if value > self.max_num_seqs:
                 raise ValueError(f"SamplingParams.{name} must be at most the engine's max_num_seqs="
                                  f"{self.max_num_seqs}, got {value!r}")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"SamplingParams.logprobs must be at most the vocabulary size {self.vocab_size}, "
-                             f"got {params.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.vocab_size:
+                raise ValueError(f"SamplingParams.{name} must be at most the vocabulary size {self.vocab_size}, "
+                                 f"got {value!r}")
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise ValueError(f"SamplingParams.logit_bias token ids must be below the vocabulary size {self.vocab_size}, "
                              f"got {max(params.logit_bias)}")
+        if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= self.vocab_size:
+            raise ValueError(f"SamplingParams.allowed_token_ids token ids must be below the vocabulary size "
+                             f"{self.vocab_size}, got {max(params.allowed_token_ids)}")
+        if params.bad_words and self.tokenizer is None:  # tokenized when the request is admitted
+            raise ValueError("SamplingParams.bad_words needs a tokenizer (pass tokenizer= to LLMEngine); "
+                             "allowed_token_ids or logit_bias ban token ids without one")
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("SamplingParams.structured_outputs needs a tokenizer (pass tokenizer= to LLMEngine)")
         if params.stop and self.tokenizer is None:  # else they would never match: refused, not ignored

@@ -135,15 +135,17 @@ class KVCacheManager:
         """Keys of the full blocks of a sequence's known tokens but the last (which must be computed)."""
         return self.prefix.keys_of(seq.token_ids, (seq.num_tokens - 1) // self.block_size)
 
-    def allocate_prefix(self, seq: Sequence) -> int:
+    def allocate_prefix(self, seq: Sequence, read: bool = True) -> int:
         """Register ``seq`` with every cached full block of its known tokens (all but the last,
         which must be computed to get logits) that all layer groups can serve. Returns the number
-        of tokens found cached."""
+        of tokens found cached. ``read=False`` (vLLM's ``skip_reading_prefix_cache``: a request
+        that needs every prompt position's logits): no lookup, 0; the blocks it computes are
+        still cached for others."""
         if self._states is not None:
             self._states.allocate(seq.seq_id)  # a state cannot be restored from cached blocks: no prefix hits
             self._device.add_sequence(seq.seq_id)
             return 0
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not read:
             self._device.add_sequence(seq.seq_id)
             return 0
         keys = self.prefix.longest_hit(seq.token_ids, (seq.num_tokens - 1) // self.block_size)

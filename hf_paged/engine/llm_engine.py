@@ -244,6 +244,8 @@ class LLMEngine:
                 request_id = str(next(self._ids))
         request = self.intake.request(str(request_id), prompt, params, taken=self.requests)
         request_id = request.request_id
+        if request.prompt_logprobs is not None:  # their Logprob.decoded_token, decoded on first read
+            request.prompt_logprobs.texts = self.output_processor.token_texts
         ready = self.structured.admit(request)  # False: its grammar compiles off this thread (see step())
         self.requests[request_id] = request
         if ready:
@@ -323,6 +325,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         try:
             logits = self._execute(scheduled)
+            if scheduled.prompt_logprobs:
+                self._record_prompt_logprobs(scheduled)
             result = self.output_processor.process(scheduled, logits, self.requests)
         except BaseException as err:
             failed = outputs + self._abandon(scheduled, err)
@@ -353,6 +357,13 @@ class LLMEngine:
         except BaseException as err:
             self._stop_group(f"a tensor-parallel step failed ({type(err).__name__} on rank 0: {err})")
             raise
+
+    def _record_prompt_logprobs(self, scheduled: SchedulerOutput) -> None:
+        """Add the step's scored prompt rows to their requests' prompt log-probs."""
+        for rows, scored in zip(scheduled.prompt_logprobs, self.runner.prompt_logprobs, strict=True):
+            request = self.requests[scheduled.sequences[rows.index].request_id]
+            request.prompt_logprobs.add_rows(rows.first, *scored)
+        self.runner.prompt_logprobs = []
 
     def _abandon(self, scheduled: SchedulerOutput, err: BaseException) -> list[RequestOutput]:
         """Close a step that raised: fail what it cannot continue (and, once a tensor-parallel
@@ -444,7 +455,7 @@ class LLMEngine:
                     prompt.get("prompt_token_ids"), prompt.get("prompt"))
                 results[rid] = RequestOutput(rid, ids if isinstance(ids, list) else [], [], finished=True,
                                              prompt=text if isinstance(text, str) else None, error=str(err),
-                                             error_kind=REJECTED)
+                                             error_kind=REJECTED, num_cached_tokens=0)
         progress = _progress(len(order), use_tqdm)
         mine = set(order)
         while len(results) < len(order):
@@ -545,23 +556,28 @@ class LLMEngine:
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[dict]:
         """Serve one request (alongside any others queued) and yield its new tokens as they come:
-        ``{"index", "token_ids", "text", "finished", "finish_reason"}`` deltas per completion.
+        ``{"index", "token_ids", "text", "finished", "finish_reason", "num_cached_tokens",
+        "prompt_logprobs"}`` deltas per completion (``prompt_logprobs``, as in vLLM's delta outputs,
+        comes whole with the request's first delta, when asked for; it is None in the others).
         The text deltas add up to the final text: a character split over tokens goes out whole,
         and what may begin a stop string is held back until it does not (the server's streams).
         A request the engine fails raises ``RuntimeError`` after its last deltas (``ValueError``
         when it could never be served, e.g. a grammar that does not compile); one whose
         consumer stops early (``break``, an exception, closing the iterator) is aborted."""
         request_id = self.add_request(prompt, params)
-        stop = self.requests[request_id].params.stop if request_id in self.requests else []
+        request_params = self.requests[request_id].params if request_id in self.requests else SamplingParams()
         texts: dict[int, TextStream] = {}
-        ended = False
+        ended = sent = False
         try:
             while not ended:
                 mine = self._claim({request_id})
                 for out in mine:
                     for c in out.outputs:
-                        delta = self._stream_delta(texts, c, stop)
+                        delta = self._stream_delta(texts, c, request_params)
                         if delta is not None:
+                            delta["num_cached_tokens"] = out.num_cached_tokens
+                            delta["prompt_logprobs"] = None if sent else out.prompt_logprobs
+                            sent = True
                             yield delta
                     if out.finished and out.error:
                         ended = True
@@ -573,10 +589,10 @@ class LLMEngine:
             if not ended:
                 self.abort(request_id)
 
-    def _stream_delta(self, texts: dict, c: CompletionOutput, stop: list[str]) -> dict | None:
+    def _stream_delta(self, texts: dict, c: CompletionOutput, params: SamplingParams) -> dict | None:
         """One completion's delta for ``stream()`` (None: nothing new)."""
         if c.index not in texts:
-            texts[c.index] = TextStream(self.tokenizer, stop) if self.tokenizer is not None else TokenStream()
+            texts[c.index] = TextStream.of(self.tokenizer, params) if self.tokenizer is not None else TokenStream()
         text = texts[c.index]
         if text.finished:
             return None

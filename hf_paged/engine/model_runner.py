@@ -4,7 +4,10 @@
 per-sequence metadata (slot of each new token, block tables, context lengths, where the decode
 tokens end) to the ``hf_paged`` attention function, which writes the new K/V into their slots and
 attends per sequence. No padding, no dense mask. Logits are computed only at the last token of
-each sequence that needs a next token. The runner holds the K/V storage and decides nothing.
+each sequence that needs a next token, and at the rows a request with ``prompt_logprobs`` scores
+(``SchedulerOutput.prompt_logprobs``): those are turned into log-probs, ranks and top tokens at
+once (:func:`score_prompt_rows`, kept in :attr:`ModelRunner.prompt_logprobs` for the engine) and
+dropped. The runner holds the K/V storage and decides nothing.
 Where :mod:`hf_paged.engine.compiled_body` compiled the model's decoder body (CPU, plain attention
 layers), the packed forward runs it, with the same attention behind a custom op.
 
@@ -19,7 +22,9 @@ layout on for any model (to measure what it costs).
 from __future__ import annotations
 
 import contextlib
+import itertools
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -28,7 +33,7 @@ from hf_paged.channel import clear_active_cache, packed_forward
 from hf_paged.engine import compiled_body, step_threads
 from hf_paged.engine.cuda_graphs import DecodeGraphs
 from hf_paged.engine.cpu_linear import onednn_linears, prepacked_lm_head, switchable_lm_head
-from hf_paged.engine.scheduler_output import SchedulerOutput
+from hf_paged.engine.scheduler_output import PromptLogprobRows, SchedulerOutput
 from hf_paged.engine.step_cache import PackedStepCache, host_tensor
 from hf_paged.engine.step_threads import SerialSmallSteps
 from hf_paged.kernels import cpu_decode
@@ -74,6 +79,8 @@ class ModelRunner:
             also_one_thread=self.serial_steps is not None)
         self._build_cpu_reads()
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs (LLMEngine(cuda_graphs=True))
+        # the last step's scored prompt rows, one (ids, values, ranks) per SchedulerOutput.prompt_logprobs entry
+        self.prompt_logprobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 
     def _build_cpu_reads(self) -> None:
         """Build (or load from the disk cache) the C reads for the attention layers' layouts now,
@@ -92,12 +99,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor | None:
         """Run the step. Returns float32 logits ``[n, vocab]`` of the sequences with
-        ``needs_logits``, in ``step.sequences`` order (None when nothing is computed)."""
+        ``needs_logits``, in ``step.sequences`` order (None when nothing is computed). The scored
+        prompt rows of ``step.prompt_logprobs`` go to :attr:`prompt_logprobs`."""
         self._run_block_moves(step)
         self._run_state_moves(step)
         if not step.sequences:
             return None
-        if self.graphs is not None and self.graphs.applies(step):
+        if step.prompt_logprobs:
+            self.prompt_logprobs = []
+        if self.graphs is not None and not step.prompt_logprobs and self.graphs.applies(step):
             return self.graphs.run(step)
         if not self.per_sequence:
             return self._forward(step, rows=False)
@@ -118,6 +128,8 @@ class ModelRunner:
         keep_index = host_tensor(step.logits_indices).to(self.device)
         if rows:  # every row is one decode token that needs its logits
             keep_index = torch.zeros(1, dtype=torch.long, device=self.device)
+        elif step.prompt_logprobs:  # and the rows scored for prompt log-probs, after them
+            keep_index = torch.cat([keep_index, _prompt_row_indices(step).to(self.device)])
         if self.takes_logits_to_keep:
             forward["logits_to_keep"] = keep_index
         state_layers, slots = None, None
@@ -130,6 +142,8 @@ class ModelRunner:
                                 num_tokens=step.num_scheduled_tokens)
         if state_layers is not None:
             self.states.store(state_layers, slots)
+        if step.prompt_logprobs:
+            return self._score_prompt_rows(logits, step, rows, keep_index).float()
         return self._kept(logits, step, rows, keep_index).float()
 
     def run_model(self, forward: dict, step_cache: PackedStepCache, compiled: bool, num_tokens: int) -> torch.Tensor:
@@ -150,6 +164,20 @@ class ModelRunner:
         """The rows ``keep_index`` of a packed forward's logits (already kept where the model took
         ``logits_to_keep``)."""
         return logits[0] if self.takes_logits_to_keep else logits[0].index_select(0, keep_index)
+
+    def _score_prompt_rows(self, logits: torch.Tensor, step: SchedulerOutput, rows: bool,
+                           keep_index: torch.Tensor) -> torch.Tensor:
+        """Score the step's prompt rows (into :attr:`prompt_logprobs`) and return what ``_kept``
+        would: the sampled rows alone (a copy, so the prompt rows' logits are freed with the
+        forward's). ``keep_index`` holds the sampled rows first, then the prompt rows."""
+        if rows:  # one token per batch row: each row's last column is its token's
+            index = torch.tensor([r.index for r in step.prompt_logprobs], device=logits.device)
+            self.prompt_logprobs += score_prompt_rows(logits[:, -1].index_select(0, index), step.prompt_logprobs)
+            return self._kept(logits, step, rows, keep_index)
+        num_sampled = len(step.logits_indices)
+        kept = self.packed_logits(logits, keep_index)
+        self.prompt_logprobs += score_prompt_rows(kept[num_sampled:], step.prompt_logprobs)
+        return kept[:num_sampled].clone()
 
     def _kept(self, logits: torch.Tensor, step: SchedulerOutput, rows: bool, keep_index: torch.Tensor) -> torch.Tensor:
         """The logits of the sequences with ``needs_logits``, one row each."""
@@ -182,6 +210,38 @@ class ModelRunner:
             if blocks.swap_in:
                 self.swap_storage.transfer(self.storage, list(blocks.swap_in), blocks.num_blocks, group.layers)
             self.storage.copy_blocks(list(blocks.block_copies), group.layers)
+
+
+def _prompt_row_indices(step: SchedulerOutput) -> torch.Tensor:
+    """Where the step's prompt rows are in its packed row, in ``step.prompt_logprobs`` order."""
+    starts = list(itertools.accumulate((s.num_tokens for s in step.sequences), initial=0))
+    index = []
+    for rows in step.prompt_logprobs:
+        lo = starts[rows.index] + rows.first - step.sequences[rows.index].start
+        index += range(lo, lo + len(rows.targets))
+    return torch.tensor(index, dtype=torch.long)
+
+
+def score_prompt_rows(logits: torch.Tensor, rows: tuple[PromptLogprobRows, ...]
+                      ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """vLLM's prompt log-probs from ``logits`` (one row per scored position, ``rows``' in order),
+    on the raw model distribution (float32 log-softmax) as the sampled tokens' log-probs are.
+    Per entry of ``rows``: int32 token ids and float32 log-probs, ``num_logprobs + 1`` per position
+    (the prompt token, then the most likely tokens), and int32 ranks of the prompt tokens (1-based:
+    the tokens at least as likely, as vLLM counts them), for :meth:`PromptLogprobs.add_rows`."""
+    logprobs = torch.log_softmax(logits.float(), -1)
+    targets = torch.tensor([t for r in rows for t in r.targets], dtype=torch.long, device=logits.device)
+    chosen = logprobs.gather(1, targets[:, None])
+    ranks = (logprobs >= chosen).sum(-1, dtype=torch.int32)
+    top = torch.topk(logprobs, max(r.num_logprobs for r in rows))
+    ids = torch.cat([targets[:, None], top.indices], 1).to(torch.int32).cpu().numpy()
+    values, ranks = torch.cat([chosen, top.values], 1).cpu().numpy(), ranks.cpu().numpy()
+    scored, lo = [], 0
+    for r in rows:
+        hi, width = lo + len(r.targets), r.num_logprobs + 1
+        scored.append((ids[lo:hi, :width].ravel(), values[lo:hi, :width].ravel(), ranks[lo:hi]))
+        lo = hi
+    return scored
 
 
 def _row_parts(step: SchedulerOutput, batch_rows: bool = True) -> list[tuple[SchedulerOutput, bool]]:

@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_paged.engine import sampler
-from hf_paged.engine.detokenize import TokenTexts
-from hf_paged.engine.outputs import FAULT, REJECTED, CompletionOutput, Logprob, RequestOutput, ended_by_token
+from hf_paged.engine.detokenize import TokenTexts, decode_text, shown_token_ids
+from hf_paged.engine.outputs import FAULT, REJECTED, CompletionOutput, Logprob, RequestOutput
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.sequence import Request, Sequence
 from hf_paged.engine.step_result import BlockUpdate, FinishRequest, ForkSequence, FreeSequence, StepResult
+from hf_paged.engine.structured import masked_out
 
 logger = logging.getLogger("hf_paged")
 
@@ -184,6 +185,7 @@ class OutputProcessor:
         ready: dict[str, list[tuple[Sequence, int]]] = {}
         plain: list[tuple[Request, Sequence, int]] = []
         poisoned: dict[str, Request] = {}
+        masked: dict[str, str] = {}  # poisoned by their own masks (every token -inf), not by the model
         changed = outcome.changed
         for scheduled in step.sequences:
             request = requests[scheduled.request_id]
@@ -193,15 +195,20 @@ class OutputProcessor:
             seq = request.sequence(scheduled.seq_id)
             if bad and row in bad:
                 poisoned[request.request_id] = request
+                if request.structured is not None and (why := masked_out(request, logits[row])):
+                    masked[request.request_id] = why
             elif self._is_plain_greedy(request, seq):
                 plain.append((request, seq, row))
             else:
                 ready.setdefault(request.request_id, []).append((seq, row))
             row += 1
         for request in poisoned.values():
+            if request.request_id in masked:  # its parameters' doing: refused, the model is fine
+                outcome.fail(request, masked[request.request_id], REJECTED)
+                continue
             logger.error("request %s: %s", request.request_id, NONFINITE_LOGITS)
             outcome.fail(request, NONFINITE_LOGITS, FAULT)
-        outcome.all_logits_nonfinite = bool(row) and len(bad) == row
+        outcome.all_logits_nonfinite = bool(row) and len(bad) == row and not masked
         if not poisoned:
             return plain, ready
         plain = [p for p in plain if p[0].request_id not in poisoned]
@@ -352,7 +359,10 @@ class OutputProcessor:
         """``logprob`` (and ``raw_logprobs``) only for requests that asked for log-probabilities.
 
         A sequence that finishes "stop" gets ``stop_reason`` (vLLM's): the stop string, the stop
-        token, or None for EOS. A token that ends it is left out of the text, as in vLLM."""
+        token, or None for EOS. A token that ends it is left out of the text, as in vLLM (unless
+        ``include_stop_str_in_output``); stop strings are matched on the text as the request shows
+        it (its ``skip_special_tokens``), and with ``include_stop_str_in_output`` the text is cut
+        after the stop string, not before it."""
         params = request.params
         seq.token_ids.append(token)
         if logprob is not None:
@@ -365,8 +375,10 @@ class OutputProcessor:
         if seq.finish_reason == "stop":
             seq.stop_reason = self._stop_token(params, token)
         if params.stop and self.tokenizer is not None:
-            shown = seq.output_token_ids[:-1] if seq.finish_reason == "stop" else seq.output_token_ids
-            seq.text = self.tokenizer.decode(shown, skip_special_tokens=True)
+            shown = shown_token_ids(seq.output_token_ids, seq.finish_reason, seq.stop_reason,
+                                    params.include_stop_str_in_output)
+            seq.text = decode_text(self.tokenizer, shown, params.skip_special_tokens,
+                                   params.spaces_between_special_tokens)
             if seq.num_output_tokens < params.min_new_tokens:  # no stop string may end in this text
                 seq.stop_floor = len(seq.text)
             else:
@@ -374,7 +386,7 @@ class OutputProcessor:
                         if (i := seq.text.find(s, max(0, seq.stop_floor - len(s) + 1))) >= 0]
                 if hits:
                     cut, seq.stop_reason = min(hits, key=lambda hit: hit[0])
-                    seq.text = seq.text[:cut]
+                    seq.text = seq.text[:cut + len(seq.stop_reason) if params.include_stop_str_in_output else cut]
                     seq.finish_reason = "stop"
         if seq.is_finished:  # a finished sequence gives its blocks back at once
             request.seqs.remove(seq)
@@ -424,9 +436,10 @@ class OutputProcessor:
                 request.finished_seqs.append(seq)
 
     # ------------------------------------------------------------------ outputs
-    def _decoder(self, token_ids: list[int]) -> Callable[[], str]:
+    def _decoder(self, token_ids: list[int], params: SamplingParams) -> Callable[[], str]:
         tokenizer = self.tokenizer
-        return lambda: tokenizer.decode(token_ids, skip_special_tokens=True)
+        return lambda: decode_text(tokenizer, token_ids, params.skip_special_tokens,
+                                   params.spaces_between_special_tokens)
 
     def request_output(self, request: Request, with_text: bool = True) -> RequestOutput:
         """What ``request`` has produced so far (all of it, not a delta). ``with_text=False``: no
@@ -434,7 +447,8 @@ class OutputProcessor:
         seqs = request.seqs + request.finished_seqs
         if len(seqs) > 1:
             seqs.sort(key=lambda s: s.index)
-        scored = request.params.logprobs is not None or request.params.beam_search  # else None, as in vLLM
+        params = request.params
+        scored = params.logprobs is not None or params.beam_search  # else None, as in vLLM
         outputs = []
         for s in seqs:
             token_ids = s.output_token_ids
@@ -442,10 +456,11 @@ class OutputProcessor:
             stop_reason = s.stop_reason if s.finish_reason == "stop" else None
             if with_text and text is None and self.tokenizer is not None and token_ids:
                 if s.is_finished:  # decoded here, once, so that a tokenizer fault fails this request
-                    shown = token_ids[:-1] if ended_by_token(s.finish_reason, stop_reason) else token_ids
-                    text = s.text = self.tokenizer.decode(shown, skip_special_tokens=True)
+                    shown = shown_token_ids(token_ids, s.finish_reason, stop_reason, params.include_stop_str_in_output)
+                    text = s.text = decode_text(self.tokenizer, shown, params.skip_special_tokens,
+                                                params.spaces_between_special_tokens)
                 else:  # decoded by whoever reads it (the server never does), not on the engine thread
-                    decode = self._decoder(token_ids)
+                    decode = self._decoder(token_ids, params)
             outputs.append(CompletionOutput(
                 index=s.index, token_ids=token_ids, text=text or "", finish_reason=s.finish_reason,
                 cumulative_logprob=s.cumulative_logprob if scored else None, logprobs=s.logprobs,
@@ -454,4 +469,6 @@ class OutputProcessor:
         return RequestOutput(
             request.request_id, request.prompt_token_ids, outputs, finished=request.is_finished,
             prompt=request.prompt, error=request.error, error_kind=request.error_kind,
+            prompt_logprobs=None if request.prompt_logprobs is None else request.prompt_logprobs.output(),
+            num_cached_tokens=request.num_cached_tokens,
         )

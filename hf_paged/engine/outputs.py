@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -155,9 +156,99 @@ def _unpack(packed: tuple) -> list[dict[int, Logprob]]:
     return [dict(itertools.islice(entries, size)) for size in sizes]
 
 
+class PromptLogprobs:
+    """A request's prompt log-probs (vLLM's ``RequestOutput.prompt_logprobs``) as the engine fills
+    them, one prefill chunk at a time.
+
+    Row ``i`` scores prompt token ``i + 1`` under the model given the tokens before it: that token's
+    id, log-prob and rank, then the ``k`` most likely tokens' ids and log-probs (ranks 1..k). They
+    stay in flat typed arrays (float32 as computed, no Python object per entry) until the prompt is
+    all scored; then :meth:`output` builds vLLM's list once, which every later output of the request
+    shares (as vLLM's outputs share theirs). ``texts``: the engine's ``Logprob.decoded_token``
+    decoder."""
+
+    __slots__ = ("num_prompt_tokens", "k", "ids", "values", "ranks", "texts", "_list")
+
+    def __init__(self, num_prompt_tokens: int, k: int):
+        self.num_prompt_tokens, self.k = num_prompt_tokens, k
+        self.ids = array("i")  # k + 1 per row: the prompt token, then the top k
+        self.values = array("f")  # their log-probs, as ids
+        self.ranks = array("i")  # one per row: the prompt token's rank
+        self.texts: Callable[[int], str] | None = None
+        self._list: PromptLogprobsList | None = None
+
+    @property
+    def num_rows(self) -> int:
+        """Prompt positions scored so far (positions 0 .. num_rows - 1: tokens 1 .. num_rows)."""
+        return len(self.ranks)
+
+    @property
+    def complete(self) -> bool:
+        return self.num_rows >= self.num_prompt_tokens - 1
+
+    def add_rows(self, first: int, ids, values, ranks) -> None:
+        """Add the rows of positions ``first ..`` (buffers: int32 ``ids`` and float32 ``values``, k + 1
+        per row, int32 ``ranks``, one per row). Rows come in order, each once: a preempted request
+        recomputes its prompt without scoring it again."""
+        if first != self.num_rows:
+            raise RuntimeError(f"prompt log-prob rows from position {first}, but {self.num_rows} are in")
+        for into, buffer in ((self.ids, ids), (self.values, values), (self.ranks, ranks)):
+            into.frombytes(memoryview(buffer).cast("B"))
+
+    def output(self) -> list[dict[int, Logprob] | None]:
+        """What an output carries: vLLM's list once every prompt position is scored (built here,
+        once); before that ``[None]`` (the first position's entry), as vLLM's outputs have it until
+        the prompt's last chunk."""
+        if self._list is None:
+            if not self.complete:
+                return [None]
+            self._list = PromptLogprobsList.build(self.k, self.ids, self.values, self.ranks, self.texts)
+        return self._list
+
+
+class PromptLogprobsList(list):
+    """vLLM's prompt log-probs list: ``None`` for the first prompt token, then one ``{token id:
+    Logprob}`` per token: the prompt token (its rank) and the ``k`` most likely ones (ranks 1..k; a
+    prompt token among them keeps the entry of its place there, as vLLM's dict does).
+
+    A plain list to its readers. It pickles as the flat arrays it was built from (a few byte strings
+    instead of an object per entry: outputs cross to the server's process every step), so a pickled
+    copy has the engine's numbers, ranks and no ``decoded_token`` texts (the receiver has its own
+    tokenizer); a list changed in length after it was built pickles as a plain list."""
+
+    __slots__ = ("_arrays",)
+
+    @classmethod
+    def build(cls, k: int, ids: array, values: array, ranks: array,
+              texts: Callable[[int], str] | None = None) -> PromptLogprobsList:
+        width, top_ranks = k + 1, range(1, k + 1)
+        flat_ids, flat_values = ids.tolist(), values.tolist()
+        rows = cls([None])
+        for row, rank in enumerate(ranks.tolist()):
+            lo = row * width
+            rows.append({t: Logprob(v, r, token=t, texts=texts) for t, v, r in
+                         zip(flat_ids[lo : lo + width], flat_values[lo : lo + width],
+                             itertools.chain((rank,), top_ranks))})
+        rows._arrays = (k, ids, values, ranks)
+        return rows
+
+    def __reduce__(self) -> tuple:
+        if len(self) != len(self._arrays[3]) + 1:
+            return list, (list(self),)
+        return PromptLogprobsList.build, self._arrays
+
+
 @dataclass
 class RequestOutput:
-    """What a request has produced so far (all of it, not a delta)."""
+    """What a request has produced so far (all of it, not a delta).
+
+    ``prompt_logprobs`` (vLLM's): None unless the request asked for them
+    (``SamplingParams.prompt_logprobs``); then one entry per prompt token, the first None, each other
+    ``{token id: Logprob}`` (the prompt token with its rank, and the most likely ones), complete from
+    the output that carries the first generated token on (``[None]`` while the prompt is prefilled).
+    ``num_cached_tokens`` (vLLM's): prompt tokens whose K/V came from the prefix cache when the
+    request was first scheduled (0 when nothing hit, prefix caching is off, or the request asked
+    for prompt log-probs, which skip reading the cache)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -169,3 +260,5 @@ class RequestOutput:
     # prompt, or it needs more KV blocks than the cache has) or "fault" (the engine failed while
     # serving it: its step raised, or the model produced non-finite logits for it); None otherwise
     error_kind: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int | None = None

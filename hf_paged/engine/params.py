@@ -94,7 +94,18 @@ class SamplingParams:
       (the result is then a prefix of a valid output, like a ``"length"`` one);
     * ``logit_bias``: None or ``{token id: bias}`` with ids >= 0 and biases in ``[-100, 100]``
       (added to the logits before penalties and sampling; the engine bounds ids by the
-      vocabulary). Not with beam search.
+      vocabulary). Not with beam search;
+    * ``allowed_token_ids``: None or a non-empty list of token ids >= 0 (every other token is
+      masked; the engine bounds ids by the vocabulary); ``bad_words``: None or a list of non-empty
+      strings, tokenized by the engine's tokenizer (alone and after a space, as vLLM does); a
+      word's last token is masked wherever the tokens before it were just generated. Neither with
+      beam search (like ``logit_bias``); log-probs are reported before either;
+    * ``prompt_logprobs``: None or an int >= 0: each prompt token's log-prob (the first token's
+      is None) with that many most likely tokens, in ``RequestOutput.prompt_logprobs``. A request
+      that asks for them does not read the prefix cache (as in vLLM): every prompt token's logits
+      are computed;
+    * ``include_stop_str_in_output``, ``skip_special_tokens``, ``spaces_between_special_tokens``:
+      bools (the text of outputs; token ids are the same either way).
 
     Every float must be a finite number (bools, NaN and inf are refused).
     """
@@ -119,6 +130,12 @@ class SamplingParams:
     min_new_tokens: int = 0  # vLLM's min_tokens: until then no EOS, stop token or stop string ends it
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be generated (vLLM's)
+    bad_words: list[str] | None = None  # never completed: a word's last token is masked when the rest precedes it
+    prompt_logprobs: int | None = None  # log-probs of each prompt token (and this many top ones) under the model
+    include_stop_str_in_output: bool = False  # text keeps the stop string that ended it
+    skip_special_tokens: bool = True  # text leaves special tokens out
+    spaces_between_special_tokens: bool = True  # ... and, when they are in, spaces them from the rest
     # vLLM's spellings, accepted as they are what its users write (not kept: max_new_tokens / min_new_tokens)
     max_tokens: InitVar[int | None] = _UNSET  # None here is vLLM's "as many as fit", not "unset"
     min_tokens: InitVar[int | None] = None
@@ -170,8 +187,10 @@ class SamplingParams:
             self.seed = None
         if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
             raise self._bad("seed", "must be None or an int in [-(2**63), 2**64)")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise self._bad("logprobs", "must be None or an int >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise self._bad(name, "must be None or an int >= 0")
 
     def _check_penalties(self) -> None:
         low, high = REPETITION_PENALTY_RANGE
@@ -210,8 +229,10 @@ class SamplingParams:
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise self._bad("stop", "must be a string or a list of non-empty strings")
         self.stop = list(self.stop)
-        if not isinstance(self.ignore_eos, bool):
-            raise self._bad("ignore_eos", "must be a bool")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise self._bad(name, "must be a bool")
 
     def _check_beam_search(self) -> None:
         """What would change a beam search that reads it is refused, not ignored: the search is
@@ -239,8 +260,19 @@ class SamplingParams:
                     _is_int(t) and t >= 0 and _is_real(b) and low <= b <= high for t, b in self.logit_bias.items()):
                 raise self._bad("logit_bias", f"must map token ids (ints >= 0) to numbers in [{low:g}, {high:g}]")
             self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids or not all(
+                    _is_int(t) and t >= 0 for t in self.allowed_token_ids):
+                raise self._bad("allowed_token_ids", "must be None or a non-empty list of token ids (ints >= 0)")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise self._bad("bad_words", "must be None or a list of strings with more than whitespace")
+            self.bad_words = list(dict.fromkeys(self.bad_words))
         if self.constrained and self.beam_search:
-            name = "structured_outputs" if self.structured_outputs is not None else "logit_bias"
+            name = next(name for name in ("structured_outputs", "logit_bias", "allowed_token_ids", "bad_words")
+                        if getattr(self, name))
             raise ValueError(f"SamplingParams.{name} cannot be combined with beam search (num_beams > 1): the engine "
                              "gives beams no grammar state of their own; use sampling or greedy decoding, or "
                              "generate() with an hf_paged.constraints processor (which supports beams)")
@@ -254,9 +286,11 @@ class SamplingParams:
 
     @property
     def constrained(self) -> bool:
-        """Whether its logits change before sampling (a constraint's mask, ``logit_bias``): such a
+        """Whether its logits change before sampling (a constraint's mask, ``logit_bias``,
+        ``allowed_token_ids``, ``bad_words``): such a
         request never takes the plain-greedy fast path."""
-        return self.structured_outputs is not None or bool(self.logit_bias)
+        return (self.structured_outputs is not None or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or bool(self.bad_words))
 
     @property
     def greedy(self) -> bool:
@@ -282,14 +316,8 @@ VLLM_ONLY = {
     "best_of": "sampled best_of is not built; num_beams runs beam search",
     "use_beam_search": "pass num_beams > 1",
     "guided_decoding": "pass structured_outputs=StructuredOutputsParams(...)",
-    "allowed_token_ids": "pass structured_outputs (choice, regex, ...) or logit_bias",
-    "bad_words": "pass logit_bias={token id: -100}",
-    "include_stop_str_in_output": "the text always ends before a stop string (its token ids are kept)",
-    "skip_special_tokens": "outputs' text always skips special tokens",
-    "prompt_logprobs": "prompt log-probabilities are not computed",
     "truncate_prompt_tokens": "truncate the prompt before adding it",
     "detokenize": "outputs carry text whenever the engine has a tokenizer; token_ids are always there",
-    "spaces_between_special_tokens": "outputs' text skips special tokens, so there are none to space",
     "output_kind": "generate() returns final outputs, step() cumulative ones, stream() deltas",
     "extra_args": "there are no custom sampling plugins to read them",
     "thinking_token_budget": "not supported (no budget for reasoning tokens); bound max_tokens instead",

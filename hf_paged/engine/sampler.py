@@ -51,7 +51,7 @@ def process(logits: torch.Tensor, rows: Sequence[RowSpec], eos_token_ids: Sequen
     """The logits tokens are chosen from (``logits`` itself when nothing changes them, else a new
     tensor): penalized, EOS and stop tokens masked before ``min_new_tokens``; then, for the sampled
     rows, divided by the temperature and filtered by top-k, top-p, min-p."""
-    masked = [i for i, row in enumerate(rows) if row.params.penalized or _min_tokens_mask(row, eos_token_ids)]
+    masked = [i for i, row in enumerate(rows) if row.params.penalized or min_tokens_mask(row, eos_token_ids)]
     if masked:
         logits = logits.clone()
         for i in masked:
@@ -59,7 +59,7 @@ def process(logits: torch.Tensor, rows: Sequence[RowSpec], eos_token_ids: Sequen
             if row.params.penalized:
                 _penalize(logits[i], row.params, row.token_ids, row.num_generated)
             # a stop id past the vocabulary can never be drawn: nothing to mask
-            stops = [t for t in _min_tokens_mask(row, eos_token_ids) if t < logits.shape[1]]
+            stops = [t for t in min_tokens_mask(row, eos_token_ids) if t < logits.shape[1]]
             if stops:
                 logits[i, stops] = float("-inf")
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -82,7 +82,7 @@ def process(logits: torch.Tensor, rows: Sequence[RowSpec], eos_token_ids: Sequen
     return (logits if masked else logits.clone()).index_copy_(0, index, scaled)
 
 
-def _min_tokens_mask(row: RowSpec, eos_token_ids: Sequence[int]) -> list[int]:
+def min_tokens_mask(row: RowSpec, eos_token_ids: Sequence[int]) -> list[int]:
     """The tokens a row may not draw yet: before ``min_new_tokens`` every token that would end it,
     EOS (unless ignored) and ``stop_token_ids`` (vLLM's ``min_tokens``)."""
     if row.num_generated >= row.params.min_new_tokens:

@@ -19,7 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hf_paged.engine.kv_cache_manager import BlockPairs, KVCacheManager
-from hf_paged.engine.scheduler_output import GroupBlocks, ScheduledSequence, SchedulerOutput, StateMoves
+from hf_paged.engine.scheduler_output import (GroupBlocks, PromptLogprobRows, ScheduledSequence, SchedulerOutput,
+                                              StateMoves)
 from hf_paged.engine.sequence import Request, Sequence, Status
 from hf_paged.engine.step_result import FinishRequest, ForkSequence, FreeSequence, StepResult
 
@@ -249,12 +250,13 @@ class Scheduler:
                                                f"engine has {self.kv.num_state_slots} recurrent-state slots"))
                 continue
             seqs = request.live_seqs
+            read_cache = not request.skip_reading_prefix_cache
             for seq in seqs:
                 if not self.kv.holds(seq):
-                    seq.num_computed_tokens = self.kv.allocate_prefix(seq)
+                    seq.num_computed_tokens = self.kv.allocate_prefix(seq, read=read_cache)
             work = self._work(request, budget)
             needed_alone = sum(self.kv.blocks_for(seq.num_tokens + 1) for seq in seqs)
-            if any(self.kv.waits_for_inflight(seq) for seq in seqs):
+            if read_cache and any(self.kv.waits_for_inflight(seq) for seq in seqs):
                 self._release(seqs)
                 break
             if not work or not self.kv.can_append(work):
@@ -266,8 +268,11 @@ class Scheduler:
                 self._release(seqs)  # give adopted prefix blocks back; they stay cached
                 break
             self.waiting.popleft()
+            if not request.num_preemptions:  # vLLM's num_cached_tokens: the first admission's hit
+                request.num_cached_tokens = seqs[0].num_computed_tokens
             for seq in seqs:
-                self.kv.record_prefix_lookup(seq)
+                if read_cache:  # as vLLM's, a request that skips the lookup is not counted
+                    self.kv.record_prefix_lookup(seq)
                 self.kv.mark_inflight(seq)
             plan.extend(plan.copies, self.kv.append(work))
             request.status = Status.RUNNING
@@ -276,6 +281,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self.running.remove(request)
+        request.num_preemptions += 1
         seqs = request.live_seqs
         if self.preemption_mode == "swap" and self.kv.can_swap_out(seqs):
             plan.state_swap_out += self.kv.swap_out_states(seqs)  # (before swap_out frees the sequences)
@@ -297,7 +303,7 @@ class Scheduler:
         decode = sorted((w for w in plan.work if w[2] == 1), key=lambda w: -w[1].num_computed_tokens)
         ordered = decode + [w for w in plan.work if w[2] > 1]
         bs, num_groups = self.kv.block_size, len(self.kv.groups)
-        sequences, ids, positions, state_slots = [], [], [], []
+        sequences, ids, positions, state_slots, prompt_rows = [], [], [], [], []
         slots, tables = [[] for _ in range(num_groups)], [[] for _ in range(num_groups)]
         for request, seq, n in ordered:
             start = seq.num_computed_tokens
@@ -312,6 +318,8 @@ class Scheduler:
                 tables[g].append(tuple(table))
             if start < seq.num_prompt_tokens:
                 self.num_computed_prompt_tokens += min(n, seq.num_prompt_tokens - start)
+                if request.prompt_logprobs is not None:
+                    prompt_rows += _prompt_logprob_rows(len(sequences) - 1, request, seq, start, n)
             seq.num_computed_tokens = start + n
         self._scheduled = {seq.seq_id: seq for _, seq, _ in ordered}
         self._request_of = {seq.seq_id: request for request, seq, _ in ordered}
@@ -330,6 +338,7 @@ class Scheduler:
         return SchedulerOutput(
             sequences=tuple(sequences), input_ids=tuple(ids), positions=tuple(positions), groups=groups,
             rejected=tuple((request.request_id, why) for request, why in plan.rejected), states=states,
+            prompt_logprobs=tuple(prompt_rows),
         )
 
     def update_from_output(self, output: SchedulerOutput, result: StepResult) -> None:
@@ -375,3 +384,14 @@ class Scheduler:
                                "called twice)")
         scheduled, self._scheduled, self._touched = self._scheduled, None, []
         return scheduled
+
+
+def _prompt_logprob_rows(index: int, request: Request, seq: Sequence, start: int, n: int) -> list[PromptLogprobRows]:
+    """The rows of a chunk (tokens ``start .. start + n - 1`` of ``seq``, the step's sequence
+    ``index``) that score prompt tokens not scored yet: position ``p`` scores token ``p + 1``, up to
+    the prompt's last token; rows scored before a preemption are not scored again."""
+    first = max(start, request.prompt_logprobs.num_rows)
+    end = min(start + n, seq.num_prompt_tokens - 1)
+    if first >= end:
+        return []
+    return [PromptLogprobRows(index, first, tuple(seq.token_ids[first + 1 : end + 1]), request.prompt_logprobs.k)]

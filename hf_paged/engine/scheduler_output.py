@@ -7,6 +7,7 @@ broadcast it and every rank execute the same step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -20,6 +21,20 @@ class ScheduledSequence:
     start: int  # tokens already cached before this step
     num_tokens: int
     needs_logits: bool  # the step reaches the sequence's last known token: a next token is due
+
+
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """Rows of a prefill chunk whose logits a request with ``prompt_logprobs`` needs (vLLM's prompt
+    log-probs): the sequence ``index`` (in ``SchedulerOutput.sequences``) at positions ``first ..
+    first + len(targets) - 1``, position ``p`` scoring the prompt token ``p + 1`` (``targets``), with
+    the ``num_logprobs`` most likely tokens. The runner keeps these rows' logits only as long as it
+    takes to score them."""
+
+    index: int
+    first: int
+    targets: tuple[int, ...]
+    num_logprobs: int
 
 
 @dataclass(frozen=True)
@@ -72,6 +87,7 @@ class SchedulerOutput:
     groups: tuple[GroupBlocks, ...] = (GroupBlocks(),)
     rejected: tuple[tuple[str, str], ...] = ()  # (request_id, why): requests that can never fit
     states: StateMoves = StateMoves()  # models with recurrent layers (empty otherwise)
+    prompt_logprobs: tuple[PromptLogprobRows, ...] = ()  # rows scored for prompt log-probs (usually none)
 
     def part(self, lo: int, hi: int) -> SchedulerOutput:
         """The forward of sequences ``lo .. hi - 1`` alone (no block or state moves: those run once,
@@ -82,8 +98,9 @@ class SchedulerOutput:
         groups = tuple(GroupBlocks(slot_mapping=g.slot_mapping[t0:t1], block_tables=g.block_tables[lo:hi],
                                    num_blocks=g.num_blocks) for g in self.groups)
         states = StateMoves(slots=self.states.slots[lo:hi])
+        rows = tuple(dataclasses.replace(r, index=r.index - lo) for r in self.prompt_logprobs if lo <= r.index < hi)
         return SchedulerOutput(sequences=self.sequences[lo:hi], input_ids=self.input_ids[t0:t1],
-                               positions=self.positions[t0:t1], groups=groups, states=states)
+                               positions=self.positions[t0:t1], groups=groups, states=states, prompt_logprobs=rows)
 
     @property
     def slot_mapping(self) -> tuple[int, ...]:

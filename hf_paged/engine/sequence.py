@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_paged.engine.outputs import PromptLogprobs
 from hf_paged.engine.params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -87,10 +88,23 @@ class Request:
     error: str | None = None
     error_kind: str | None = None  # "rejected" or "fault" (see RequestOutput.error_kind)
     structured: Any = None  # a constrained request's StructuredRequest (hf_paged.engine.structured)
+    # params.prompt_logprobs: the prompt's log-probs, filled as its prefill chunks run (request level:
+    # n samples share them; scored once, a recompute after preemption does not score them again)
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0  # vLLM's: prompt tokens found in the prefix cache when first scheduled
+    num_preemptions: int = 0  # vLLM's: times preempted (swapped out or dropped for recompute)
 
     def __post_init__(self) -> None:
         if not self.seqs:
             self.seqs = [Sequence(list(self.prompt_token_ids), len(self.prompt_token_ids))]
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = PromptLogprobs(len(self.prompt_token_ids), self.params.prompt_logprobs)
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """vLLM's: a request that asked for prompt log-probs computes every prompt token (they need
+        each position's logits), so it takes no prefix-cache hits (its blocks still fill the cache)."""
+        return self.params.prompt_logprobs is not None
 
     def fail(self, reason: str, kind: str) -> None:
         """Mark the request failed (its blocks are freed by whoever finishes it)."""

@@ -1,6 +1,7 @@
-"""Structured outputs and ``logit_bias`` in the engine: grammars, masks and matchers per step.
+"""Structured outputs, ``logit_bias``, ``allowed_token_ids`` and ``bad_words`` in the engine:
+grammars, masks and matchers per step.
 
-A constrained request (``SamplingParams.structured_outputs`` and/or ``logit_bias``) carries a
+A constrained request (``SamplingParams.constrained``: any of those four) carries a
 :class:`StructuredRequest`. Its grammar is compiled off the engine thread
 (:class:`~hf_paged.constraints.ConstraintCompiler`): :meth:`StructuredOutputManager.admit` parks a
 request whose grammar is not compiled yet, and each step takes the ones that are ready
@@ -9,7 +10,11 @@ compile, or takes longer than the compiler's ``timeout_s``, fails its request al
 
 Every step, before sampling, :meth:`mask` fills the bitmasks of all the step's constrained rows
 together (one ``BatchGrammarMatcher`` call), applies them to the logits in place
-(:func:`~hf_paged.constraints.bitmask.apply_bitmask`), then adds each biased row's ``logit_bias``.
+(:func:`~hf_paged.constraints.bitmask.apply_bitmask`), then the sampler-side masks in vLLM's
+order: ``allowed_token_ids`` (every other token ``-inf``), ``bad_words`` (a word's last token
+``-inf`` where the sequence's generated tokens end with the rest of it; stateless, so forks and
+preemption need nothing), and each biased row's ``logit_bias``. A row those masks leave with no
+token fails its request alone (:func:`masked_out`), as a refusal, not a model fault.
 After tokens are appended, :meth:`advance` moves each sequence's matcher over its new tokens. Matchers are kept per sequence
 and counted by the output tokens they have accepted, which makes every engine feature fall out:
 
@@ -21,9 +26,10 @@ and counted by the output tokens they have accepted, which makes every engine fe
 * the tokens after a stop string, or over ``max_tokens``, are never sampled, so nothing else changes.
 
 An unconstrained batch pays nothing: with no constrained request in flight, :attr:`active` is
-False and neither hook is called. Logprobs of a constrained row are those of the masked
-distribution, before ``logit_bias`` (as vLLM reports them): :meth:`mask` keeps a copy of a biased
-row from before its bias only when its request asks for logprobs.
+False and neither hook is called. Logprobs of a constrained row are those of the grammar-masked
+distribution, before ``allowed_token_ids``, ``bad_words`` and ``logit_bias`` (vLLM applies the
+grammar before its sampler and reports raw log-probs): :meth:`mask` keeps a copy of such a row
+from before those only when its request asks for logprobs.
 """
 
 from __future__ import annotations
@@ -39,12 +45,50 @@ import torch
 
 from hf_paged.constraints.bitmask import apply_bitmask
 from hf_paged.constraints.compiler import ConstraintCompiler, ConstraintError, compiler_for, too_slow, xgrammar
+from hf_paged.engine import sampler
+from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.sequence import Request, Sequence
 from hf_paged.engine.step_result import ForkSequence
 
 logger = logging.getLogger("hf_paged")
 IDLE_WAIT_S = 0.02  # how long a step with nothing else to do waits for a grammar to compile
+MAX_NUM_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS: token sequences a request's bad_words may make
+
+
+def bad_words_token_ids(tokenizer: Any, words: list[str], vocab_size: int) -> list[list[int]]:
+    """The token sequences ``words`` ban, as vLLM's ``SamplingParams.update_from_tokenizer`` makes
+    them: each word (left-stripped) alone, and after a space when that gives another first token
+    in as many tokens (a word both starting the text and inside it); no special tokens. Raises
+    ``ValueError`` naming ``bad_words`` for a word that tokenizes to nothing, a token id past the
+    model's vocabulary, or more than ``MAX_NUM_BAD_WORDS`` sequences."""
+    sequences: list[list[int]] = []
+    for word in words:
+        alone = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not alone:
+            raise ValueError(f"SamplingParams.bad_words entries must tokenize to at least one token, got {word!r}")
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        kept = [alone, spaced] if spaced and spaced[0] != alone[0] and len(spaced) == len(alone) else [alone]
+        sequences += kept
+        outside = [t for ids in kept for t in ids if not 0 <= t < vocab_size]
+        if outside:
+            raise ValueError(f"SamplingParams.bad_words {word!r} tokenizes to ids outside the model's vocabulary "
+                             f"(size {vocab_size}): {outside}")
+    if len(sequences) > MAX_NUM_BAD_WORDS:
+        raise ValueError(f"SamplingParams.bad_words make {len(sequences)} token sequences (each word alone and, "
+                         f"where it differs, after a space); at most {MAX_NUM_BAD_WORDS}")
+    return sequences
+
+
+def masked_out(request: Request, row: torch.Tensor) -> str | None:
+    """Why a non-finite logits row is its request's own doing (None: it is not): its masks left
+    no token to generate (every logit ``-inf``; a model's NaN or +inf would not read so)."""
+    if request.structured is None or not bool(torch.isneginf(row).all()):
+        return None
+    params = request.params
+    names = [name for name in ("structured_outputs", "allowed_token_ids", "bad_words", "min_tokens")
+             if getattr(params, name)]
+    return f"nothing can be generated: every token is masked by the request's {', '.join(names)}"
 
 
 @dataclass
@@ -57,12 +101,31 @@ class _Matcher:
 
 @dataclass
 class StructuredRequest:
-    """What a constrained request adds: its compiled grammar (None: ``logit_bias`` only), its bias
-    as (token ids, values) tensors, and a matcher per live sequence."""
+    """What a constrained request adds: its compiled grammar (None: no ``structured_outputs``),
+    its bias as (token ids, values) tensors, its ``allowed_token_ids`` as a tensor, its
+    ``bad_words`` as (prefix, last token) pairs, and a matcher per live sequence."""
 
     grammar: Any = None
     bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    allowed: torch.Tensor | None = None
+    bad_words: list[tuple[list[int], int]] = field(default_factory=list)
     matchers: dict[int, _Matcher] = field(default_factory=dict)
+
+    @property
+    def restricted(self) -> bool:
+        """Whether the sampler-side masks or bias apply (anything beyond a grammar)."""
+        return self.bias is not None or self.allowed is not None or bool(self.bad_words)
+
+    def banned(self, seq: Sequence, params: SamplingParams, eos_token_ids: list[int], vocab_size: int) -> list[int]:
+        """The tokens ``seq`` may not take next: the last token of each bad word whose other tokens
+        end its generated tokens (vLLM reads the output only, not the prompt), and, with
+        ``allowed_token_ids`` or ``bad_words``, the stop tokens ``min_tokens`` holds back (the
+        sampler masks those too; here they make a row left with nothing visible before it)."""
+        tokens, generated = seq.token_ids, seq.num_output_tokens
+        banned = [last for prefix, last in self.bad_words
+                  if len(prefix) <= generated and (not prefix or tokens[-len(prefix):] == prefix)]
+        stops = sampler.min_tokens_mask(sampler.RowSpec(params, tokens, generated), eos_token_ids)
+        return banned + [t for t in stops if t < vocab_size]  # a stop id past the vocabulary is never drawn
 
     def matcher(self, seq: Sequence) -> Any:
         """``seq``'s matcher, advanced over all of its output tokens (built or caught up here: a
@@ -119,9 +182,12 @@ class StructuredOutputManager:
         compiling and :meth:`ready` hands it over later. Raises ``ValueError`` for a constraint
         known to be bad (its error was cached)."""
         params = request.params
-        if params.structured_outputs is None and not params.logit_bias:
+        if not params.constrained:
             return True
-        request.structured = StructuredRequest(bias=self._bias(params.logit_bias))
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size) if params.bad_words else []
+        request.structured = StructuredRequest(
+            bias=self._bias(params.logit_bias), allowed=self._allowed(params.allowed_token_ids),
+            bad_words=[(ids[:-1], ids[-1]) for ids in bad_words])
         self._active[request.request_id] = request
         if params.structured_outputs is None:
             return True
@@ -142,6 +208,11 @@ class StructuredOutputManager:
             return None
         ids = torch.tensor(list(logit_bias), dtype=torch.long, device=self.device)
         return ids, torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=self.device)
+
+    def _allowed(self, allowed_token_ids: list[int] | None) -> torch.Tensor | None:
+        if allowed_token_ids is None:
+            return None
+        return torch.tensor(sorted(set(allowed_token_ids)), dtype=torch.long, device=self.device)
 
     def has_waiting(self) -> bool:
         return bool(self._parked)
@@ -185,12 +256,12 @@ class StructuredOutputManager:
     def mask(self, step: SchedulerOutput, logits: torch.Tensor | None,
              requests: Mapping[str, Request]) -> dict[int, torch.Tensor]:
         """Constrain the step's logits in place (rows: the ``needs_logits`` sequences in order):
-        grammar masks, then biases (``-inf + bias`` stays ``-inf``: the order changes no value).
-        Returns, by row, the masked rows before their bias, for the biased requests that ask for
-        logprobs (reported before ``logit_bias``)."""
+        grammar masks, then :meth:`_restrict` (``allowed_token_ids``, ``bad_words``, biases).
+        Returns, by row, the grammar-masked rows before the rest, for the restricted requests that
+        ask for logprobs (reported before ``allowed_token_ids``, ``bad_words`` and ``logit_bias``)."""
         if logits is None:
             return {}
-        rows, matchers, last, biased, row = [], [], [], [], -1
+        rows, matchers, last, restricted, row = [], [], [], [], -1
         for scheduled in step.sequences:
             if not scheduled.needs_logits:
                 continue
@@ -199,8 +270,8 @@ class StructuredOutputManager:
             state = request.structured if request is not None else None
             if state is None:
                 continue
-            if state.bias is not None:
-                biased.append((row, state.bias, request.params.logprobs is not None))
+            if state.restricted:
+                restricted.append((row, request, scheduled.seq_id))
             if state.grammar is not None:
                 seq = request.sequence(scheduled.seq_id)
                 rows.append(row)
@@ -208,12 +279,34 @@ class StructuredOutputManager:
                 last.append(seq.token_ids[-1] if seq.num_tokens > seq.num_prompt_tokens else None)
         if matchers:
             self._apply(logits, rows, matchers, last)
-        unbiased = {}
-        for row, (ids, values), reported in biased:
-            if reported:
-                unbiased[row] = logits[row].clone()
-            logits[row].index_add_(0, ids, values)
-        return unbiased
+        return self._restrict(logits, restricted) if restricted else {}
+
+    def _restrict(self, logits: torch.Tensor, restricted: list[tuple[int, Request, int]]) -> dict[int, torch.Tensor]:
+        """vLLM's sampler-side masks, in its order, on rows ``(row, request, seq_id)``: every token
+        outside ``allowed_token_ids`` and each sequence's :meth:`StructuredRequest.banned` tokens
+        to ``-inf`` (one indexed write for the batch), then ``logit_bias`` (``-inf + bias`` stays
+        ``-inf``, so the order changes no value). Returns the rows as they were, for the requests
+        that report logprobs."""
+        raw: dict[int, torch.Tensor] = {}
+        banned_rows: list[int] = []
+        banned_tokens: list[int] = []
+        for row, request, seq_id in restricted:
+            state, params = request.structured, request.params
+            if params.logprobs is not None:
+                raw[row] = logits[row].clone()
+            if state.allowed is not None:  # keep the allowed values, -inf elsewhere: exact, O(vocab) once
+                kept = logits[row].index_select(0, state.allowed)
+                logits[row].fill_(float("-inf")).index_copy_(0, state.allowed, kept)
+            if state.allowed is not None or state.bad_words:
+                banned = state.banned(request.sequence(seq_id), params, self.eos_token_ids, logits.shape[-1])
+                banned_rows += [row] * len(banned)
+                banned_tokens += banned
+            if state.bias is not None:
+                logits[row].index_add_(0, *state.bias)
+        if banned_tokens:
+            index = (torch.tensor(banned_rows, device=logits.device), torch.tensor(banned_tokens, device=logits.device))
+            logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
+        return raw
 
     def _apply(self, logits: torch.Tensor, rows: list[int], matchers: list, last: list[int | None]) -> None:
         """One batched bitmask fill for the rows (xgrammar), one in-place apply (:mod:`.bitmask`)."""
