@@ -320,7 +320,9 @@ def serve(args) -> int:
     settings = ServerSettings(model_name=args.served_model_name or args.model or "hf-paged-demo", api_key=api_key,
                               max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting, max_n=args.max_n,
                               max_tokens=args.max_tokens_limit, shutdown_timeout_s=args.shutdown_timeout,
-                              stream_timeout_s=args.stream_timeout, generation_config=args.generation_config)
+                              stream_timeout_s=args.stream_timeout, generation_config=args.generation_config,
+                              chat_template=_chat_template(args.chat_template),
+                              trust_request_chat_template=args.trust_request_chat_template)
     try:
         app = build_app(engine, settings)
         if app.state.sampling_defaults:
@@ -332,6 +334,16 @@ def serve(args) -> int:
         return server.run(app, args.host, args.port, api_key)
     finally:
         engine.close()  # the engine process, or the other tensor-parallel ranks
+
+
+def _chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the template itself (vLLM takes both)."""
+    if value is None or "{" in value:
+        return value
+    try:
+        return Path(value).read_text()
+    except OSError as err:
+        raise CliError(f"--chat-template {value!r}: not a readable file ({err.strerror}) nor a Jinja template") from None
 
 
 def serving_engine(args) -> LLMEngine:
@@ -492,6 +504,10 @@ def parser() -> argparse.ArgumentParser:
                    help="auto (default, as vLLM): the temperature, top_p, top_k, min_p, repetition_penalty and "
                         "max_new_tokens (a chat's max_tokens) of the model's generation_config.json are the "
                         "defaults of requests that set none; vllm: ignore them")
+    s.add_argument("--chat-template", help="a Jinja chat template, or a file holding one, used instead of the "
+                                           "tokenizer's (which a model without one needs for chat)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests send their own chat_template (else a 400)")
     s.add_argument("--max-n", type=int, default=16, help="the largest n (and best_of) a request may ask for")
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="the largest max_tokens a request may ask for")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,

@@ -425,7 +425,6 @@ BAD = {  # name -> (path, body or raw bytes, headers, status, param)
     "stream_options without stream": ("/v1/completions", completion(stream_options={"include_usage": True}), {},
                                       400, "stream_options"),
     "min_tokens over max_tokens": ("/v1/completions", completion(min_tokens=9), {}, 400, "min_tokens"),
-    "echo with logprobs": ("/v1/completions", completion(echo=True, logprobs=1), {}, 400, "echo"),
     "chat without messages": (CHAT, {"model": MODEL}, {}, 400, "messages"),
     "chat image part": (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, {}, 400, "messages[0].content"),

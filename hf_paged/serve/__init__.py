@@ -3,7 +3,8 @@
 ``app.py`` routes and errors, ``protocol.py`` request bodies and their ``SamplingParams``,
 ``engine_loop.py`` the one thread that owns the engine (or talks to it), ``engine_process.py`` the
 engine in a process of its own (``hf-paged serve``'s default), ``responses.py`` response bodies,
-``metrics.py`` Prometheus text, ``streaming.py`` send timeouts for clients that do not read,
+``responses_api.py`` OpenAI's Responses API (``/v1/responses``) over the chat path, ``tools.py``
+tool calls, ``metrics.py`` Prometheus text, ``streaming.py`` send timeouts for clients that do not read,
 ``shutdown.py`` the graceful drain on SIGTERM/SIGINT, ``tokenizer_pool.py`` tokenization off the
 event loop, ``server.py`` running it. Streamed text is ``hf_paged.engine.detokenize``'s.
 """

@@ -35,17 +35,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
+import hf_paged
 from hf_paged.constraints.compiler import ConstraintError, too_slow
 from hf_paged.engine.detokenize import TextStream
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import FAULT, RequestOutput
 from hf_paged.engine.params import SamplingParams
-from hf_paged.serve import responses
+from hf_paged.serve import responses, responses_api
 from hf_paged.serve.engine_loop import (EngineFailure, EngineLoop, Overloaded, ProcessEngineLoop, RequestStream,
                                         shutting_down)
 from hf_paged.serve.engine_process import EngineFacts, EngineProcess
-from hf_paged.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Limits, decode_body, invalid,
-                                     parse, resolve_max_tokens)
+from hf_paged.serve import tools as tool_calling
+from hf_paged.serve.protocol import (APIError, ChatCompletionRequest, ChatTemplateFields, CompletionRequest,
+                                     DetokenizeRequest, Limits, TokenizeChatRequest, TokenizeCompletionRequest,
+                                     decode_body, invalid, parse, resolve_max_tokens)
 from hf_paged.serve.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, Ticket
 from hf_paged.serve.streaming import BoundedStreamingResponse
 from hf_paged.serve.tokenizer_pool import TokenizerPool
@@ -71,6 +74,8 @@ class ServerSettings:
     # "auto": the model's generation_config.json values (temperature, top_p, top_k, min_p,
     # repetition_penalty, max_new_tokens) are the defaults of requests that set none; "vllm": not
     generation_config: str = "auto"
+    chat_template: str | None = None  # Jinja text used instead of the tokenizer's (--chat-template)
+    trust_request_chat_template: bool = False  # whether a request may send its own chat_template
 
     def __post_init__(self) -> None:
         """A value the command line would refuse is refused here too: any other one (a typo, "Auto")
@@ -93,6 +98,7 @@ class _Job:
     tools: bool = False  # chat with tools: <tool_call> blocks become tool_calls (serve/tools.py)
     calls_only: bool = False  # tool_choice "required" or named: the output is calls only
     parsers: dict[int, HermesToolParser] | None = None  # streaming with tools: a parser per choice
+    view: responses_api.ResponseRenderer | None = None  # /v1/responses: answers this chat job as a Response
 
     def tool_parser(self, index: int) -> HermesToolParser:
         if self.parsers is None:
@@ -141,26 +147,34 @@ def build_app(engine: LLMEngine | EngineProcess, settings: ServerSettings = Serv
         # HEAD as HTTP has it (load balancers and uptime checks probe with it); not a separate operation
         app.add_api_route(path, handler, methods=["HEAD"], dependencies=guard, include_in_schema=False)
     app.add_api_route("/reset_prefix_cache", serving.reset_prefix_cache, methods=["POST"], dependencies=auth)
+    app.add_api_route("/version", serving.version, methods=["GET"])
     bodies = {"/v1/completions": (serving.completions, CompletionRequest),
-              "/v1/chat/completions": (serving.chat, ChatCompletionRequest)}
+              "/v1/chat/completions": (serving.chat, ChatCompletionRequest),
+              "/v1/responses": (serving.responses, responses_api.ResponsesRequest),
+              "/tokenize": (serving.tokenize, (TokenizeCompletionRequest, TokenizeChatRequest)),
+              "/detokenize": (serving.detokenize, DetokenizeRequest)}
     for path, (handler, _) in bodies.items():
         app.add_api_route(path, handler, methods=["POST"], dependencies=auth)
     _publish_request_bodies(app, {path: model for path, (_, model) in bodies.items()})
     return app
 
 
-def _publish_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
-    """``/openapi.json`` with each POST route's request model (the handlers read the body
-    themselves, so FastAPI cannot see it): clients and fuzzers learn every field and its type."""
+def _publish_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel] | tuple[type[BaseModel], ...]]) -> None:
+    """``/openapi.json`` with each POST route's request model, or models (any one of them), as the
+    handlers read the body themselves, so FastAPI cannot see it: clients and fuzzers learn every
+    field and its type."""
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for path, model in bodies.items():
-                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                components.update(body.pop("$defs", {}))
-                components[model.__name__] = body
-                ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+            for path, models in bodies.items():
+                refs = []
+                for model in models if isinstance(models, tuple) else (models,):
+                    body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                    components.update(body.pop("$defs", {}))
+                    components[model.__name__] = body
+                    refs.append({"$ref": f"#/components/schemas/{model.__name__}"})
+                ref = refs[0] if len(refs) == 1 else {"anyOf": refs}
                 schema["paths"][path]["post"]["requestBody"] = {"required": True,
                                                                 "content": {"application/json": {"schema": ref}}}
             app.openapi_schema = schema
@@ -252,13 +266,18 @@ class _BodyLimit:
         return APIError(413, f"request body over {self.limit} bytes", code="request_too_large")
 
 
-def _chat_ids(tokenizer, conversation: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """A conversation's prompt token ids through the chat template (on a tokenizer worker thread)."""
+def _chat_ids(tokenizer, conversation: list[dict], tools: list[dict] | None = None, template: str | None = None,
+              template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
+    """A conversation's prompt token ids through the chat template (``template``: None is the
+    tokenizer's), on a tokenizer worker thread. The template writes the special tokens it wants
+    (``add_special_tokens`` adds the tokenizer's own on top, as /tokenize may ask)."""
+    kwargs = {"add_generation_prompt": True, **(template_kwargs or {})}
     try:
-        text = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(conversation, tools=tools, chat_template=template, tokenize=False,
+                                             **kwargs)
     except Exception as err:  # noqa: BLE001 - a template's own error (e.g. raise_exception in Jinja)
         raise invalid("messages", f"the chat template refused the messages: {err}") from None
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 def _request_failure(output: RequestOutput) -> APIError:
@@ -266,7 +285,8 @@ def _request_failure(output: RequestOutput) -> APIError:
     fitting, a 503 when the engine failed it."""
     if output.error_kind == FAULT:
         return APIError(503, f"the engine failed this request: {output.error}", code="engine_error")
-    return invalid("max_tokens", output.error)
+    # the scheduler's refusals are about length; a request whose masks leave no token names its fields itself
+    return invalid("max_tokens" if "KV blocks" in output.error else None, output.error)
 
 
 async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
@@ -403,11 +423,12 @@ class _OpenAIServing:
         await self._compile_constraint(req, params[max_tokens[0]])
         return job, encoded, params[max_tokens[0]] if len(params) == 1 else [params[n] for n in max_tokens]
 
-    async def _chat_job(self, request: Request, ticket: Ticket):
-        req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise invalid("messages", "this model's tokenizer has no chat template")
-        ids = await self.tokenizers.run(_chat_ids, req.conversation(), req.template_tools())
+    async def _chat_job(self, request: Request, ticket: Ticket, req: ChatCompletionRequest | None = None):
+        """``req``: the chat request a Responses request amounts to (else the body is one)."""
+        if req is None:
+            req = await self._parse(request, ChatCompletionRequest)
+        ids = await self.tokenizers.run(_chat_ids, req.conversation(), req.template_tools(), self._chat_template(req),
+                                        req.template_kwargs())
         max_tokens = resolve_max_tokens(req.max_tokens, self.defaults.get("max_tokens"), len(ids), self.limits,
                                         "messages", req.max_tokens_param)
         job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req, [], ticket, tools=req.tool_mode != "none",
@@ -415,6 +436,74 @@ class _OpenAIServing:
         params = req.sampling_params(max_tokens)
         await self._compile_constraint(req, params)
         return job, [ids], params
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API: the chat request it amounts to, answered as a Response
+        (:mod:`.responses_api`); errors name the fields the client sent."""
+        with responses_api.in_responses_terms():
+            return await self._serve(request, self._responses_job)
+
+    async def _responses_job(self, request: Request, ticket: Ticket):
+        req = responses_api.read_request(decode_body(await request.body()))
+        if req.model is not None:
+            self._check_model(req.model)
+        chat = req.chat_request(self.settings.model_name, self.limits, self.defaults)
+        job, prompts, params = await self._chat_job(request, ticket, chat)
+        job.view = responses_api.ResponseRenderer(req, params, self.tokenizer, self.settings.model_name,
+                                                  tools=job.tools, calls_only=job.calls_only, failure=_request_failure)
+        job.response_id = job.view.id
+        return job, prompts, params
+
+    def _chat_template(self, req: ChatTemplateFields) -> str | None:
+        """The template a chat request renders with: its own (when the server trusts requests'),
+        the server's ``--chat-template``, or the tokenizer's (None); a 400 when there is none."""
+        if req.chat_template is not None:
+            if not self.settings.trust_request_chat_template:
+                raise invalid("chat_template", "this server takes no chat_template from requests (start it with "
+                                               "--trust-request-chat-template to allow them)")
+            return req.chat_template
+        if self.settings.chat_template is not None:
+            return self.settings.chat_template
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise invalid("messages", "this model's tokenizer has no chat template (serve with --chat-template)")
+        return None
+
+    # ------------------------------------------------------------------ vLLM's tokenizer routes
+    async def tokenize(self, request: Request) -> dict:
+        """A prompt's token ids as a completion (``prompt``) or a chat completion (``messages``)
+        would get them; no generation, no engine."""
+        body = decode_body(await request.body())
+        chat = isinstance(body, dict) and "messages" in body
+        req = parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
+        if req.model is not None:
+            self._check_model(req.model)
+        if chat:
+            req.check_template_fields()
+            try:
+                tools = tool_calling.read_tools(req.tools or [])
+            except tool_calling.ToolError as err:
+                raise invalid(err.param, str(err)) from None
+            ids = await self.tokenizers.run(_chat_ids, req.conversation(), [tool.entry for tool in tools] or None,
+                                            self._chat_template(req), req.template_kwargs(),
+                                            bool(req.add_special_tokens))
+        else:
+            ids = await self.tokenizers.run(
+                lambda tokenizer: list(tokenizer(req.prompt, add_special_tokens=bool(req.add_special_tokens))["input_ids"]))
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.limits.context, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, request: Request) -> dict:
+        req = parse(DetokenizeRequest, decode_body(await request.body()))
+        if req.model is not None:
+            self._check_model(req.model)
+        vocab = self.limits.vocab_size
+        bad = next((i for i, t in enumerate(req.tokens) if t < 0 or (vocab is not None and t >= vocab)), None)
+        if bad is not None:
+            raise invalid(f"tokens[{bad}]", f"tokens must be ids in [0, {vocab}), got {req.tokens[bad]}")
+        return {"prompt": await self.tokenizers.run(lambda tokenizer: tokenizer.decode(req.tokens))}
+
+    async def version(self) -> dict:
+        return {"version": hf_paged.__version__}
 
     async def _compile_constraint(self, req, params: SamplingParams) -> None:
         """Compile the request's constraint before it is queued, so that a bad one is a 400 before
@@ -462,7 +551,8 @@ class _OpenAIServing:
             raise
         watcher = asyncio.create_task(_abort_on_disconnect(request, job.stream))
         if job.request.stream:
-            return BoundedStreamingResponse(self._events(job, watcher), send_timeout=self.settings.stream_timeout_s,
+            events = self._events(job, watcher) if job.view is None else job.view.events(job.stream, watcher)
+            return BoundedStreamingResponse(events, send_timeout=self.settings.stream_timeout_s,
                                             on_timeout=self.loop.metrics.stream_timeout, on_close=job.ticket.release)
         try:
             finals = {i: out async for i, out in job.stream if out.finished}
@@ -477,7 +567,7 @@ class _OpenAIServing:
         failed = next((o for o in outputs if o.error), None)
         if failed is not None:
             raise _request_failure(failed)
-        return JSONResponse(self._response(job, outputs))
+        return JSONResponse(self._response(job, outputs) if job.view is None else job.view.body(outputs))
 
     def _response(self, job: _Job, outputs: list[RequestOutput]) -> dict:
         req, choices = job.request, []
@@ -489,14 +579,28 @@ class _OpenAIServing:
                     text, found = parse_tool_calls(c.text, job.calls_only)
                     calls = [call.body() for call in found]
                     finish = "tool_calls" if found and finish == "stop" else finish
+                ids, entries = self._echoed(job, out, c.token_ids, c.logprobs)
                 choices.append(responses.choice(
                     job.kind, i * job.n + c.index, text, finish,
-                    self._logprobs(job, c.token_ids, c.logprobs, responses.TextOffsets()),
+                    self._logprobs(job, ids, entries, responses.TextOffsets()),
                     c.token_ids if req.return_token_ids else None,
                     tool_calls=calls, stop_reason=c.stop_reason))
+                if req.prompt_logprobs is not None and job.kind == "completion":  # vLLM's: per choice
+                    choices[-1]["prompt_logprobs"] = responses.prompt_logprobs(self.token_text, out.prompt_logprobs)
         choices.sort(key=lambda ch: ch["index"])
-        return responses.envelope(job.kind, job.response_id, self.settings.model_name, choices,
+        body = responses.envelope(job.kind, job.response_id, self.settings.model_name, choices,
                                   responses.usage(outputs))
+        if req.prompt_logprobs is not None and job.kind == "chat":  # vLLM's: one conversation, one list
+            body["prompt_logprobs"] = responses.prompt_logprobs(self.token_text, outputs[0].prompt_logprobs)
+        return body
+
+    @staticmethod
+    def _echoed(job: _Job, out: RequestOutput, token_ids: list[int], logprobs) -> tuple[list[int], list | None]:
+        """The tokens and log-probs a choice reports: with ``echo`` and ``logprobs``, the prompt's
+        first (the first prompt token has no log-prob: ``None``), as OpenAI's legacy API does."""
+        if not job.prompt_texts or job.request.num_logprobs() is None or logprobs is None:
+            return token_ids, logprobs
+        return [*out.prompt_token_ids, *token_ids], [*(out.prompt_logprobs or [None]), *logprobs]
 
     def _logprobs(self, job: _Job, token_ids: list[int], logprobs, offsets: responses.TextOffsets) -> dict | None:
         k = job.request.num_logprobs()
@@ -522,7 +626,7 @@ class _OpenAIServing:
                 if out.finished:
                     finals[i] = out
                 for c in out.outputs:
-                    chunk = self._chunk(job, i * job.n + c.index, c, texts, offsets, i)
+                    chunk = self._chunk(job, i * job.n + c.index, c, texts, offsets, i, out)
                     if chunk is not None:
                         yield responses.sse(responses.envelope(job.kind, job.response_id, self.settings.model_name,
                                                                [chunk], chunk=True, created=created,
@@ -540,11 +644,14 @@ class _OpenAIServing:
         yield responses.sse("[DONE]")
 
     def _chunk(self, job: _Job, index: int, c, texts: dict[int, TextStream], offsets: dict[int, responses.TextOffsets],
-               prompt_index: int) -> dict | None:
+               prompt_index: int, out: RequestOutput) -> dict | None:
         """The stream chunk for one completion's latest state (None: nothing new to send)."""
         first = index not in texts
+        echoes_logprobs = bool(job.prompt_texts) and job.request.num_logprobs() is not None
+        if first and echoes_logprobs and not (c.token_ids or out.finished):
+            return None  # the prompt's log-probs are whole once its prefill is done: the first chunk waits
         if first:
-            texts[index] = TextStream(self.tokenizer, job.request.stop_strings())
+            texts[index] = TextStream.of(self.tokenizer, job.stream.params(prompt_index))
         text_stream = texts[index]
         if text_stream.finished:
             return None
@@ -560,8 +667,10 @@ class _OpenAIServing:
             offsets[index] = responses.TextOffsets()
             if job.prompt_texts:
                 delta = job.prompt_texts[prompt_index] + delta
-        logprobs = self._logprobs(job, new_ids, c.logprobs[start: start + len(new_ids)] if c.logprobs else None,
-                                  offsets[index])
+        ids, entries = new_ids, c.logprobs[start: start + len(new_ids)] if c.logprobs else None
+        if first:
+            ids, entries = self._echoed(job, out, ids, entries)
+        logprobs = self._logprobs(job, ids, entries, offsets[index])
         wants_tokens = bool(new_ids) and (logprobs is not None or job.request.return_token_ids)
         if not (delta or calls or text_stream.finished or wants_tokens or (first and job.kind == "chat")):
             return None

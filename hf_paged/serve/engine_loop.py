@@ -30,6 +30,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 from hf_paged.constraints.compiler import ConstraintCompiler, compiler_for
+from hf_paged.engine.detokenize import text_decoder
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import RequestOutput
 from hf_paged.engine.params import SamplingParams
@@ -62,11 +63,15 @@ class RequestStream:
     """The outputs of one HTTP request's engine requests (one per prompt), read on its event loop.
 
     Iterating yields ``(prompt index, RequestOutput)``: every change, or with ``final_only`` just
-    the finished outputs. ``abort()`` stops whatever is unfinished (idempotent).
+    the finished outputs. ``abort()`` stops whatever is unfinished (idempotent). ``params(i)``:
+    the ``SamplingParams`` of prompt ``i``'s request (what its text shows: a stream's deltas are
+    decoded as its final text is).
     """
 
-    def __init__(self, owner: EngineLoop, request_ids: list[str], final_only: bool):
+    def __init__(self, owner: EngineLoop, request_ids: list[str], final_only: bool,
+                 params: SamplingParams | list[SamplingParams] | None = None):
         self.request_ids, self.final_only = request_ids, final_only
+        self._params = params
         self._owner = owner
         self._loop = asyncio.get_running_loop()
         self._admission: asyncio.Future = self._loop.create_future()  # _ACCEPTED or why not
@@ -111,6 +116,11 @@ class RequestStream:
                 self._wake.clear()
                 await self._wake.wait()
 
+    def params(self, index: int) -> SamplingParams:
+        """The parameters prompt ``index``'s request was submitted with."""
+        params = self._params[index] if isinstance(self._params, list) else self._params
+        return SamplingParams() if params is None else params
+
     @property
     def done(self) -> bool:
         return self._unfinished == 0
@@ -135,6 +145,7 @@ class _Live:
     last_token: float | None = None
     num_tokens: int = 0
     prompt: list[int] | None = None  # with an engine process: the prompt its first output brought
+    prompt_logprobs: list | None = None  # ... and the whole prompt log-probs, once they came
 
 
 class EngineLoop:
@@ -184,7 +195,7 @@ class EngineLoop:
                final_only: bool = False) -> RequestStream:
         """Queue one engine request per prompt (ids ``{request_id}-{i}``; ``params`` for all, or one
         per prompt); await ``accepted()``."""
-        stream = RequestStream(self, [f"{request_id}-{i}" for i in range(len(prompts))], final_only)
+        stream = RequestStream(self, [f"{request_id}-{i}" for i in range(len(prompts))], final_only, params)
         self._post(("add", stream, prompts, params))
         return stream
 
@@ -460,19 +471,25 @@ class ProcessEngineLoop(EngineLoop):
                 future.set_result(value) if ok else future.set_exception(value)
 
     def _restore(self, output: RequestOutput) -> RequestOutput:
-        """Give the output back what was left out of the pipe: its prompt, a decoder for its text."""
+        """Give the output back what was left out of the pipe: its prompt, a decoder for its text
+        (with its request's text options, as the engine process decodes a final text)."""
         live = self._live.get(output.request_id)
         if output.prompt_token_ids is None:
             output.prompt_token_ids = live.prompt if live is not None else []
         elif live is not None:
             live.prompt = output.prompt_token_ids
+        if live is not None:  # sent whole once (EngineProcess._slim)
+            if output.prompt_logprobs is None:
+                output.prompt_logprobs = live.prompt_logprobs
+            elif output.finished or any(c.token_ids for c in output.outputs):
+                live.prompt_logprobs = output.prompt_logprobs
+        decode = None  # the defaults where the request is no longer live
         for completion in output.outputs:
             if completion.needs_decoder:
-                completion.set_decoder(self._decode)
+                params = live.stream.params(live.index) if live is not None else None
+                decode = decode or text_decoder(self.engine.tokenizer, params)
+                completion.set_decoder(decode)
         return output
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.engine.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _execute(self, command: tuple) -> None:
         if self._engine_gone is not None and command[0] in ("add", "call"):

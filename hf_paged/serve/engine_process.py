@@ -150,6 +150,7 @@ class _EngineCore:
         self.engine, self.connection = engine, connection
         self.live: set[str] = set()  # added, not finished
         self.prompt_sent: set[str] = set()
+        self.prompt_logprobs_sent: set[str] = set()  # their whole prompt_logprobs went out already
         self.stopping = False
 
     def run(self) -> None:
@@ -172,19 +173,28 @@ class _EngineCore:
                     engine.abort(request_id)
                 self.live.clear()
                 self.prompt_sent.clear()
+                self.prompt_logprobs_sent.clear()
                 self._send(("step_failed", f"the engine failed: {type(err).__name__}: {err}", engine.healthy))
             else:
                 self._send(("outputs", [self._slim(o) for o in outputs], engine.healthy))
 
     def _slim(self, output: RequestOutput) -> RequestOutput:
-        """The prompt goes with a request's first output only; the finished leave ``live``."""
-        if output.request_id in self.prompt_sent:
+        """The prompt goes with a request's first output only, its prompt log-probs with the first
+        that has them whole (one with tokens, or finished); the finished leave ``live``."""
+        rid = output.request_id
+        if rid in self.prompt_sent:
             output.prompt_token_ids = None
+        if output.prompt_logprobs is not None:
+            if rid in self.prompt_logprobs_sent:
+                output.prompt_logprobs = None  # the server keeps the copy it got (ProcessEngineLoop)
+            elif output.finished or any(c.token_ids for c in output.outputs):
+                self.prompt_logprobs_sent.add(rid)
         if output.finished:
-            self.live.discard(output.request_id)
-            self.prompt_sent.discard(output.request_id)
+            self.live.discard(rid)
+            self.prompt_sent.discard(rid)
+            self.prompt_logprobs_sent.discard(rid)
         else:
-            self.prompt_sent.add(output.request_id)
+            self.prompt_sent.add(rid)
         return output
 
     def _send(self, message: tuple) -> None:
@@ -206,6 +216,7 @@ class _EngineCore:
                         self.engine.abort(request_id)
                         self.live.discard(request_id)
                         self.prompt_sent.discard(request_id)
+                        self.prompt_logprobs_sent.discard(request_id)
             case ("call", key, fn):
                 try:
                     reply = ("called", key, True, fn(self.engine))

@@ -2,10 +2,15 @@
 
 Every option is honoured or refused with a 400 that names it; none is silently ignored. Beyond
 OpenAI's fields the requests take vLLM's extensions: ``top_k``, ``min_p``,
-``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, beam search
-(``use_beam_search`` with ``best_of`` beams, ``length_penalty``, ``early_stopping``,
-``repetition_penalty``, ``stop_token_ids``) and
-``return_token_ids`` (token ids in every choice or chunk).
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``allowed_token_ids``
+(token ids below the vocabulary: only they may be generated), ``bad_words`` (strings never
+generated), beam search (``use_beam_search`` with ``best_of`` beams, ``length_penalty``,
+``early_stopping``, ``repetition_penalty``, ``stop_token_ids``), the text options
+``include_stop_str_in_output`` (the stop string that ended a choice stays in its text),
+``skip_special_tokens`` and ``spaces_between_special_tokens`` (special tokens in the text, and how
+consecutive ones are joined; beam search too), ``return_token_ids`` (token ids in every choice
+or chunk), and in chat the chat-template fields of :class:`ChatTemplateFields`. The bodies of
+vLLM's ``/tokenize`` and ``/detokenize`` are here too.
 
 Structured outputs: OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``, and
 vLLM's ``structural_tag``: ``format``, or the older ``structures`` with ``triggers``),
@@ -177,11 +182,12 @@ def json_path(parts) -> str | None:
 @functools.cache
 def _field_names() -> set[str]:
     models = (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions, ResponseFormat,
-              JSONSchemaFormat, LegacyStructure, StructuredOutputsRequest, ChatToolCall, FunctionCall)
+              JSONSchemaFormat, LegacyStructure, StructuredOutputsRequest, ChatToolCall, FunctionCall,
+              TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest)
     return {key for model in models for name, f in model.model_fields.items() for key in (name, f.alias) if key}
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     """Unknown fields are refused; ``null`` for an optional field means "not set" (its default)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)  # "3" is not 3, true not 1
@@ -203,31 +209,31 @@ def _no_op(name: str, value: Any) -> bool:
     return any(type(value) is type(x) and value == x for x in OPENAI_NO_OP.get(name, ()))
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool | None = False
 
 
-class JSONSchemaFormat(_Strict):
+class JSONSchemaFormat(StrictModel):
     """``response_format.json_schema``: OpenAI's named schema (``strict`` is always how it is enforced)."""
 
-    model_config = ConfigDict(**_Strict.model_config, populate_by_name=True)
+    model_config = ConfigDict(**StrictModel.model_config, populate_by_name=True)
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class LegacyStructure(_Strict):
+class LegacyStructure(StrictModel):
     """One of vLLM's older ``response_format.structures``: text from ``begin`` to ``end`` whose
     content follows ``schema``."""
 
-    model_config = ConfigDict(**_Strict.model_config, populate_by_name=True)
+    model_config = ConfigDict(**StrictModel.model_config, populate_by_name=True)
     begin: str
     schema_: dict = Field(alias="schema")
     end: str
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     """OpenAI's formats, and vLLM's ``structural_tag``: xgrammar's ``format``, or the older
     ``structures`` with ``triggers`` (each field only with the type that reads it)."""
 
@@ -238,10 +244,10 @@ class ResponseFormat(_Strict):
     triggers: list[str] | None = None
 
 
-class StructuredOutputsRequest(_Strict):
+class StructuredOutputsRequest(StrictModel):
     """vLLM's ``structured_outputs``: one of its constraint fields."""
 
-    model_config = ConfigDict(**_Strict.model_config, populate_by_name=True)
+    model_config = ConfigDict(**StrictModel.model_config, populate_by_name=True)
     json_: dict | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
@@ -251,7 +257,7 @@ class StructuredOutputsRequest(_Strict):
     disable_any_whitespace: bool | None = None
 
 
-class _GenerationRequest(_Strict):
+class _GenerationRequest(StrictModel):
     """Fields completions and chat share. ``None`` means "not set" (so beam search can refuse what
     it would not apply). Ranges are checked by ``SamplingParams`` (and the server's limits)."""
 
@@ -275,6 +281,12 @@ class _GenerationRequest(_Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = False
     min_tokens: int | None = Field(0, ge=0)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0)
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
     use_beam_search: bool | None = False
     best_of: int | None = Field(None, ge=1)
     length_penalty: float | None = 1.0
@@ -306,11 +318,18 @@ class _GenerationRequest(_Strict):
             name = self.max_tokens_param
             raise invalid(name, f"{name} must be at most {limits.max_tokens} on this server, got {self.max_tokens}")
         self._check_logit_bias(limits)
+        if self.prompt_logprobs is not None:
+            if self.prompt_logprobs > limits.max_logprobs:
+                raise invalid("prompt_logprobs", f"prompt_logprobs must be at most {limits.max_logprobs}")
+            if self.stream:
+                raise invalid("prompt_logprobs", "prompt_logprobs are not available when stream is true")
         self._constraint, self._constraint_param = self._requested_constraint()
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options", "stream_options is only allowed when stream is true")
-        if limits.vocab_size is not None and any(not 0 <= t < limits.vocab_size for t in self.stop_token_ids or []):
-            raise invalid("stop_token_ids", f"stop_token_ids must be token ids below {limits.vocab_size}")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name) or []
+            if limits.vocab_size is not None and any(not 0 <= t < limits.vocab_size for t in ids):
+                raise invalid(name, f"{name} must be token ids below {limits.vocab_size}")
         self.stop_strings()
         if self.use_beam_search:
             self._check_beam_search()
@@ -400,6 +419,7 @@ class _GenerationRequest(_Strict):
                   "frequency_penalty": self.frequency_penalty not in (None, 0),
                   "stop": bool(self.stop),
                   "logprobs": self.num_logprobs() is not None, "logit_bias": bool(self.logit_bias),
+                  "allowed_token_ids": self.allowed_token_ids is not None, "bad_words": bool(self.bad_words),
                   self._constraint_param or "": self._constraint is not None}
         for name, is_set in unused.items():
             if is_set:
@@ -410,6 +430,10 @@ class _GenerationRequest(_Strict):
     def num_logprobs(self) -> int | None:
         """Top log-probs per token the engine must report (None: no logprobs)."""
         raise NotImplementedError
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Top log-probs per prompt token the engine must report (None: none)."""
+        return self.prompt_logprobs
 
     def fill_defaults(self, defaults: dict[str, float | int]) -> None:
         """Sampling fields the request leaves unset take ``defaults`` (:func:`generation_defaults`;
@@ -424,7 +448,11 @@ class _GenerationRequest(_Strict):
         """The engine's parameters for this request (``max_tokens`` already resolved)."""
         common = dict(max_new_tokens=max_tokens, min_new_tokens=self.min_tokens, n=self.n, ignore_eos=self.ignore_eos,
                       repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                      stop_token_ids=list(self.stop_token_ids or []))
+                      stop_token_ids=list(self.stop_token_ids or []),
+                      include_stop_str_in_output=self.include_stop_str_in_output,
+                      skip_special_tokens=self.skip_special_tokens,
+                      spaces_between_special_tokens=self.spaces_between_special_tokens,
+                      prompt_logprobs=self.num_prompt_logprobs())
         try:
             if self.use_beam_search:
                 return SamplingParams(**common, temperature=0, num_beams=self.best_of or self.n,
@@ -434,9 +462,9 @@ class _GenerationRequest(_Strict):
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
                 min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0, seed=self.seed,
-                stop=self.stop_strings(), logprobs=self.num_logprobs(),
-                structured_outputs=self._constraint,
+                stop=self.stop_strings(), logprobs=self.num_logprobs(), structured_outputs=self._constraint,
                 logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+                allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
             )
         except ValueError as err:  # "SamplingParams.<field> ...": name the request's field
             field = str(err).split(" ", 1)[0].removeprefix("SamplingParams.")
@@ -492,12 +520,17 @@ class CompletionRequest(_GenerationRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def num_prompt_logprobs(self) -> int | None:
+        """``echo`` with ``logprobs`` echoes the prompt's log-probs too (as OpenAI's legacy API and
+        vLLM: the prompt's first token has none), with as many top ones as the output's."""
+        if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
+            return self.logprobs
+        return self.prompt_logprobs
+
     def check(self, limits: Limits) -> None:
         super().check(limits)
         if self.logprobs is not None and self.logprobs > limits.max_logprobs:
             raise invalid("logprobs", f"logprobs must be at most {limits.max_logprobs}")
-        if self.echo and self.logprobs is not None:
-            raise invalid("echo", "echo with logprobs needs prompt log-probabilities, which are not built")
         if self.suffix:
             raise invalid("suffix", "suffix (insertion) is not supported by this server")
 
@@ -513,17 +546,17 @@ class CompletionRequest(_GenerationRequest):
         return prompts
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     name: str
     arguments: str
 
 
-class ChatToolCall(_Strict):
+class ChatToolCall(StrictModel):
     """A tool call in an assistant message sent back (the conversation goes on after it)."""
 
     id: str
@@ -531,7 +564,7 @@ class ChatToolCall(_Strict):
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     unsupported_fields: ClassVar[frozenset[str]] = OPENAI_UNSUPPORTED["message"]
 
     role: ChatRole
@@ -577,7 +610,41 @@ def _arguments_value(text: str) -> dict | str:
     return value if isinstance(value, dict) else text
 
 
-class ChatCompletionRequest(_GenerationRequest):
+# apply_chat_template's own arguments: chat_template_kwargs may not set them (the request's fields do)
+_TEMPLATE_ARGUMENTS = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                                 "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                                 "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+class ChatTemplateFields(StrictModel):
+    """vLLM's chat-template fields (chat completions and ``/tokenize``): ``add_generation_prompt``,
+    ``continue_final_message`` (the last message is left open for the model to go on with; then no
+    generation prompt unless asked, and asking for both is a 400), ``chat_template`` (a Jinja
+    template for this request: only on a server started with ``--trust-request-chat-template``)
+    and ``chat_template_kwargs`` (variables the template reads, e.g. ``{"enable_thinking": false}``)."""
+
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_template_fields(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+            raise invalid("continue_final_message", "continue_final_message and add_generation_prompt cannot both "
+                                                    "be true (the last message is continued, no new one started)")
+        for key in self.chat_template_kwargs or {}:
+            if key in _TEMPLATE_ARGUMENTS:
+                raise invalid(f"chat_template_kwargs.{key}", f"chat_template_kwargs cannot set {key!r}: it is "
+                                                             "apply_chat_template's own argument (use the request field)")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """``apply_chat_template``'s keyword arguments besides the conversation and tools (the
+        template is the caller's choice: this request's, the server's or the tokenizer's)."""
+        return {**(self.chat_template_kwargs or {}), "continue_final_message": bool(self.continue_final_message),
+                "add_generation_prompt": bool(self.add_generation_prompt) and not self.continue_final_message}
+
+
+class ChatCompletionRequest(ChatTemplateFields, _GenerationRequest):
     """``POST /v1/chat/completions``."""
 
     unsupported_fields: ClassVar[frozenset[str]] = OPENAI_UNSUPPORTED["chat"]
@@ -604,6 +671,7 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.max_completion_tokens is not None:  # OpenAI's current name wins over the deprecated one (as vLLM)
             self.max_tokens = self.max_completion_tokens
         super().check(limits)
+        self.check_template_fields()
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
         if (self.top_logprobs or 0) > limits.max_logprobs:
@@ -665,3 +733,33 @@ def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: i
         raise APIError(400, f"{prompt_len} prompt tokens plus {max_tokens_param}={requested} exceed {where} "
                             f"({prompt_len + min(room)} tokens)", param=max_tokens_param, code=CONTEXT_LENGTH_EXCEEDED)
     return requested
+
+
+class TokenizeCompletionRequest(StrictModel):
+    """``POST /tokenize`` with a ``prompt`` (vLLM's): its token ids as a completion would see them."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool | None = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(ChatTemplateFields):
+    """``POST /tokenize`` with ``messages`` (vLLM's): the prompt a chat completion would get, through
+    the same template (``tools`` as a chat request's: the template sees them as sent)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict] | None = None
+    add_special_tokens: bool | None = False  # the template writes them
+    return_token_strs: bool | None = False
+
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.template_entry() for m in self.messages]
+
+
+class DetokenizeRequest(StrictModel):
+    """``POST /detokenize`` (vLLM's): the text of token ids (special tokens included, as vLLM)."""
+
+    model: str | None = None
+    tokens: list[int]

@@ -91,19 +91,31 @@ def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda item: -item[1])[:k]
 
 
-def _finite(logprobs: list[dict[int, float]]) -> list[dict[int, float]]:
+def _finite(logprobs: list[dict[int, float] | None]) -> list[dict[int, float] | None]:
     """The log-probs with -inf raised to ``MIN_LOGPROB``: JSON has no infinity (a 500, or a stream
-    chunk no client parses, where a constraint masked a token in the top-k)."""
-    return [{t: max(v, MIN_LOGPROB) for t, v in entry.items()} for entry in logprobs]
+    chunk no client parses, where a constraint masked a token in the top-k). ``None`` (an echoed
+    prompt's first token, which has none) stays."""
+    return [None if entry is None else {t: max(v, MIN_LOGPROB) for t, v in entry.items()} for entry in logprobs]
 
 
-def completion_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list[dict[int, float]], k: int,
+def completion_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list[dict[int, float] | None], k: int,
                         offsets: TextOffsets) -> dict:
-    """Completions' format: parallel lists of tokens, their log-probs, top-``k`` and text offsets."""
+    """Completions' format: parallel lists of tokens, their log-probs, top-``k`` and text offsets
+    (``None`` entries, an echoed prompt's first token, have neither log-prob nor top ones)."""
     logprobs = _finite(logprobs)
-    return {"tokens": [text_of(t) for t in token_ids], "token_logprobs": [lp[t] for lp, t in zip(logprobs, token_ids)],
-            "top_logprobs": [_by_text(text_of, _top(lp, k)) for lp in logprobs],
+    return {"tokens": [text_of(t) for t in token_ids],
+            "token_logprobs": [None if lp is None else lp[t] for lp, t in zip(logprobs, token_ids)],
+            "top_logprobs": [None if lp is None else _by_text(text_of, _top(lp, k)) for lp in logprobs],
             "text_offset": [offsets.advance(text_of.bytes_of(t)) for t in token_ids]}
+
+
+def prompt_logprobs(text_of: TokenText, entries: list[dict[int, Any] | None]) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` in a response: per prompt token (the first ``None``), its entries
+    keyed by token id, each ``{"logprob", "rank", "decoded_token"}``."""
+    return [None if entry is None else
+            {str(t): {"logprob": max(float(v), MIN_LOGPROB), "rank": getattr(v, "rank", None),
+                      "decoded_token": text_of(t)} for t, v in entry.items()}
+            for entry in entries]
 
 
 def _by_text(text_of: TokenText, top: list[tuple[int, float]]) -> dict[str, float]:
@@ -126,9 +138,12 @@ def chat_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list[dict[
 
 
 def usage(outputs: list[RequestOutput]) -> dict:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache held."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(o.num_cached_tokens or 0 for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def choice(kind: str, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
