@@ -56,7 +56,9 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(served, model):
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
     scored = torch.tensor(logprobs["token_logprobs"][1:len(ids)])
     assert torch.allclose(scored, _model_logprobs(model, ids), atol=1e-4)
-    assert all(len(top) == 1 for top in logprobs["top_logprobs"][1:])
+    for token, top in zip(logprobs["tokens"][1:], logprobs["top_logprobs"][1:]):  # the top one, and the chosen
+        assert token in top and 1 <= len(top) <= 2
+    assert any(len(top) == 2 for top in logprobs["top_logprobs"][1:len(ids)])  # a prompt token not the likeliest
     assert logprobs["text_offset"][:3] == [0, 1, 2] and logprobs["text_offset"][len(ids)] == len(PROMPT)
     plain = _post(served, {"prompt": PROMPT, "max_tokens": 1, "logprobs": 1, "temperature": 0}).json()
     assert len(plain["choices"][0]["logprobs"]["tokens"]) == 1  # negative control: no echo, no prompt
@@ -136,3 +138,20 @@ def test_the_engine_agrees(model):
     values = torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i])
     assert torch.allclose(values, _model_logprobs(model, ids), atol=1e-4)
     assert engine.kv.stats()["blocks_used"] == 0
+
+
+def test_echo_with_max_tokens_0_is_the_prompt_alone_scored(served):
+    body = {"prompt": PROMPT, "echo": True, "logprobs": 0, "temperature": 0}
+    alone = _post(served, {**body, "max_tokens": 0}).json()
+    more = _post(served, {**body, "max_tokens": 1}).json()
+    ids = TOKENIZER(PROMPT).input_ids
+    choice, lp = alone["choices"][0], alone["choices"][0]["logprobs"]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length" and len(lp["tokens"]) == len(ids)
+    assert lp["token_logprobs"] == more["choices"][0]["logprobs"]["token_logprobs"][:len(ids)]
+    assert alone["usage"]["completion_tokens"] == 0 and alone["usage"]["total_tokens"] == len(ids)
+    assert [list(top.values()) for top in lp["top_logprobs"][1:]] == [[v] for v in lp["token_logprobs"][1:]]
+    for refused in ({"prompt": PROMPT, "max_tokens": 0}, {**body, "max_tokens": 0, "stream": True}):
+        resp = _post(served, refused)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens"
+    chat = _post(served, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0}, "/v1/chat/completions")
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "max_tokens"

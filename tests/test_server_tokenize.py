@@ -159,3 +159,22 @@ def test_the_chat_template_option_reads_a_file_or_takes_a_template(tmp_path):
     assert _chat_template(None) is None
     with pytest.raises(CliError, match="not a readable file"):
         _chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_chat_prompts_as_vllm_renders_them(plain):
+    """Text parts one per line; tools in the template under tool_choice "none" too; a reply without
+    a generation prompt keeps the last message's role."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    ids = _post(plain, "/tokenize", {"messages": parts}).json()["tokens"]
+    assert ids == _post(plain, "/tokenize", {"messages": [{"role": "user", "content": "Hi\nthere"}]}).json()["tokens"]
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+    body = {"messages": MESSAGES, "tools": [tool]}
+    with_tools = _post(plain, "/tokenize", body).json()["count"]
+    assert with_tools > _post(plain, "/tokenize", {"messages": MESSAGES}).json()["count"]
+    none = _post(plain, "/v1/chat/completions", {"model": MODEL, **body, "tool_choice": "none", "max_tokens": 2})
+    assert none.json()["usage"]["prompt_tokens"] == with_tools
+    reply = _post(plain, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 2,
+                                                 "add_generation_prompt": False}).json()
+    assert reply["choices"][0]["message"]["role"] == "user"
+    normal = _post(plain, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}).json()
+    assert normal["choices"][0]["message"]["role"] == "assistant"

@@ -21,6 +21,7 @@ from hf_paged.demo import byte_tokenizer
 from hf_paged.engine.outputs import REJECTED
 from hf_paged.engine.structured import MAX_NUM_BAD_WORDS, bad_words_token_ids
 from tests.helpers.serving import serving, single_threaded_torch, tiny_model
+from tests.helpers.tiny_models import assert_engine_idle
 
 TOKENIZER = byte_tokenizer()
 EOS = 2
@@ -43,14 +44,7 @@ def engine(model):
 def all_blocks_free(request):
     yield
     if "engine" in request.fixturenames:
-        _check_free(request.getfixturevalue("engine"))
-
-
-def _check_free(engine: LLMEngine) -> None:
-    engine.kv.check_invariants()
-    assert not engine.has_unfinished_requests()
-    assert engine.kv.num_used_blocks() == 0, "blocks leaked"
-    assert not engine.structured.active
+        assert_engine_idle(request.getfixturevalue("engine"))
 
 
 class AllowOnly(LogitsProcessor):
@@ -262,8 +256,8 @@ def test_preemption_keeps_outputs_equal(model, mode):
     assert all(set(c.token_ids) <= set(ALLOWED) for out in outputs[::2] for c in out.outputs)
     assert [[c.token_ids for c in o.outputs] for o in outputs] == [[c.token_ids for c in o.outputs]
                                                                    for o in reference_outputs]
-    _check_free(ample)
-    _check_free(tight)
+    assert_engine_idle(ample)
+    assert_engine_idle(tight)
 
 
 def _generate(prompts: list[str], params: SamplingParams, engine: LLMEngine) -> list[list[int]]:
@@ -293,7 +287,7 @@ def test_bad_words_need_a_tokenizer(model):
         bare.add_request([5, 6], SamplingParams(bad_words=["no"]))
     assert bare.generate([[5, 6]], SamplingParams(max_new_tokens=3, allowed_token_ids=[7]),
                          use_tqdm=False)[0].outputs[0].token_ids == [7, 7, 7]  # ids need none
-    _check_free(bare)
+    assert_engine_idle(bare)
 
 
 class _Chars:

@@ -236,7 +236,40 @@ def json_grammar(schema: dict, compact: bool = True) -> str:
     0.6 s for ``{0,1000}``, while the grammar's own repetition is bounded at no cost)."""
     grammar = xgrammar().Grammar.from_json_schema(schema, any_whitespace=not compact, strict_mode=True,
                                                   max_whitespace_cnt=None if compact else MAX_JSON_WHITESPACE)
-    return str(grammar).replace(_LOOSE_CHARACTERS, _JSON_CHARACTERS)
+    return split_escape_runs(str(grammar).replace(_LOOSE_CHARACTERS, _JSON_CHARACTERS))
+
+
+_ESCAPE_DIGITS = {"x": 2, "u": 4, "U": 8}  # how many hex digits xgrammar prints after each escape
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+
+
+def split_escape_runs(ebnf: str) -> str:
+    """xgrammar's grammar text with each string literal split after an escaped character that a
+    hex digit follows: xgrammar 0.2.9 prints a ``const`` or ``enum`` string ``"éA"`` as the literal
+    ``"\\xe9A"``, and its parser reads every hex digit after ``\\x`` into the escape: U+0E9A, so
+    the grammar read back from the text allowed "ບ" and refused "éA". ``"\\xe9" "A"`` is the same
+    sequence, read right (``\\u`` and ``\\U`` escapes, read right today, are split too).
+    Character classes are left as they are."""
+    out, i, inside, in_class = [], 0, False, False
+    while i < len(ebnf):
+        ch = ebnf[i]
+        if ch == "\\":
+            width = _ESCAPE_DIGITS.get(ebnf[i + 1: i + 2], 0)
+            end = i + 2 + width
+            out.append(ebnf[i:end])
+            i = end
+            if width and inside and i < len(ebnf) and ebnf[i] in _HEX_DIGITS:
+                out.append('" "')
+            continue
+        if ch == '"' and not in_class:
+            inside = not inside
+        elif ch == "[" and not inside:
+            in_class = True
+        elif ch == "]" and in_class:
+            in_class = False
+        out.append(ch)
+        i += 1
+    return "".join(out)
 
 
 def structural_tag(tag: dict) -> dict:

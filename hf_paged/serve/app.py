@@ -416,7 +416,8 @@ class _OpenAIServing:
         prompts = req.prompts(self.document_start)
         encoded, texts = await self.tokenizers.run(self._encode_prompts, prompts, bool(req.echo))
         # unset: 16 (as vLLM: not the model's max_new_tokens), at most what fits after each prompt
-        max_tokens = [resolve_max_tokens(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), self.limits,
+        asked = 1 if req.prompt_only() else req.max_tokens  # the token drawn for nothing is left out of the answer
+        max_tokens = [resolve_max_tokens(asked, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), self.limits,
                                          "prompt") for ids in encoded]
         job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", req, texts, ticket)
         params = {n: req.sampling_params(n) for n in set(max_tokens)}
@@ -579,20 +580,30 @@ class _OpenAIServing:
                     text, found = parse_tool_calls(c.text, job.calls_only)
                     calls = [call.body() for call in found]
                     finish = "tool_calls" if found and finish == "stop" else finish
-                ids, entries = self._echoed(job, out, c.token_ids, c.logprobs)
+                generated, generated_logprobs, stop_reason = c.token_ids, c.logprobs, c.stop_reason
+                if req.prompt_only():  # echo with max_tokens=0: the prompt alone
+                    text, finish, stop_reason = prefix, "length", None
+                    generated, generated_logprobs = [], None if c.logprobs is None else []
+                ids, entries = self._echoed(job, out, generated, generated_logprobs)
                 choices.append(responses.choice(
                     job.kind, i * job.n + c.index, text, finish,
                     self._logprobs(job, ids, entries, responses.TextOffsets()),
-                    c.token_ids if req.return_token_ids else None,
-                    tool_calls=calls, stop_reason=c.stop_reason))
+                    generated if req.return_token_ids else None,
+                    tool_calls=calls, stop_reason=stop_reason, role=self._role(job)))
                 if req.prompt_logprobs is not None and job.kind == "completion":  # vLLM's: per choice
                     choices[-1]["prompt_logprobs"] = responses.prompt_logprobs(self.token_text, out.prompt_logprobs)
         choices.sort(key=lambda ch: ch["index"])
-        body = responses.envelope(job.kind, job.response_id, self.settings.model_name, choices,
-                                  responses.usage(outputs))
+        usage = responses.usage(outputs)
+        if req.prompt_only():
+            usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
+        body = responses.envelope(job.kind, job.response_id, self.settings.model_name, choices, usage)
         if req.prompt_logprobs is not None and job.kind == "chat":  # vLLM's: one conversation, one list
             body["prompt_logprobs"] = responses.prompt_logprobs(self.token_text, outputs[0].prompt_logprobs)
         return body
+
+    @staticmethod
+    def _role(job: _Job) -> str:
+        return job.request.response_role() if job.kind == "chat" else "assistant"
 
     @staticmethod
     def _echoed(job: _Job, out: RequestOutput, token_ids: list[int], logprobs) -> tuple[list[int], list | None]:
@@ -676,4 +687,5 @@ class _OpenAIServing:
             return None
         return responses.choice(job.kind, index, delta, finish, logprobs,
                                 new_ids if job.request.return_token_ids else None, delta=True, first=first,
-                                tool_calls=calls, stop_reason=c.stop_reason if text_stream.finished else None)
+                                tool_calls=calls, stop_reason=c.stop_reason if text_stream.finished else None,
+                                role=self._role(job))

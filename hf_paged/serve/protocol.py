@@ -262,7 +262,7 @@ class _GenerationRequest(StrictModel):
     it would not apply). Ranges are checked by ``SamplingParams`` (and the server's limits)."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: only completions' echo (the prompt scored, nothing generated)
     temperature: float | None = None
     top_p: float | None = None
     n: int | None = Field(1, ge=1)
@@ -317,6 +317,10 @@ class _GenerationRequest(StrictModel):
         if self.max_tokens is not None and self.max_tokens > limits.max_tokens:
             name = self.max_tokens_param
             raise invalid(name, f"{name} must be at most {limits.max_tokens} on this server, got {self.max_tokens}")
+        if self.max_tokens == 0 and not self.prompt_only():
+            name = self.max_tokens_param
+            raise invalid(name, f"{name} must be at least 1 (0 only with echo on completions, not streamed: the "
+                                "prompt alone, with its log-probs)")
         self._check_logit_bias(limits)
         if self.prompt_logprobs is not None:
             if self.prompt_logprobs > limits.max_logprobs:
@@ -435,6 +439,11 @@ class _GenerationRequest(StrictModel):
         """Top log-probs per prompt token the engine must report (None: none)."""
         return self.prompt_logprobs
 
+    def prompt_only(self) -> bool:
+        """Whether the answer is the prompt alone (completions' ``echo`` with ``max_tokens=0``: the
+        engine still draws one token, which the answer leaves out)."""
+        return False
+
     def fill_defaults(self, defaults: dict[str, float | int]) -> None:
         """Sampling fields the request leaves unset take ``defaults`` (:func:`generation_defaults`;
         ``max_tokens`` is the server's to resolve). Beam search reads only ``repetition_penalty``."""
@@ -520,6 +529,9 @@ class CompletionRequest(_GenerationRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def prompt_only(self) -> bool:
+        return bool(self.echo) and self.max_tokens == 0 and not self.stream
+
     def num_prompt_logprobs(self) -> int | None:
         """``echo`` with ``logprobs`` echoes the prompt's log-probs too (as OpenAI's legacy API and
         vLLM: the prompt's first token has none), with as many top ones as the output's."""
@@ -597,8 +609,9 @@ class ChatMessage(StrictModel):
         return entry
 
     def text(self) -> str:
+        """The content as the template sees it: text parts one per line (as vLLM joins them)."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content)
         return self.content or ""
 
 
@@ -709,11 +722,17 @@ class ChatCompletionRequest(ChatTemplateFields, _GenerationRequest):
         return self._tool_mode
 
     def template_tools(self) -> list[dict] | None:
-        """The tools the chat template is given (none when ``tool_choice`` is ``"none"``)."""
-        return [tool.entry for tool in self._tools] if self._tool_mode != "none" else None
+        """The tools the chat template is given: all declared ones, also under ``tool_choice``
+        ``"none"`` (the model sees them and calls none; vLLM's default), None without any."""
+        return [tool.entry for tool in self._tools] or None
 
     def conversation(self) -> list[dict[str, Any]]:
         return [m.template_entry() for m in self.messages]
+
+    def response_role(self) -> str:
+        """The reply's role: the assistant's after a generation prompt, else the last message's
+        (which the model goes on with), as vLLM answers."""
+        return "assistant" if self.template_kwargs()["add_generation_prompt"] else self.messages[-1].role
 
 
 def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, limits: Limits,

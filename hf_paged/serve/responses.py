@@ -105,8 +105,15 @@ def completion_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list
     logprobs = _finite(logprobs)
     return {"tokens": [text_of(t) for t in token_ids],
             "token_logprobs": [None if lp is None else lp[t] for lp, t in zip(logprobs, token_ids)],
-            "top_logprobs": [None if lp is None else _by_text(text_of, _top(lp, k)) for lp in logprobs],
+            "top_logprobs": [None if lp is None else _by_text(text_of, _with_chosen(_top(lp, k), t, lp[t]))
+                             for lp, t in zip(logprobs, token_ids)],
             "text_offset": [offsets.advance(text_of.bytes_of(t)) for t in token_ids]}
+
+
+def _with_chosen(top: list[tuple[int, float]], token_id: int, value: float) -> list[tuple[int, float]]:
+    """Completions' top log-probs hold the chosen token too (OpenAI's legacy API, vLLM): up to
+    ``k + 1`` entries, the chosen one alone with ``logprobs=0``."""
+    return top if any(t == token_id for t, _ in top) else [*top, (token_id, value)]
 
 
 def prompt_logprobs(text_of: TokenText, entries: list[dict[int, Any] | None]) -> list[dict | None]:
@@ -148,16 +155,18 @@ def usage(outputs: list[RequestOutput]) -> dict:
 
 def choice(kind: str, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
            token_ids: list[int] | None = None, *, delta: bool = False, first: bool = False,
-           tool_calls: list[dict] | None = None, stop_reason: str | int | None = None) -> dict:
+           tool_calls: list[dict] | None = None, stop_reason: str | int | None = None,
+           role: str = "assistant") -> dict:
     """A completions or chat choice; ``delta``: a stream chunk's (chat: ``delta`` not ``message``).
     ``tool_calls``: a chat message's calls (or a chunk's call deltas); its content may then be None.
-    ``stop_reason`` (vLLM's extension): the stop string or stop token id that ended it, else null."""
+    ``stop_reason`` (vLLM's extension): the stop string or stop token id that ended it, else null.
+    ``role``: a chat reply's (the last message's when no generation prompt started a new one)."""
     if kind == "completion":
         body = {"index": index, "text": text}
     elif delta:
-        body = {"index": index, "delta": {"role": "assistant", "content": text} if first else {"content": text}}
+        body = {"index": index, "delta": {"role": role, "content": text} if first else {"content": text}}
     else:
-        body = {"index": index, "message": {"role": "assistant", "content": text}}
+        body = {"index": index, "message": {"role": role, "content": text}}
     if tool_calls:
         body["delta" if delta else "message"]["tool_calls"] = tool_calls
     body.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)

@@ -154,3 +154,12 @@ def image_prompts(lengths: list[int], seed: int = 0, images: bool = True) -> dic
     pixels = torch.randn(len(rows), 3, 16, 16, generator=torch.Generator().manual_seed(seed + 1))
     return dict(input_ids=out_ids, attention_mask=out_mask, pixel_values=pixels,
                 token_type_ids=(out_ids == IMAGE).long())
+
+
+def assert_engine_idle(engine) -> None:
+    """Nothing in flight on an ``LLMEngine``: every KV block free, no constrained request or
+    compiling grammar left behind."""
+    engine.kv.check_invariants()
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.num_used_blocks() == 0, "blocks leaked"
+    assert not engine.structured.active and not engine.structured.has_waiting()
