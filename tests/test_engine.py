@@ -390,6 +390,29 @@ def test_seeded_samples_are_the_same_when_preempted_by_recompute(model):
         assert all(a != b for a, b in ample)  # two samples, not one twice
 
 
+def test_the_first_of_n_seeded_samples_is_the_single_sample(model, prompts):
+    """Sample i of a seeded request draws from its own generator from the first token on, sample 0
+    from the seed's own (vLLM: seed + i): the first of n samples is the n=1 draw, and n=2's samples
+    are the first two of n=3's — alone or batched with other requests (before, a seeded n > 1
+    request drew its first tokens from one generator, so no sample equalled the n=1 draw)."""
+    def samples(n, batch, seed=7):
+        engine = LLMEngine(model, num_blocks=300)
+        params = SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.95, n=n, seed=seed, ignore_eos=True)
+        outputs = engine.generate(batch, params, use_tqdm=False)
+        _check_no_leak(engine)
+        return [[c.token_ids for c in o.outputs] for o in outputs]
+
+    batch = prompts[3:7]
+    one, two, three = samples(1, batch), samples(2, batch), samples(3, batch)
+    alone = [samples(3, [p])[0] for p in batch[:2]]
+    for i in range(len(batch)):
+        assert three[i][0] == two[i][0] == one[i][0]
+        assert three[i][1] == two[i][1] != three[i][0]
+        assert len({tuple(t) for t in three[i]}) == 3
+    assert alone == three[:2]
+    assert samples(1, batch, seed=8) != one  # the seed matters
+
+
 def test_request_ids_prompt_types_and_stop_strings_without_a_tokenizer(model):
     """A caller's id "2" is never handed out again while in flight (generate() once refused its own
     prompt for it); numpy integers are token ids, booleans are not; stop strings on an engine

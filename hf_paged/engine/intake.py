@@ -15,6 +15,7 @@ import torch
 from hf_paged.engine.beam_search import BeamSearchState
 from hf_paged.engine.kv_cache_manager import KVCacheManager
 from hf_paged.engine.params import SamplingParams
+from hf_paged.engine.sampler import sample_generator
 from hf_paged.engine.sequence import Request
 
 
@@ -117,7 +118,10 @@ class RequestIntake:
             params = self._fill_positions(params, len(ids))
         request = Request(request_id, ids, params, prompt=text)
         if params.seed is not None:
-            request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            request.generator = sample_generator(params.seed, 0, self.device)
+            if params.n > 1 and not params.beam_search:  # one generator per sample from the first token on
+                request.sample_generators = [request.generator] + [
+                    sample_generator(params.seed, i, self.device) for i in range(1, params.n)]
         if params.beam_search:
             request.beam = BeamSearchState(
                 num_beams=params.num_beams, num_return_sequences=params.n, length_penalty=params.length_penalty,

@@ -14,7 +14,6 @@ request of the batch goes on as if the failed one had been aborted.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections import Counter
@@ -49,14 +48,6 @@ def nonfinite_rows(logits: torch.Tensor | None, maxima: torch.Tensor | None = No
     if not bool(bad.any()):
         return []
     return bad.nonzero()[:, 0].tolist()
-
-
-def sample_generator(seed: int, index: int, device) -> torch.Generator:
-    """Sample ``index`` of a seeded request draws from its own generator after the first token:
-    its tokens then do not depend on when its siblings are computed (a recompute preemption
-    re-prefills them in other chunks, and one shared generator gave its numbers in another order)."""
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
 @dataclass
@@ -295,7 +286,8 @@ class OutputProcessor:
             width = request.params.n if not request.forked else 1  # the prompt's row: one token per sample
             for seq, row in got:
                 rows.append(row)
-                generator = seq.generator if request.forked and seq.generator is not None else request.generator
+                generator = seq.generator if request.forked and seq.generator is not None else (
+                    request.sample_generators if width > 1 else request.generator)
                 specs.append(sampler.RowSpec(request.params, seq.token_ids, seq.num_output_tokens, width, generator))
         if rows != list(range(len(logits))):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
@@ -329,9 +321,9 @@ class OutputProcessor:
             children = [seq] + [seq.fork(i) for i in range(1, width)]
             for child in children[1:]:
                 outcome.add(request, ForkSequence(seq, child))
-            if request.generator is not None and width > 1:
+            if request.sample_generators is not None:
                 for child in children:
-                    child.generator = sample_generator(params.seed, child.index, request.generator.device)
+                    child.generator = request.sample_generators[child.index]
             request.seqs = list(children)  # a copy: _append removes finished children from request.seqs
         else:
             children = [seq]

@@ -18,6 +18,7 @@ constraint's mask is kept); they are computed only for requests that ask for the
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -39,7 +40,7 @@ class RowSpec:
     token_ids: Sequence[int]
     num_generated: int
     width: int = 1
-    generator: torch.Generator | None = None
+    generator: torch.Generator | Sequence[torch.Generator] | None = None  # a sequence: one per token drawn
 
 
 def sample(logits: torch.Tensor, rows: Sequence[RowSpec], eos_token_ids: Sequence[int]) -> list[list[int]]:
@@ -137,6 +138,17 @@ def inverse_cdf(probs: torch.Tensor, owner: torch.Tensor, draw: Callable[[], tor
     return chunk[:, 0] * width + torch.searchsorted(within, rest.clamp_(min=0), right=True)[:, 0]
 
 
+def sample_generator(seed: int, index: int, device) -> torch.Generator:
+    """The generator sample ``index`` of a seeded request draws every one of its tokens from: its
+    tokens then do not depend on when its siblings are computed (a recompute preemption re-prefills
+    them in other chunks, and one shared generator gave its numbers in another order). Sample 0's is
+    the seed's own, so the first of ``n`` samples is the ``n=1`` draw (vLLM: sample i takes seed + i)."""
+    if index == 0:
+        return torch.Generator(device=device).manual_seed(seed)
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
 def _uniforms(rows: Sequence[RowSpec], device: torch.device) -> torch.Tensor:
     """One uniform number in [0, 1) per token to draw, in row order: a seeded row's from its own
     generator, the others' from torch's global one (drawn together)."""
@@ -147,8 +159,10 @@ def _uniforms(rows: Sequence[RowSpec], device: torch.device) -> torch.Tensor:
         if row.generator is None:
             parts.append(shared[taken: taken + row.width])
             taken += row.width
-        else:
+        elif isinstance(row.generator, torch.Generator):
             parts.append(torch.rand(row.width, dtype=torch.float64, device=device, generator=row.generator))
+        else:  # a seeded request's first token: each sample's from its own generator
+            parts.extend(torch.rand(1, dtype=torch.float64, device=device, generator=g) for g in row.generator)
     return torch.cat(parts)
 
 

@@ -81,6 +81,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     finished_seqs: list[Sequence] = field(default_factory=list)
     generator: Any = None  # torch.Generator when seeded
+    sample_generators: list | None = None  # seeded n > 1: sample i's generator (the first is ``generator``)
     beam: Any = None  # BeamSearchState for beam search
     forked: bool = False  # n > 1 / beams: the single prefill sequence has been split
     beam_rows: dict[int, Any] = field(default_factory=dict)  # log-probs of beams waiting for siblings
