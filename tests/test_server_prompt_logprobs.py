@@ -155,3 +155,35 @@ def test_echo_with_max_tokens_0_is_the_prompt_alone_scored(served):
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens"
     chat = _post(served, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0}, "/v1/chat/completions")
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_text_offsets_count_the_special_tokens_the_text_shows(served, skip_special_tokens):
+    """A token's ``text_offset`` is the length of the text before it: an echoed token-id prompt shows
+    its special tokens (decoded whole), the output shows them with ``skip_special_tokens: false``
+    (before, special tokens were zero wide everywhere, so later offsets fell short); streamed too."""
+    eos = TOKENIZER.eos_token_id
+    prompt = [TOKENIZER.bos_token_id, *TOKENIZER("Hi, ").input_ids, eos, *TOKENIZER("there").input_ids]
+    body = {"prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(eos): 100}, "skip_special_tokens": skip_special_tokens}
+    choice = _post(served, body).json()["choices"][0]
+    ids = [TOKENIZER.convert_tokens_to_ids(t) if t in TOKENIZER.all_special_tokens else None
+           for t in choice["logprobs"]["tokens"]]
+    generated = [eos] * 4
+    assert ids[len(prompt):] == generated  # the bias made every output token the special one
+    shown = TOKENIZER.decode(prompt) + TOKENIZER.decode(generated, skip_special_tokens=skip_special_tokens)
+    assert choice["text"] == shown
+    every = [*prompt, *generated]
+    expected = [len(TOKENIZER.decode(every[:i])) for i in range(len(prompt))]
+    expected += [len(TOKENIZER.decode(prompt)) + len(TOKENIZER.decode(generated[:i], skip_special_tokens=skip_special_tokens))
+                 for i in range(len(generated))]
+    assert choice["logprobs"]["text_offset"] == expected
+    server, loop = served
+    offsets = []
+    with httpx.stream("POST", server.url + "/v1/completions", json={"model": MODEL, **body, "stream": True}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunk = httpx.Response(200, content=line[6:]).json()["choices"][0]
+                offsets += chunk["logprobs"]["text_offset"] if chunk["logprobs"] else []
+    assert_all_free(loop)
+    assert offsets == expected

@@ -6,6 +6,8 @@ engine's on those ids. Every test ends with every KV block free."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -178,3 +180,39 @@ def test_chat_prompts_as_vllm_renders_them(plain):
     assert reply["choices"][0]["message"]["role"] == "user"
     normal = _post(plain, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}).json()
     assert normal["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_a_tool_reaches_the_template_with_vllms_keys(trusted):
+    """A tool declared without ``description`` or ``parameters`` reaches the template with both null
+    (vLLM's; a template that prints tools as JSON writes them); other declared keys stay."""
+    tool = {"type": "function", "function": {"name": "get_time", "strict": True}}
+    body = {"messages": MESSAGES, "tools": [tool], "chat_template": "{{ tools | tojson }}"}
+    shown = TOKENIZER.decode(_post(trusted, "/tokenize", body).json()["tokens"])
+    assert json.loads(shown) == [{"type": "function", "function": {"name": "get_time", "description": None,
+                                                                    "parameters": None, "strict": True}}]
+
+
+def test_chat_echo_starts_the_reply_with_the_last_message_of_its_role(plain):
+    """vLLM's chat ``echo``: a reply of the last message's role starts with that message's text
+    (a continued message comes back whole), streamed alike; a new assistant turn echoes nothing."""
+    def chat(messages, stream=False, **body):
+        payload = {"model": MODEL, "messages": messages, "max_tokens": 5, "temperature": 0, "echo": True,
+                   "stream": stream, **body}
+        if not stream:
+            return _post(plain, "/v1/chat/completions", payload).json()["choices"][0]["message"]["content"]
+        server, loop = plain
+        content = ""
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=payload, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    content += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+        assert_all_free(plain[1])
+        return content
+
+    plain_reply = _post(plain, "/v1/chat/completions", {"model": MODEL, "messages": PREFILLED, "max_tokens": 5,
+                                                        "temperature": 0, "continue_final_message": True}).json()
+    generated = plain_reply["choices"][0]["message"]["content"]
+    for stream in (False, True):
+        assert chat(PREFILLED, stream, continue_final_message=True) == "Well, the" + generated
+        assert chat(MESSAGES, stream, add_generation_prompt=False).startswith("Hi there")
+        assert not chat(MESSAGES, stream).startswith("Hi there")  # a new assistant turn: nothing to echo

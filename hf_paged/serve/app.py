@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -92,8 +92,9 @@ class _Job:
     kind: str  # "completion" | "chat"
     response_id: str
     request: CompletionRequest | ChatCompletionRequest
-    prompt_texts: list[str]
+    prompt_texts: list[str]  # echo: the text each choice starts with, per prompt (chat: the last message's)
     ticket: Ticket
+    echoed_ids: list[bool] = field(default_factory=list)  # per echoed prompt: given as token ids (decoded whole)
     stream: RequestStream | None = None
     tools: bool = False  # chat with tools: <tool_call> blocks become tool_calls (serve/tools.py)
     calls_only: bool = False  # tool_choice "required" or named: the output is calls only
@@ -419,7 +420,8 @@ class _OpenAIServing:
         asked = 1 if req.prompt_only() else req.max_tokens  # the token drawn for nothing is left out of the answer
         max_tokens = [resolve_max_tokens(asked, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), self.limits,
                                          "prompt") for ids in encoded]
-        job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", req, texts, ticket)
+        job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", req, texts, ticket,
+                   echoed_ids=[not isinstance(p, str) for p in prompts])
         params = {n: req.sampling_params(n) for n in set(max_tokens)}
         await self._compile_constraint(req, params[max_tokens[0]])
         return job, encoded, params[max_tokens[0]] if len(params) == 1 else [params[n] for n in max_tokens]
@@ -432,7 +434,9 @@ class _OpenAIServing:
                                         req.template_kwargs())
         max_tokens = resolve_max_tokens(req.max_tokens, self.defaults.get("max_tokens"), len(ids), self.limits,
                                         "messages", req.max_tokens_param)
-        job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req, [], ticket, tools=req.tool_mode != "none",
+        echoed = req.echoed_text()
+        job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req, [echoed] if echoed else [], ticket,
+                   tools=req.tool_mode != "none",
                    calls_only=req.tool_mode not in ("none", "auto"))
         params = req.sampling_params(max_tokens)
         await self._compile_constraint(req, params)
@@ -575,11 +579,12 @@ class _OpenAIServing:
         for i, out in enumerate(outputs):
             for c in out.outputs:
                 prefix = job.prompt_texts[i] if job.prompt_texts else ""
-                text, calls, finish = prefix + c.text, None, c.finish_reason
+                text, calls, finish = c.text, None, c.finish_reason
                 if job.tools:  # the model's <tool_call> blocks as tool_calls (serve/tools.py)
                     text, found = parse_tool_calls(c.text, job.calls_only)
                     calls = [call.body() for call in found]
                     finish = "tool_calls" if found and finish == "stop" else finish
+                text = prefix + text
                 generated, generated_logprobs, stop_reason = c.token_ids, c.logprobs, c.stop_reason
                 if req.prompt_only():  # echo with max_tokens=0: the prompt alone
                     text, finish, stop_reason = prefix, "length", None
@@ -587,7 +592,7 @@ class _OpenAIServing:
                 ids, entries = self._echoed(job, out, generated, generated_logprobs)
                 choices.append(responses.choice(
                     job.kind, i * job.n + c.index, text, finish,
-                    self._logprobs(job, ids, entries, responses.TextOffsets()),
+                    self._logprobs(job, ids, entries, self._text_offsets(job, i, len(ids) - len(generated))),
                     generated if req.return_token_ids else None,
                     tool_calls=calls, stop_reason=stop_reason, role=self._role(job)))
                 if req.prompt_logprobs is not None and job.kind == "completion":  # vLLM's: per choice
@@ -609,9 +614,15 @@ class _OpenAIServing:
     def _echoed(job: _Job, out: RequestOutput, token_ids: list[int], logprobs) -> tuple[list[int], list | None]:
         """The tokens and log-probs a choice reports: with ``echo`` and ``logprobs``, the prompt's
         first (the first prompt token has no log-prob: ``None``), as OpenAI's legacy API does."""
-        if not job.prompt_texts or job.request.num_logprobs() is None or logprobs is None:
+        if job.kind != "completion" or not job.prompt_texts or job.request.num_logprobs() is None or logprobs is None:
             return token_ids, logprobs
         return [*out.prompt_token_ids, *token_ids], [*(out.prompt_logprobs or [None]), *logprobs]
+
+    @staticmethod
+    def _text_offsets(job: _Job, prompt_index: int, echoed: int) -> responses.TextOffsets:
+        """Where a choice's ``text_offset`` counts from; its first ``echoed`` tokens are the prompt's."""
+        return responses.TextOffsets(shows_special=not job.stream.params(prompt_index).skip_special_tokens,
+                                     echoed=echoed, echo_shows_special=bool(echoed) and job.echoed_ids[prompt_index])
 
     def _logprobs(self, job: _Job, token_ids: list[int], logprobs, offsets: responses.TextOffsets) -> dict | None:
         k = job.request.num_logprobs()
@@ -658,7 +669,7 @@ class _OpenAIServing:
                prompt_index: int, out: RequestOutput) -> dict | None:
         """The stream chunk for one completion's latest state (None: nothing new to send)."""
         first = index not in texts
-        echoes_logprobs = bool(job.prompt_texts) and job.request.num_logprobs() is not None
+        echoes_logprobs = job.kind == "completion" and bool(job.prompt_texts) and job.request.num_logprobs() is not None
         if first and echoes_logprobs and not (c.token_ids or out.finished):
             return None  # the prompt's log-probs are whole once its prefill is done: the first chunk waits
         if first:
@@ -674,13 +685,12 @@ class _OpenAIServing:
             delta, found = parser.feed(delta, final=text_stream.finished)
             calls = [d.body() for d in found]
             finish = "tool_calls" if finish == "stop" and parser.calls else finish
-        if first:
-            offsets[index] = responses.TextOffsets()
-            if job.prompt_texts:
-                delta = job.prompt_texts[prompt_index] + delta
+        if first and job.prompt_texts:
+            delta = job.prompt_texts[prompt_index] + delta
         ids, entries = new_ids, c.logprobs[start: start + len(new_ids)] if c.logprobs else None
         if first:
             ids, entries = self._echoed(job, out, ids, entries)
+            offsets[index] = self._text_offsets(job, prompt_index, len(ids) - len(new_ids))
         logprobs = self._logprobs(job, ids, entries, offsets[index])
         wants_tokens = bool(new_ids) and (logprobs is not None or job.request.return_token_ids)
         if not (delta or calls or text_stream.finished or wants_tokens or (first and job.kind == "chat")):

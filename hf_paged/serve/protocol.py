@@ -670,6 +670,7 @@ class ChatCompletionRequest(ChatTemplateFields, _GenerationRequest):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = Field(None, max_length=16)  # tags for stored replies: none are stored
+    echo: bool | None = False  # vLLM's: the reply starts with the last message's text when it has the reply's role
     _tools: list[tool_calling.Tool] = PrivateAttr(default_factory=list)  # set by check()
     _tool_mode: Any = PrivateAttr("none")
 
@@ -733,6 +734,12 @@ class ChatCompletionRequest(ChatTemplateFields, _GenerationRequest):
         """The reply's role: the assistant's after a generation prompt, else the last message's
         (which the model goes on with), as vLLM answers."""
         return "assistant" if self.template_kwargs()["add_generation_prompt"] else self.messages[-1].role
+
+    def echoed_text(self) -> str:
+        """What each choice's content starts with: with ``echo``, the last message's text when the
+        reply has its role (``continue_final_message``: the whole message, prefill and all; vLLM's)."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == self.response_role() else ""
 
 
 def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, limits: Limits,

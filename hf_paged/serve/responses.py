@@ -38,6 +38,9 @@ class TokenText:
             text = self._cache[token_id] = self._tokenizer.decode([token_id])
         return text
 
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special
+
     def bytes_of(self, token_id: int) -> bytes:
         found = self._bytes.get(token_id)
         if found is None:
@@ -73,17 +76,24 @@ _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 class TextOffsets:
     """Completions' ``text_offset``: where each token starts in the text, in characters. A token
-    inside a multi-byte character starts where that character does; tokens the text skips
-    (special ones) add nothing. Kept across a stream's chunks."""
+    inside a multi-byte character starts where that character does; a special token is as wide as
+    its text where the text shows it (``skip_special_tokens: false``; an echoed token-id prompt,
+    decoded whole) and adds nothing where it does not (a text prompt's added ``<s>``). Kept across a
+    stream's chunks: its first ``echoed`` tokens are the echoed prompt's."""
 
-    def __init__(self):
+    def __init__(self, shows_special: bool = False, echoed: int = 0, echo_shows_special: bool = False):
         self.chars = 0
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._shows_special, self._echoed, self._echo_shows_special = shows_special, echoed, echo_shows_special
 
-    def advance(self, data: bytes) -> int:
-        """The offset of a token of these bytes (then counts them)."""
-        offset = self.chars
-        self.chars += len(self._decoder.decode(data))
+    def advance(self, text_of: TokenText, token_id: int) -> int:
+        """The offset of this token (then counts its characters)."""
+        offset, shown = self.chars, self._echo_shows_special if self._echoed else self._shows_special
+        self._echoed = max(self._echoed - 1, 0)
+        if shown and text_of.is_special(token_id):
+            self.chars += len(self._decoder.decode(b"", final=True)) + len(text_of(token_id))
+        else:
+            self.chars += len(self._decoder.decode(text_of.bytes_of(token_id)))
         return offset
 
 
@@ -107,7 +117,7 @@ def completion_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list
             "token_logprobs": [None if lp is None else lp[t] for lp, t in zip(logprobs, token_ids)],
             "top_logprobs": [None if lp is None else _by_text(text_of, _with_chosen(_top(lp, k), t, lp[t]))
                              for lp, t in zip(logprobs, token_ids)],
-            "text_offset": [offsets.advance(text_of.bytes_of(t)) for t in token_ids]}
+            "text_offset": [offsets.advance(text_of, t) for t in token_ids]}
 
 
 def _with_chosen(top: list[tuple[int, float]], token_id: int, value: float) -> list[tuple[int, float]]:

@@ -72,8 +72,17 @@ def read_tools(tools: list[dict]) -> list[Tool]:
         parameters = function.get("parameters", NO_PARAMETERS)
         if not isinstance(parameters, dict):
             raise ToolError(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON schema object")
-        found[name] = Tool(name, parameters, entry)
+        found[name] = Tool(name, parameters, template_entry(entry))
     return list(found.values())
+
+
+def template_entry(entry: dict) -> dict:
+    """A declared tool as the chat template sees it: ``description`` and ``parameters`` always
+    there, null when not declared (vLLM's; a template that prints tools as JSON writes them)."""
+    function = entry["function"]
+    named = {"name": function["name"], "description": function.get("description"),
+             "parameters": function.get("parameters")}
+    return {"type": entry["type"], **entry, "function": {**named, **function}}
 
 
 def tool_choice_mode(tool_choice: Any, tools: list[Tool]) -> str | Tool:
