@@ -288,6 +288,8 @@ def serve(args) -> int:
                  "max_tokens_limit", "max_consecutive_failures"):
         if getattr(args, name) < (0 if name == "port" else 1):
             raise CliError(f"--{name.replace('_', '-')} must be positive")
+    if args.max_logprobs < -1:
+        raise CliError("--max-logprobs must be >= 0, or -1 (the whole vocabulary)")
     if not args.shutdown_timeout >= 0 or not args.stream_timeout > 0:
         raise CliError("--shutdown-timeout must be >= 0 and --stream-timeout > 0")
     engine_threads(args.engine_threads)  # checked here, not in the engine process
@@ -319,7 +321,8 @@ def serve(args) -> int:
         where = f"engine process {engine.process.pid}"
     settings = ServerSettings(model_name=args.served_model_name or args.model or "hf-paged-demo", api_key=api_key,
                               max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting, max_n=args.max_n,
-                              max_tokens=args.max_tokens_limit, shutdown_timeout_s=args.shutdown_timeout,
+                              max_tokens=args.max_tokens_limit, max_logprobs=args.max_logprobs,
+                              shutdown_timeout_s=args.shutdown_timeout,
                               stream_timeout_s=args.stream_timeout, generation_config=args.generation_config,
                               chat_template=_chat_template(args.chat_template),
                               trust_request_chat_template=args.trust_request_chat_template)
@@ -510,6 +513,9 @@ def parser() -> argparse.ArgumentParser:
                    help="let requests send their own chat_template (else a 400)")
     s.add_argument("--max-n", type=int, default=16, help="the largest n (and best_of) a request may ask for")
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="the largest max_tokens a request may ask for")
+    s.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most top log-probs a request may ask for (logprobs, top_logprobs, prompt_logprobs); "
+                        "-1: the whole vocabulary, which requests then get with -1 (vLLM's)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT (then they end with an error)")
     s.add_argument("--stream-timeout", type=float, default=60.0,

@@ -184,7 +184,7 @@ def test_bad_requests_fail_alone(model, prompts, references, bad, match):
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", -1.0), ("top_p", 0.0), ("top_k", -5), ("n", 0), ("max_new_tokens", 0),
-    ("repetition_penalty", 0.0), ("min_p", 2.0), ("num_beams", 0), ("logprobs", -1), ("early_stopping", "sometimes"),
+    ("repetition_penalty", 0.0), ("min_p", 2.0), ("num_beams", 0), ("logprobs", -2), ("early_stopping", "sometimes"),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):

@@ -299,7 +299,7 @@ def test_outputs_pickle_compactly_and_stream_them_once():
 
 
 def test_bad_values_are_refused_by_name(model):
-    for bad in (-1, 1.5, True, "2"):
+    for bad in (-2, 1.5, True, "2"):
         with pytest.raises(ValueError, match="SamplingParams.prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
     engine = LLMEngine(model, block_size=8, num_blocks=64, compile=False)
@@ -312,6 +312,10 @@ def test_bad_values_are_refused_by_name(model):
     assert too_many.error is not None and "prompt_logprobs" in too_many.error and too_many.prompt_logprobs is None
     assert whole.error is None and all(len(e) == VOCAB for e in whole.prompt_logprobs[1:])  # every token, ranked
     check_prompt_logprobs(whole.prompt_logprobs, prompt, _stock(model, prompt), VOCAB)
+    minus_one = engine.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=-1, logprobs=-1),
+                                use_tqdm=False)[0]  # vLLM's -1: the whole vocabulary
+    assert minus_one.prompt_logprobs == whole.prompt_logprobs
+    assert [len(e) for e in minus_one.outputs[0].logprobs] == [VOCAB, VOCAB]
     _check_no_leak(engine)
 
 

@@ -22,6 +22,7 @@ from hf_paged.__main__ import main
 from hf_paged.demo import byte_tokenizer
 from hf_paged.engine.detokenize import IncrementalDetokenizer, TextStream
 from hf_paged.engine.outputs import CompletionOutput
+from hf_paged.serve import ServerSettings
 from hf_paged.serve.responses import TokenText
 from hf_paged.serve.server import exposure_warning
 from tests.helpers.serving import (ENGINE_PLACES, MODEL, NUM_BLOCKS, assert_all_free, client, engine,  # noqa: F401
@@ -594,6 +595,10 @@ def test_exposure_warning():
 def test_serve_refuses_a_tensor_parallel_size_below_one(capsys):
     assert main(["serve", "--tensor-parallel-size", "0"]) == 2
     assert "--tensor-parallel-size must be positive" in capsys.readouterr().err
+    assert main(["serve", "--max-logprobs", "-2"]) == 2
+    assert "--max-logprobs must be >= 0, or -1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="ServerSettings.max_logprobs"):
+        ServerSettings(max_logprobs=-3)
 
 
 def test_hf_paged_serve_answers_and_shuts_down_cleanly():

@@ -187,3 +187,24 @@ def test_text_offsets_count_the_special_tokens_the_text_shows(served, skip_speci
                 offsets += chunk["logprobs"]["text_offset"] if chunk["logprobs"] else []
     assert_all_free(loop)
     assert offsets == expected
+
+
+def test_the_whole_vocabulary_on_a_server_that_allows_it(served):
+    """``-1`` asks for every token's log-prob (vLLM's), on a server started with
+    ``--max-logprobs -1``; elsewhere it is a 400 naming the field and the option."""
+    body = {"max_tokens": 2, "temperature": 0}
+    refused = _post(served, {**body, "prompt": PROMPT, "logprobs": -1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs"
+    assert "--max-logprobs" in refused.json()["error"]["message"]
+    with single_threaded_torch(), serving({"num_blocks": NUM_BLOCKS}, max_logprobs=-1) as whole:
+        vocab = whole[1].engine.model.config.vocab_size
+        chat = _post(whole, {**body, "messages": [{"role": "user", "content": "Hi"}], "logprobs": True,
+                             "top_logprobs": -1, "prompt_logprobs": -1}, "/v1/chat/completions").json()
+        for entry in chat["choices"][0]["logprobs"]["content"]:
+            values = torch.tensor([top["logprob"] for top in entry["top_logprobs"]])
+            assert len(values) == vocab and abs(float(values.exp().sum()) - 1) < 1e-4
+        assert all(len(entry) == vocab for entry in chat["prompt_logprobs"][1:])
+        completion = _post(whole, {**body, "prompt": PROMPT, "logprobs": -1}).json()["choices"][0]["logprobs"]
+        assert len(completion["top_logprobs"][0]) > 20  # keyed by text: tokens of one text count once
+        too_many = _post(whole, {**body, "prompt": PROMPT, "logprobs": vocab + 1})
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "logprobs"

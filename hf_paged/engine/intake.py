@@ -95,12 +95,18 @@ class RequestIntake:
             raise ValueError("a prompt dict needs 'prompt_token_ids' (vLLM's TokensPrompt) or 'prompt' (TextPrompt)")
         return self.tokens(text)
 
+    def _whole_vocabulary(self, params: SamplingParams) -> SamplingParams:
+        """``logprobs=-1`` / ``prompt_logprobs=-1`` as the number they stand for (vLLM's)."""
+        whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
+        return dataclasses.replace(params, **whole) if whole else params
+
     def request(self, request_id: str, prompt, params: SamplingParams | None, taken: Container[str]) -> Request:
         """A new request; ``taken`` holds the ids of the requests in flight."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         self.check_params(params)
+        params = self._whole_vocabulary(params)
         text, ids = self.tokens(prompt)
         if request_id in taken:
             raise ValueError(f"request id {request_id!r} is already in use")

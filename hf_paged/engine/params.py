@@ -86,7 +86,8 @@ class SamplingParams:
       list of non-empty strings;
     * beam search (``num_beams > 1``) reads no ``top_p``, ``top_k``, ``min_p``,
       ``presence_penalty``, ``frequency_penalty`` or ``stop``: setting one is refused;
-    * ``logprobs``: None or an int >= 0 (the engine also bounds it by the vocabulary size);
+    * ``logprobs``: None or an int >= 0 (the engine also bounds it by the vocabulary size); -1 is
+      the whole vocabulary (vLLM's), as is -1 for ``prompt_logprobs``;
     * ``structured_outputs``: None or a :class:`~hf_paged.constraints.StructuredOutputsParams`
       (one constraint; it checks itself). Not with beam search, ``min_new_tokens`` or
       ``ignore_eos``: the constraint decides where the output may end (EOS is allowed exactly
@@ -189,8 +190,8 @@ class SamplingParams:
             raise self._bad("seed", "must be None or an int in [-(2**63), 2**64)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 0):
-                raise self._bad(name, "must be None or an int >= 0")
+            if value is not None and (not _is_int(value) or value < -1):
+                raise self._bad(name, "must be None, an int >= 0, or -1 (the whole vocabulary)")
 
     def _check_penalties(self) -> None:
         low, high = REPETITION_PENALTY_RANGE

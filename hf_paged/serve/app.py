@@ -69,6 +69,7 @@ class ServerSettings:
     max_waiting: int | None = 512
     max_n: int = 16
     max_tokens: int = 4096
+    max_logprobs: int = 20  # the most top log-probs a request may ask for; -1: the whole vocabulary (vLLM's)
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S  # in-flight requests' time to finish at shutdown
     stream_timeout_s: float = 60.0  # a stream whose client reads nothing this long is aborted
     # "auto": the model's generation_config.json values (temperature, top_p, top_k, min_p,
@@ -80,6 +81,8 @@ class ServerSettings:
     def __post_init__(self) -> None:
         """A value the command line would refuse is refused here too: any other one (a typo, "Auto")
         would quietly serve as "vllm" and drop the model's defaults."""
+        if self.max_logprobs < -1:
+            raise ValueError(f"ServerSettings.max_logprobs must be >= 0, or -1 (the vocabulary), got {self.max_logprobs}")
         if self.generation_config not in GENERATION_CONFIG_MODES:
             raise ValueError(f"ServerSettings.generation_config must be one of "
                              f"{', '.join(map(repr, GENERATION_CONFIG_MODES))}, got {self.generation_config!r}")
@@ -121,6 +124,7 @@ def build_app(engine: LLMEngine | EngineProcess, settings: ServerSettings = Serv
     else:
         loop, facts = EngineLoop(engine, max_waiting=settings.max_waiting), EngineFacts.of(engine)
     limits = Limits(max_n=min(settings.max_n, facts.max_num_seqs), max_tokens=settings.max_tokens,
+                    max_logprobs=facts.vocab_size if settings.max_logprobs == -1 else settings.max_logprobs,
                     vocab_size=facts.vocab_size, context=facts.max_positions, kv_tokens=facts.kv_tokens)
     drain = Drain(lambda: loop.end_all(shutting_down()), settings.shutdown_timeout_s)
     defaults = _checked_defaults(facts.sampling_defaults) if settings.generation_config == "auto" else {}

@@ -94,10 +94,20 @@ class Limits:
 
     max_n: int = 16
     max_tokens: int = 4096  # the most a request may ask for
-    max_logprobs: int = 20
+    max_logprobs: int = 20  # the most top log-probs a request may ask for (-1 asks for the vocabulary)
     vocab_size: int | None = None
     context: int | None = None  # the model's positions
     kv_tokens: int | None = None  # a fixed KV budget, in tokens of one sequence (None: the pool grows)
+
+
+def checked_logprobs(name: str, value: int, limits: Limits) -> int:
+    """A request's count of top log-probs, -1 read as the whole vocabulary (vLLM's), within the
+    server's ``--max-logprobs``."""
+    asked = limits.vocab_size if value == -1 and limits.vocab_size is not None else value
+    if asked > limits.max_logprobs:
+        raise invalid(name, f"{name} must be at most {limits.max_logprobs} on this server (--max-logprobs), got "
+                            f"{value}" + (" (the whole vocabulary)" if value == -1 else ""))
+    return asked
 
 
 def decode_body(body: bytes) -> Any:
@@ -283,7 +293,7 @@ class _GenerationRequest(StrictModel):
     min_tokens: int | None = Field(0, ge=0)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    prompt_logprobs: int | None = Field(None, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (as logprobs, top_logprobs)
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
@@ -323,8 +333,7 @@ class _GenerationRequest(StrictModel):
                                 "prompt alone, with its log-probs)")
         self._check_logit_bias(limits)
         if self.prompt_logprobs is not None:
-            if self.prompt_logprobs > limits.max_logprobs:
-                raise invalid("prompt_logprobs", f"prompt_logprobs must be at most {limits.max_logprobs}")
+            self.prompt_logprobs = checked_logprobs("prompt_logprobs", self.prompt_logprobs, limits)
             if self.stream:
                 raise invalid("prompt_logprobs", "prompt_logprobs are not available when stream is true")
         self._constraint, self._constraint_param = self._requested_constraint()
@@ -523,7 +532,7 @@ class CompletionRequest(_GenerationRequest):
 
     prompt: str | list[int] | list[str] | list[list[int]] | None = None  # None: the start of a document
     echo: bool | None = False
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=-1)
     suffix: str | None = None
 
     def num_logprobs(self) -> int | None:
@@ -541,8 +550,8 @@ class CompletionRequest(_GenerationRequest):
 
     def check(self, limits: Limits) -> None:
         super().check(limits)
-        if self.logprobs is not None and self.logprobs > limits.max_logprobs:
-            raise invalid("logprobs", f"logprobs must be at most {limits.max_logprobs}")
+        if self.logprobs is not None:
+            self.logprobs = checked_logprobs("logprobs", self.logprobs, limits)
         if self.suffix:
             raise invalid("suffix", "suffix (insertion) is not supported by this server")
 
@@ -665,7 +674,7 @@ class ChatCompletionRequest(ChatTemplateFields, _GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=-1)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
@@ -688,8 +697,8 @@ class ChatCompletionRequest(ChatTemplateFields, _GenerationRequest):
         self.check_template_fields()
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
-        if (self.top_logprobs or 0) > limits.max_logprobs:
-            raise invalid("top_logprobs", f"top_logprobs must be at most {limits.max_logprobs}")
+        if self.top_logprobs is not None:
+            self.top_logprobs = checked_logprobs("top_logprobs", self.top_logprobs, limits)
         self._check_messages()
         try:
             self._tools = tool_calling.read_tools(self.tools or [])
