@@ -558,7 +558,11 @@ _TINY = dict(
     index_head_dim=16, index_n_heads=2, index_topk=8, first_k_dense_replace=1,
     swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
     vocab_size_per_layer_input=96, hidden_size_per_layer_input=16, rotary_dim=8, moe_k=2, moe_topk=2,
-    pad_token_id=0, eos_token_id=1, bos_token_id=2, initializer_range=0.3,
+    pad_token_id=0, eos_token_id=1, bos_token_id=2, initializer_range=0.3, emb_dim=64,
+    # state-space layers: 8 heads of 16 and a state of 16 (the defaults' 128 heads of 64 and states of 256 made
+    # one tiny hybrid's generate() take seconds on the reference scan)
+    mamba_n_heads=8, mamba_d_head=16, mamba_d_ssm=128, mamba_d_state=16, mamba_num_heads=8, mamba_head_dim=16,
+    ssm_state_size=16, linear_num_heads=4, linear_head_dim=16,
 )
 _NONE_MEANS_OFF = ("sliding_window", "sliding_window_size", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
                    "qk_nope_head_dim", "qk_head_dim", "v_head_dim", "index_head_dim", "index_n_heads", "index_topk",
