@@ -30,13 +30,22 @@ class Case:
     options: dict = field(default_factory=dict)
 
 
-CASES = (
-    Case("batch 1, 300-token prompt", [300]),
-    Case("batch 8, left-padded 40-300", [40, 77, 114, 151, 188, 225, 262, 300]),
-    Case("beam 4, 300-token prompt", [300], {"num_beams": 4}),
-    Case("sampling n=4, 200-token prompt", [200], {"do_sample": True, "num_return_sequences": 4}),
-    Case("beam 8, 1000-token prompt", [1000], {"num_beams": 8}),
-)
+def cases(scale: float = 1.0) -> tuple[Case, ...]:
+    """The workloads, prompts ``scale`` times as long (a quick run shrinks them)."""
+    def n(length: int) -> int:
+        return max(1, round(length * scale))
+
+    padded = [n(x) for x in (40, 77, 114, 151, 188, 225, 262, 300)]
+    return (
+        Case(f"batch 1, {n(300)}-token prompt", [n(300)]),
+        Case(f"batch 8, left-padded {padded[0]}-{padded[-1]}", padded),
+        Case(f"beam 4, {n(300)}-token prompt", [n(300)], {"num_beams": 4}),
+        Case(f"sampling n=4, {n(200)}-token prompt", [n(200)], {"do_sample": True, "num_return_sequences": 4}),
+        Case(f"beam 8, {n(1000)}-token prompt", [n(1000)], {"num_beams": 8}),
+    )
+
+
+CASES = cases()
 
 
 def speed_model(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):

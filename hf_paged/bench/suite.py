@@ -183,7 +183,8 @@ def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int =
 
     # generate() with the flag against stock generate(), on generate_speed's own model (see its docstring).
     section("generate_flag_vs_stock", "generate() with the flag vs stock generate() (stock time / flag time)",
-            lambda: generate_speed.run(rounds=max(1, repeats), log=log, new_tokens=generate_new_tokens))
+            lambda: generate_speed.run(rounds=max(1, repeats), log=log, new_tokens=generate_new_tokens,
+                                       cases=generate_speed.cases(0.25 if quick else 1.0)))
 
     # Prefix caching inside generate(): few-shot and multi-turn, against stock and the flag without it.
     section("prefix_generate", "prefix caching in generate()",
