@@ -129,6 +129,24 @@ def test_the_server_process_is_stopped_when_its_start_fails(monkeypatch):
             server.proc.wait()
 
 
+def test_a_server_that_fails_to_start_is_killed_at_once(monkeypatch):
+    """A start that fails has nothing to drain: the group is killed, not sent SIGINT and waited for
+    (a SIGINT that reaches the child between fork and exec is lost: the suite once waited out the
+    30-second stop timeout there). The child here ignores SIGINT altogether."""
+    def interrupted(*args, **kwargs):
+        time.sleep(0.5)  # the shell has set its trap
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(local_server.urllib.request, "urlopen", interrupted)
+    server = local_server.LocalServer(["sh", "-c", "trap '' INT; sleep 60"], local_server.free_port(), name="deaf",
+                                      stop_timeout=30)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        with server:
+            pass
+    assert server.proc.poll() is not None and time.monotonic() - started < 10
+
+
 def test_vs_vllm_server_is_stopped_when_its_start_fails(tmp_path, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -2,7 +2,7 @@
 
 ``LocalServer`` runs a command (``hf-paged serve``, vLLM's OpenAI server) in a process group of
 its own on a loopback port chosen by :func:`free_port`, and is up once ``GET /health`` answers 200.
-It starts in ``__enter__``, which stops it again if anything fails before it returns (a server
+It starts in ``__enter__``, which kills it again if anything fails before it returns (a server
 that exits or never answers, Ctrl-C while waiting); ``__exit__`` sends SIGINT, waits, then kills
 the whole group.
 """
@@ -57,7 +57,7 @@ class LocalServer:
             state = f"exited with {self.proc.returncode}" if self.proc.poll() is not None else "did not answer /health"
             raise RuntimeError(f"{self.name}: the server {state}{end}")
         except BaseException:
-            self.__exit__()
+            self._kill()  # nothing to drain; and a SIGINT sent between fork and exec would be lost
             raise
 
     def _healthy(self) -> bool:
@@ -73,7 +73,18 @@ class LocalServer:
             try:
                 self.proc.wait(self.stop_timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the group this class started
-                self.proc.wait()
+                pass
+        self._kill()
+
+    def _kill(self) -> None:
+        """SIGKILL the group this class started (the server and what it started) while the server
+        runs (an unreaped server keeps its pid, so the group is never another's), then close the log."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.proc.wait()
         if self.log is not None and self.log is not subprocess.DEVNULL:
             self.log.close()
