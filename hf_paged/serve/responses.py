@@ -8,6 +8,7 @@ import re
 import time
 from typing import Any
 
+from hf_paged.engine.detokenize import TokenTexts
 from hf_paged.engine.outputs import RequestOutput
 
 OBJECT = {"completion": "text_completion", "chat": "chat.completion"}
@@ -15,10 +16,11 @@ CHUNK_OBJECT = {"completion": "text_completion", "chat": "chat.completion.chunk"
 MIN_LOGPROB = -9999.0  # what a token a constraint masked (log-prob -inf) reads as: vLLM's value
 
 
-class TokenText:
+class TokenText(TokenTexts):
     """Each token's own text and bytes, as logprobs show them (found once per id).
 
-    A token's text is its id decoded alone: a byte of a multi-byte character then reads U+FFFD, so
+    A token's text is its id decoded alone (:class:`~hf_paged.engine.detokenize.TokenTexts`, as
+    the engine's ``Logprob.decoded_token``): a byte of a multi-byte character then reads U+FFFD, so
     its ``bytes`` are the token's own (what chat's ``bytes`` field is for: joined, they give the
     text back). They are read from the vocabulary where it says them: a byte-level BPE's
     (GPT-2's alphabet: Llama 3, Qwen, the demo's), SentencePiece's ``<0xNN>`` byte fallback and
@@ -27,16 +29,11 @@ class TokenText:
     """
 
     def __init__(self, tokenizer: Any):
-        self._tokenizer, self._cache, self._bytes = tokenizer, {}, {}
+        super().__init__(tokenizer)
+        self._bytes: dict[int, bytes] = {}
         self._special = set(getattr(tokenizer, "all_special_ids", ()))
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self._byte_level = type(decoder).__name__ == "ByteLevel"
-
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._cache[token_id] = self._tokenizer.decode([token_id])
-        return text
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special
@@ -50,7 +47,7 @@ class TokenText:
     def _find_bytes(self, token_id: int) -> bytes:
         if token_id in self._special:
             return b""
-        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
         if isinstance(piece, str):
             if self._byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
                 return bytes(_UNICODE_TO_BYTE[c] for c in piece)
