@@ -262,3 +262,9 @@ class RequestOutput:
     error_kind: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int | None = None
+
+    @property
+    def has_whole_prompt_logprobs(self) -> bool:
+        """Whether ``prompt_logprobs`` holds every prompt token's: the prompt was prefilled (the
+        output has a token, or is finished)."""
+        return self.prompt_logprobs is not None and (self.finished or any(c.token_ids for c in self.outputs))

@@ -481,7 +481,7 @@ class ProcessEngineLoop(EngineLoop):
         if live is not None:  # sent whole once (EngineProcess._slim)
             if output.prompt_logprobs is None:
                 output.prompt_logprobs = live.prompt_logprobs
-            elif output.finished or any(c.token_ids for c in output.outputs):
+            elif output.has_whole_prompt_logprobs:
                 live.prompt_logprobs = output.prompt_logprobs
         decode = None  # the defaults where the request is no longer live
         for completion in output.outputs:

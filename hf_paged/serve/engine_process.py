@@ -184,11 +184,10 @@ class _EngineCore:
         rid = output.request_id
         if rid in self.prompt_sent:
             output.prompt_token_ids = None
-        if output.prompt_logprobs is not None:
-            if rid in self.prompt_logprobs_sent:
-                output.prompt_logprobs = None  # the server keeps the copy it got (ProcessEngineLoop)
-            elif output.finished or any(c.token_ids for c in output.outputs):
-                self.prompt_logprobs_sent.add(rid)
+        if rid in self.prompt_logprobs_sent:
+            output.prompt_logprobs = None  # the server keeps the copy it got (ProcessEngineLoop)
+        elif output.has_whole_prompt_logprobs:
+            self.prompt_logprobs_sent.add(rid)
         if output.finished:
             self.live.discard(rid)
             self.prompt_sent.discard(rid)
