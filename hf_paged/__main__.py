@@ -486,7 +486,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--scale", type=float, default=0.25, help="length scale of the ShareGPT-like workload")
     b.add_argument("--batch-size", type=int, default=8, help="batch size of the generate() baselines")
     b.add_argument("--out", default="benchmarks/out", help="where JSON and plots go")
-    b.add_argument("--quick", action="store_true", help="a smoke run: no Poisson-rate sweep, one round offline, fewer requests, shorter prompts")
+    b.add_argument("--quick", action="store_true",
+                   help="a smoke run: no Poisson-rate sweep, one round offline, fewer requests, shorter prompts")
     b.add_argument("--repeats", type=int, default=5, help="offline rounds (median reported)")
     b.add_argument("--section", choices=("all", "hybrid"), default="all",
                    help="all: the suite on --model; hybrid: hybrid models in the engine (hf_paged/bench/hybrid.py)")

@@ -82,7 +82,8 @@ class ServerSettings:
         """A value the command line would refuse is refused here too: any other one (a typo, "Auto")
         would quietly serve as "vllm" and drop the model's defaults."""
         if self.max_logprobs < -1:
-            raise ValueError(f"ServerSettings.max_logprobs must be >= 0, or -1 (the vocabulary), got {self.max_logprobs}")
+            raise ValueError(f"ServerSettings.max_logprobs must be >= 0, or -1 (the vocabulary), "
+                             f"got {self.max_logprobs}")
         if self.generation_config not in GENERATION_CONFIG_MODES:
             raise ValueError(f"ServerSettings.generation_config must be one of "
                              f"{', '.join(map(repr, GENERATION_CONFIG_MODES))}, got {self.generation_config!r}")
