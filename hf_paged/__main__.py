@@ -364,7 +364,7 @@ def serving_engine(args) -> LLMEngine:
                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            max_consecutive_failures=args.max_consecutive_failures,
                            num_state_slots=args.num_state_slots, compile=False if args.enforce_eager else None,
-                           cuda_graphs=args.cuda_graphs)
+                           cuda_graphs=args.cuda_graphs, max_model_len=args.max_model_len)
     except ValueError as err:  # an option the model or device rules out
         raise CliError(str(err)) from None
     if engine.tp and not engine.tp.is_driver:
@@ -500,6 +500,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--num-state-slots", type=int, default=None,
                    help="models with recurrent layers: sequences whose state is held at once (default: --max-num-seqs)")
     s.add_argument("--max-num-batched-tokens", type=int, default=4096, help="tokens per engine step")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="the most tokens a sequence may hold, prompt and output (default: the model's positions)")
     s.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond which new ones get 503")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $HF_PAGED_API_KEY)")
     s.add_argument("--served-model-name", help="the model name clients pass (default: --model, or hf-paged-demo)")

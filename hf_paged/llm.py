@@ -4,11 +4,17 @@ A script written for vLLM (``LLM(model=PATH).generate(prompts, params)``, ``.cha
 ``.beam_search(prompts, BeamSearchParams(...))``, ``.get_tokenizer()``) runs here with its import
 changed: the checkpoint is loaded with transformers (local files only: there is no hub download),
 then served by one engine. Everything the engine takes (``block_size``, ``num_blocks``,
-``max_num_seqs``, ...) passes through; ``llm_engine`` is it.
+``max_num_seqs``, ``max_model_len``, ...) passes through; ``llm_engine`` is it. vLLM's own
+constructor keywords are taken where they mean something here (``enforce_eager``,
+``trust_remote_code``, ``revision``, ``chat_template``, ``skip_tokenizer_init``, ``max_logprobs``) or
+name what they cannot do (a ``tensor_parallel_size`` above 1, a quantized KV cache); others are a
+``TypeError`` naming ``LLM``. As vLLM's, ``generate`` and ``chat`` raise ``ValueError`` for a prompt
+or parameters the engine refuses, before anything runs.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,12 +97,21 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | PreTrainedModel | None = None, tokenizer: Any = None, *,
                  dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
-                 seed: int | None = None, **engine_kwargs):
+                 seed: int | None = None, enforce_eager: bool = False, trust_remote_code: bool = False,
+                 revision: str | None = None, chat_template: str | None = None, skip_tokenizer_init: bool = False,
+                 max_logprobs: int | None = None, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
+                 quantization: str | None = None, disable_log_stats: bool = True, **engine_kwargs):
+        _check_vllm_options(tensor_parallel_size, kv_cache_dtype, quantization, engine_kwargs)
         if seed is not None:
             if not isinstance(seed, int) or isinstance(seed, bool):
                 raise ValueError(f"LLM(seed=...) must be None or an int, got {seed!r}")
             torch.manual_seed(seed)
+        if max_logprobs is not None and (not isinstance(max_logprobs, int) or max_logprobs < -1):
+            raise ValueError(f"LLM(max_logprobs=...) must be None, an int >= 0, or -1, got {max_logprobs!r}")
+        self.max_logprobs = None if max_logprobs == -1 else max_logprobs  # None: the whole vocabulary
+        self.chat_template = chat_template  # chat()'s when it is given none (vLLM's)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        loading = dict(local_files_only=True, trust_remote_code=trust_remote_code, revision=revision)
         if model is None:
             from hf_paged.demo import byte_tokenizer, demo_model
 
@@ -107,25 +122,47 @@ class LLM:
             if not os.path.isdir(path):
                 raise ValueError(f"LLM(model={path!r}): not a directory with a saved model (config.json, weights); "
                                  "hf_paged loads local checkpoints only")
-            tokenizer = _tokenizer(path if tokenizer is None else tokenizer)
+            tokenizer = None if skip_tokenizer_init else _tokenizer(path if tokenizer is None else tokenizer, loading)
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if dtype == "auto" else _dtype(dtype),
-                                                         local_files_only=True)
+                                                         **loading)
         elif not isinstance(model, PreTrainedModel):
             raise TypeError(f"LLM(model=...) takes a checkpoint directory, a PreTrainedModel or None, "
                             f"got {type(model).__name__}")
         elif isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = _tokenizer(tokenizer)
+            tokenizer = _tokenizer(tokenizer, loading)
+        if skip_tokenizer_init:
+            tokenizer = None  # prompts are token ids, outputs carry no text (vLLM's)
+        if enforce_eager:
+            engine_kwargs.setdefault("compile", False)  # vLLM's eager mode: no compiled steps, no graphs
+            engine_kwargs.setdefault("cuda_graphs", False)
         self.llm_engine = LLMEngine(model.to(device).eval(), tokenizer, **engine_kwargs)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (after the weights changed): :meth:`LLMEngine.reset_prefix_cache`."""
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Every prompt to completion, outputs in input order (see :meth:`LLMEngine.generate`)."""
-        return self.llm_engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        """Every prompt to completion, outputs in input order (see :meth:`LLMEngine.generate`). A
+        prompt or parameters the engine refuses raise ``ValueError`` naming the prompt's index,
+        before anything runs (as vLLM's); a request that fails while it runs comes back with
+        ``error`` set."""
+        if self.max_logprobs is not None:
+            for params in sampling_params if isinstance(sampling_params, list) else [sampling_params]:
+                self._check_logprobs(params)
+        return self.llm_engine.generate(prompts, sampling_params, use_tqdm=use_tqdm, raise_on_invalid=True)
+
+    def _check_logprobs(self, params: SamplingParams | None) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name, None)
+            if value is not None and (value == -1 or value > self.max_logprobs):
+                raise ValueError(f"SamplingParams.{name}={value} is more than LLM(max_logprobs="
+                                 f"{self.max_logprobs}) allows")
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search over each prompt (strings, token-id lists, or vLLM's prompt dicts), outputs
@@ -134,7 +171,10 @@ class LLM:
             raise TypeError(f"LLM.beam_search takes a BeamSearchParams, got {type(params).__name__}")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        results = self.generate(prompts, params.sampling_params(), use_tqdm=use_tqdm)
+        try:
+            results = self.generate(prompts, params.sampling_params(), use_tqdm=use_tqdm)
+        except ValueError as err:
+            raise ValueError(f"LLM.beam_search: {err}") from None
         tokenizer, beams = self.get_tokenizer(), []
         for index, result in enumerate(results):
             if result.error is not None:
@@ -154,8 +194,9 @@ class LLM:
         if tokenizer is None:
             raise ValueError("LLM.chat needs a tokenizer with a chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = [[_template_message(m, f"messages[{i}]") for i, m in enumerate(c)] for c in conversations]
         texts = [tokenizer.apply_chat_template(
-            conversation, chat_template=chat_template, tools=tools, tokenize=False,
+            conversation, chat_template=chat_template or self.chat_template, tools=tools, tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
             for conversation in conversations]
@@ -164,6 +205,52 @@ class LLM:
         for output, text in zip(outputs, texts):
             output.prompt = text
         return outputs
+
+
+def _template_message(message: dict, where: str) -> dict:
+    """A chat message as the template sees it: OpenAI's content parts become their text, one part
+    per line (vLLM's join); a part that is not text is refused (the models served here read text)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "input_text", "output_text") or not isinstance(part.get("text"), str):
+            raise ValueError(f"LLM.chat: {where}.content[{j}] is not a text part ({{'type': 'text', 'text': ...}}), "
+                             f"got {kind or type(part).__name__!r}: only text reaches the model")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
+
+
+# vLLM LLM(...) keywords with nothing to do here, and what to do instead
+VLLM_ONLY = {
+    "swap_space": "preemption swaps only with preemption_mode='swap', to swap_space_blocks CPU blocks",
+    "cpu_offload_gb": "weights are not offloaded; load the model as you need it and pass it as model=",
+    "pipeline_parallel_size": "pipeline parallelism is not built; tensor parallelism is (hf-paged serve)",
+    "tokenizer_mode": "the tokenizer is transformers' AutoTokenizer (or pass one as tokenizer=)",
+    "hf_overrides": "load the model with transformers as you need it and pass it as model=",
+}
+
+
+def _check_vllm_options(tensor_parallel_size: int, kv_cache_dtype: str, quantization: str | None,
+                        engine_kwargs: dict) -> None:
+    """vLLM's keywords this LLM cannot honour, refused naming what to do; unknown ones a TypeError naming LLM."""
+    if tensor_parallel_size != 1:
+        raise ValueError(f"LLM(tensor_parallel_size={tensor_parallel_size!r}): LLM runs one process; split a model "
+                         "over ranks with hf_paged.engine.tensor_parallel.load_model under torchrun, or serve it "
+                         "with hf-paged serve --tensor-parallel-size")
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"LLM(kv_cache_dtype={kv_cache_dtype!r}): the KV cache holds the model's dtype ('auto')")
+    if quantization is not None:
+        raise ValueError(f"LLM(quantization={quantization!r}): load a quantized checkpoint with transformers and "
+                         "pass the model as model=")
+    known = set(inspect.signature(LLMEngine.__init__).parameters) - {"self", "model", "tokenizer"}
+    for name in engine_kwargs:
+        if name not in known:
+            hint = f": {VLLM_ONLY[name]}" if name in VLLM_ONLY else ""
+            mine = set(inspect.signature(LLM.__init__).parameters) - {"self", "engine_kwargs"}
+            raise TypeError(f"LLM() has no parameter {name!r}{hint} (it takes {', '.join(sorted(mine | known))})")
 
 
 def _beam_sequence(prompt_ids: list[int], out, params: BeamSearchParams, tokenizer) -> BeamSearchSequence:
@@ -185,10 +272,10 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     return found
 
 
-def _tokenizer(source):
-    """A tokenizer as given, or loaded from a local directory."""
+def _tokenizer(source, loading: dict):
+    """A tokenizer as given, or loaded from a local directory (``loading``: from_pretrained's keywords)."""
     if not isinstance(source, (str, os.PathLike)):
         return source
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.fspath(source), local_files_only=True)
+    return AutoTokenizer.from_pretrained(os.fspath(source), **loading)

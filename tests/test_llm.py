@@ -109,3 +109,79 @@ def test_a_seed_makes_unseeded_samples_repeat(saved):
     assert [o.outputs[0].token_ids for o in first] != [o.outputs[0].token_ids for o in other]  # the seed matters
     with pytest.raises(ValueError, match="seed"):
         LLM(str(path), seed="7")
+
+
+def test_vllms_constructor_keywords(saved):
+    """vLLM's LLM(...) line of a ported script builds (this one: the audit's), max_model_len bounds
+    prompt and output as vLLM's does; what cannot be honoured is refused naming LLM and why."""
+    path, _ = saved
+    llm = LLM(model=str(path), block_size=4, enforce_eager=True, dtype="float32", max_model_len=40,
+              trust_remote_code=False, revision=None, disable_log_stats=True, tensor_parallel_size=1,
+              kv_cache_dtype="auto", quantization=None, gpu_memory_utilization=0.9, enable_prefix_caching=True)
+    assert llm.llm_engine.max_positions == 40 and not llm.llm_engine.stats()["compiled"]
+    prompt = llm.get_tokenizer()(PROMPTS[0]).input_ids
+    out = llm.generate([prompt], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 40 - len(prompt)  # max_tokens=None: up to max_model_len
+    capped = llm.generate([prompt], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert capped[0].outputs[0].token_ids == out.outputs[0].token_ids and capped[0].outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="prompt 0: prompt of 45 tokens does not fit the model's 40 positions"):
+        llm.generate([[5] * 45], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len=5000 is more than the model's"):
+        LLM(str(path), max_model_len=5000)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2.*torchrun"):
+        LLM(str(path), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
+        LLM(str(path), kv_cache_dtype="fp8")
+    with pytest.raises(TypeError, match="LLM\\(\\) has no parameter 'swap_space': preemption swaps only with"):
+        LLM(str(path), swap_space=4)
+    with pytest.raises(TypeError, match="LLM\\(\\) has no parameter 'nonsense'.*max_model_len"):
+        LLM(str(path), nonsense=1)
+    assert llm.reset_prefix_cache() is True
+    assert llm.llm_engine.kv.stats()["blocks_used"] == 0
+
+
+def test_bad_requests_raise_before_anything_runs(saved):
+    """As vLLM's LLM.generate: a prompt or parameters the engine refuses raise ValueError naming the
+    prompt's index, and nothing was run or left behind (the engine alone returns an error output)."""
+    path, _ = saved
+    llm = LLM(str(path), block_size=4)
+    engine = llm.llm_engine
+    for prompts, params, message in [
+        (["Hi", ""], GREEDY, "prompt 1: empty prompt"),
+        ([[5, 10**6]], GREEDY, "prompt 0: token ids outside the vocabulary"),
+        (["Hi", "There"], [GREEDY, SamplingParams(max_tokens=4, logprobs=10**6)], "prompt 1: SamplingParams.logprobs"),
+    ]:
+        steps = engine.stats()["steps"]
+        with pytest.raises(ValueError, match=message):
+            llm.generate(prompts, params, use_tqdm=False)
+        assert engine.stats()["steps"] == steps and not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="prompt 0: SamplingParams.logprobs"):
+        llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=4, logprobs=10**6))
+    assert engine.generate(["Hi", ""], GREEDY, use_tqdm=False)[1].error == "empty prompt"  # the engine's own rule
+    assert engine.kv.stats()["blocks_used"] == 0
+
+
+def test_chat_content_parts_and_options(saved):
+    """OpenAI content parts reach the template as their text, one per line (vLLM's join; they were
+    printed as a Python list into the prompt); other parts are refused naming where; the LLM's
+    chat_template serves chat() calls that give none; max_logprobs bounds requests."""
+    path, _ = saved
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    llm = LLM(str(path), block_size=4, chat_template=template, max_logprobs=3)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    out = llm.chat(parts, GREEDY, use_tqdm=False)[0]
+    assert out.prompt == "<user>Hi\nthere"
+    joined = llm.chat([{"role": "user", "content": "Hi\nthere"}], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == joined.outputs[0].token_ids
+    assert LLM(str(path), block_size=4).chat(parts, GREEDY, use_tqdm=False)[0].prompt != out.prompt  # its own template
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(ValueError, match="messages\\[0\\].content\\[0\\] is not a text part.*'image_url'"):
+        llm.chat(image, GREEDY)
+    with pytest.raises(ValueError, match="logprobs=4 is more than LLM\\(max_logprobs=3\\)"):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=2, logprobs=4))
+    assert len(llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, logprobs=3), use_tqdm=False)[0]
+               .outputs[0].logprobs[0]) >= 3
+    ids_only = LLM(str(path), block_size=4, skip_tokenizer_init=True)
+    assert ids_only.get_tokenizer() is None
+    assert ids_only.generate([[70, 71]], GREEDY, use_tqdm=False)[0].outputs[0].text in ("", None)
+    assert llm.llm_engine.kv.stats()["blocks_used"] == 0

@@ -604,7 +604,7 @@ def test_serve_refuses_a_tensor_parallel_size_below_one(capsys):
 def test_hf_paged_serve_answers_and_shuts_down_cleanly():
     port = free_port()
     cmd = [sys.executable, "-m", "hf_paged", "serve", "--port", str(port), "--api-key", KEY, "--num-blocks", "64",
-           "--served-model-name", "demo", "--device", "cpu", "--block-size", "32"]
+           "--served-model-name", "demo", "--device", "cpu", "--block-size", "32", "--max-model-len", "300"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -612,6 +612,7 @@ def test_hf_paged_serve_answers_and_shuts_down_cleanly():
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60) as client:
             resp = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}],
                                                   max_tokens=4, temperature=0)
+            assert client.models.retrieve("demo").model_extra["max_model_len"] == 300  # --max-model-len
         assert resp.usage.completion_tokens == 4
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=30)

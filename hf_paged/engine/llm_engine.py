@@ -93,6 +93,9 @@ class LLMEngine:
             ``None`` / False (default): eager steps (graphs are not yet measured on a device);
             True: capture, or raise naming why not.
         preemption_mode: ``"recompute"`` or ``"swap"`` (to ``swap_space_blocks`` CPU blocks).
+        max_model_len: vLLM's: the most tokens a sequence may hold, prompt and output (default the
+            model's positions; more is refused). A longer prompt is refused, an output stops there
+            (``"length"``), and ``max_tokens=None`` means up to it.
         max_consecutive_failures: failed steps in a row after which :attr:`healthy` is False (a
             step fails when its forward, block moves or processing raise, or when every logits
             row it computed is non-finite; a step in which only some requests failed, each for
@@ -114,6 +117,7 @@ class LLMEngine:
         gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None, max_consecutive_failures: int = 3,
         num_state_slots: int | None = None, prepack_lm_head: bool | None = None, tune_malloc: bool | None = None,
         compile: bool | None = None, serial_small_steps: bool | None = None, cuda_graphs: bool | None = None,
+        max_model_len: int | None = None,
     ):
         check_engine_supported(model)  # generate()-only models are refused here, naming why
         check_block_options(block_size, num_blocks)
@@ -173,7 +177,7 @@ class LLMEngine:
                                   states=states, swap_states=swap_states, prepack_lm_head=prepack_lm_head,
                                   compile=compile, serial_small_steps=serial_small_steps)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.max_positions = max_positions(self.config)
+        self.max_positions = _model_len(max_positions(self.config), max_model_len)
         if cuda_graphs:
             if num_blocks is None:
                 raise ValueError("cuda_graphs=True needs a KV budget (num_blocks or kv_cache_bytes): graphs keep "
@@ -426,11 +430,12 @@ class LLMEngine:
     # ------------------------------------------------------------------ offline and streaming use
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, *, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
+                 raise_on_invalid: bool = False) -> list[RequestOutput]:
         """Run all prompts to completion; outputs in input order. A bad prompt or bad parameters
-        give that request an output with ``error`` set; the others are served. Under tensor
-        parallelism every rank calls it; the others execute rank 0's steps and return its outputs.
-        ``sampling_params`` is vLLM's name of ``params``."""
+        give that request an output with ``error`` set; the others are served (``raise_on_invalid``:
+        a ``ValueError`` naming the prompt's index instead, before anything runs, as vLLM's
+        ``LLM.generate``). Under tensor parallelism every rank calls it; the others execute rank 0's
+        steps and return its outputs. ``sampling_params`` is vLLM's name of ``params``."""
         if sampling_params is not None:
             if params is not None:
                 raise TypeError("generate() got both params and sampling_params (vLLM's name of params): pass one")
@@ -445,10 +450,15 @@ class LLMEngine:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         results: dict[str, RequestOutput] = {}
         order = []
-        for prompt, p in zip(prompts, params):
+        for index, (prompt, p) in enumerate(zip(prompts, params)):
             try:
                 order.append(self.add_request(prompt, p))
             except ValueError as err:
+                if raise_on_invalid:
+                    self.abort(order)
+                    if self.tp and not self._stopped:
+                        self.tp.send("done", [])  # the other ranks' generate() returns too
+                    raise ValueError(f"prompt {index}: {err}") from None
                 rid = f"rejected-{next(self._ids)}"
                 order.append(rid)
                 ids, text = (prompt, prompt) if not isinstance(prompt, dict) else (
@@ -725,6 +735,17 @@ class LLMEngine:
 class _NoProgress:
     def update(self, n: int) -> None: ...
     def close(self) -> None: ...
+
+
+def _model_len(positions: int | None, max_model_len: int | None) -> int | None:
+    """The longest sequence the engine serves: ``max_model_len`` within the model's positions."""
+    if max_model_len is None:
+        return positions
+    if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or max_model_len < 2:
+        raise ValueError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
+    if positions is not None and max_model_len > positions:
+        raise ValueError(f"max_model_len={max_model_len} is more than the model's {positions} positions")
+    return max_model_len
 
 
 def _progress(total: int, enabled: bool):
