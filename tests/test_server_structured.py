@@ -23,7 +23,7 @@ from hf_paged import SamplingParams
 from hf_paged.constraints import ConstraintCompiler, StructuredOutputsParams
 from hf_paged.demo import byte_tokenizer
 from hf_paged.serve import tools as tool_calling
-from hf_paged.serve.tools import HermesToolParser, parse_tool_calls
+from hf_paged.serve.tools import HermesToolParser, parse_tool_calls, template_entry
 from tests.helpers.serving import (ENGINE_PLACES, MODEL, NUM_BLOCKS, client, engine,  # noqa: F401 - fixtures
                                    serving, single_threaded_torch)
 
@@ -46,6 +46,9 @@ HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris
 
 
 def chat_ids(messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The prompt the server builds: declared tools as it gives them to the template (null
+    description and parameters where not declared, as vLLM)."""
+    tools = None if tools is None else [template_entry(tool) for tool in tools]
     text = TOKENIZER.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     return TOKENIZER(text, add_special_tokens=False).input_ids
 

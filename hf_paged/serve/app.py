@@ -589,7 +589,8 @@ class _OpenAIServing:
                     text, found = parse_tool_calls(c.text, job.calls_only)
                     calls = [call.body() for call in found]
                     finish = "tool_calls" if found and finish == "stop" else finish
-                text = prefix + text
+                if prefix:  # chat's content is None when the output is calls only
+                    text = prefix + (text or "")
                 generated, generated_logprobs, stop_reason = c.token_ids, c.logprobs, c.stop_reason
                 if req.prompt_only():  # echo with max_tokens=0: the prompt alone
                     text, finish, stop_reason = prefix, "length", None
@@ -691,7 +692,7 @@ class _OpenAIServing:
             calls = [d.body() for d in found]
             finish = "tool_calls" if finish == "stop" and parser.calls else finish
         if first and job.prompt_texts:
-            delta = job.prompt_texts[prompt_index] + delta
+            delta = job.prompt_texts[prompt_index] + (delta or "")
         ids, entries = new_ids, c.logprobs[start: start + len(new_ids)] if c.logprobs else None
         if first:
             ids, entries = self._echoed(job, out, ids, entries)
