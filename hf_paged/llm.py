@@ -31,8 +31,10 @@ class BeamSearchParams:
     outputs), up to ``max_tokens`` new tokens each.
 
     The search is transformers' (``generate(num_beams=...)``, token for token), not vLLM's own
-    loop: ``length_penalty`` divides a hypothesis' summed log-prob by its *generated* length (vLLM
-    counts the prompt too), so rankings can differ from vLLM's. It is deterministic:
+    loop, so where EOS can end a beam the beams can differ from vLLM's: ``length_penalty`` divides a
+    hypothesis' summed log-prob by its *generated* length (vLLM counts the prompt too), and a
+    finished hypothesis enters only when EOS ranks among the step's ``beam_width`` best candidates,
+    with transformers' stopping rule. It is deterministic:
     ``temperature`` is accepted and changes nothing (vLLM's draws nothing either).
     """
 
