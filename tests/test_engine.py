@@ -443,7 +443,7 @@ def test_vllm_spellings_of_the_length_limits(model, prompts):
     assert len(engine.generate([prompts[4]], params, use_tqdm=False)[0].outputs[0].token_ids) == 5
     with pytest.raises(ValueError, match="max_tokens .* and max_new_tokens say different things"):
         SamplingParams(max_tokens=5, max_new_tokens=7)
-    with pytest.raises(ValueError, match="SamplingParams.min_new_tokens"):
+    with pytest.raises(ValueError, match="SamplingParams.min_tokens must be an int between 0 and max_tokens"):
         SamplingParams(max_tokens=3, min_tokens=4)
     _check_no_leak(engine)
 

@@ -103,8 +103,8 @@ def test_generate_takes_vllms_sampling_params_keyword(engine):
         engine.generate([PROMPT], GREEDY, sampling_params=GREEDY, use_tqdm=False)
 
 
-@pytest.mark.parametrize("name, value", [("detokenize", False), ("truncate_prompt_tokens", 8),
-                                         ("output_kind", 1), ("extra_args", {}), ("thinking_token_budget", 8)])
+@pytest.mark.parametrize("name, value", [("truncate_prompt_tokens", 8), ("output_kind", 1), ("extra_args", {}),
+                                         ("thinking_token_budget", 8)])
 def test_vllm_only_fields_say_what_to_do(name, value):
     with pytest.raises(TypeError, match=rf"^SamplingParams has no parameter '{name}': \w"):
         SamplingParams(**{name: value})

@@ -167,8 +167,11 @@ class TextStream:
         self.finished = False
 
     @classmethod
-    def of(cls, tokenizer: Any, params: SamplingParams) -> TextStream:
-        """The stream of a request with ``params``: its stop strings and text options."""
+    def of(cls, tokenizer: Any, params: SamplingParams) -> TextStream | TokenStream:
+        """The stream of a request with ``params``: its stop strings and text options. With
+        ``detokenize=False`` a :class:`TokenStream`: its text deltas are "" (vLLM decodes nothing)."""
+        if not params.detokenize:
+            return TokenStream()
         return cls(tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens,
                    spaces_between_special_tokens=params.spaces_between_special_tokens,
                    include_stop_str_in_output=params.include_stop_str_in_output)
@@ -194,7 +197,8 @@ class TextStream:
 
 
 class TokenStream:
-    """:class:`TextStream` for an engine without a tokenizer: the new token ids, no text."""
+    """:class:`TextStream` for an engine without a tokenizer, or a request with ``detokenize=False``:
+    the new token ids, no text."""
 
     def __init__(self):
         self.num_tokens = 0

@@ -359,7 +359,7 @@ class OutputProcessor:
         seq.token_ids.append(token)
         if logprob is not None:
             seq.cumulative_logprob += logprob
-            texts = self.token_texts
+            texts = self.token_texts if params.detokenize else None  # None: decoded_token None (vLLM's)
             seq.logprobs = (seq.logprobs or []) + [{t: Logprob(v, r, token=t, texts=texts) for t, v, r in
                                                     sampler.top_logprobs(raw_logprobs, token, params.logprobs)}]
         outcome.generated[request.request_id] += 1
@@ -435,11 +435,16 @@ class OutputProcessor:
 
     def request_output(self, request: Request, with_text: bool = True) -> RequestOutput:
         """What ``request`` has produced so far (all of it, not a delta). ``with_text=False``: no
-        decoding (for a request whose decoding failed)."""
+        decoding (for a request whose decoding failed). A request with ``detokenize=False`` is never
+        decoded: its texts are "" and its prompt log-probs' ``decoded_token`` None, as in vLLM."""
         seqs = request.seqs + request.finished_seqs
         if len(seqs) > 1:
             seqs.sort(key=lambda s: s.index)
         params = request.params
+        if not params.detokenize:
+            with_text = False
+            if request.prompt_logprobs is not None:  # given the engine's decoder when the request was added
+                request.prompt_logprobs.texts = None
         scored = params.logprobs is not None or params.beam_search  # else None, as in vLLM
         outputs = []
         for s in seqs:

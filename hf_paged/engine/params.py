@@ -9,10 +9,12 @@ NaN. The checks the engine's own limits add (``n``/``num_beams`` against ``max_n
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import math
 from dataclasses import InitVar, dataclass, field, fields
+from typing import Any, ClassVar
 
 from hf_paged.constraints.params import StructuredOutputsParams
 
@@ -106,9 +108,16 @@ class SamplingParams:
       that asks for them does not read the prefix cache (as in vLLM): every prompt token's logits
       are computed;
     * ``include_stop_str_in_output``, ``skip_special_tokens``, ``spaces_between_special_tokens``:
-      bools (the text of outputs; token ids are the same either way).
+      bools (the text of outputs; token ids are the same either way);
+    * ``detokenize``: a bool (vLLM's). False: nothing is decoded for the request: every output's
+      ``text`` is ``""`` (streamed deltas too) and every ``Logprob.decoded_token`` None, prompt
+      log-probs' included; token ids and log-prob values are the same. Not with ``stop``: stop
+      strings are matched on the text (vLLM refuses them too).
 
-    Every float must be a finite number (bools, NaN and inf are refused).
+    Every float must be a finite number (bools, NaN and inf are refused). A message names the
+    length fields as the caller wrote them: ``max_tokens`` / ``min_tokens`` (vLLM's names) or
+    ``max_new_tokens`` / ``min_new_tokens``. Writing ``max_tokens`` or ``min_tokens`` on an object
+    checks the new value as the constructor would (a refused one leaves the object as it was).
     """
 
     max_new_tokens: int | None = 16  # None: up to the model's positions (resolved per request by the engine)
@@ -137,9 +146,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # text keeps the stop string that ended it
     skip_special_tokens: bool = True  # text leaves special tokens out
     spaces_between_special_tokens: bool = True  # ... and, when they are in, spaces them from the rest
+    detokenize: bool = True  # False: no text at all (outputs' text "", Logprob.decoded_token None)
     # vLLM's spellings, accepted as they are what its users write (not kept: max_new_tokens / min_new_tokens)
     max_tokens: InitVar[int | None] = _UNSET  # None here is vLLM's "as many as fit", not "unset"
     min_tokens: InitVar[int | None] = None
+    # the length fields' names as the caller wrote them, where it did (set by __init__ and the setters)
+    _spelling: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self, max_tokens: int | None = _UNSET, min_tokens: int | None = None) -> None:
         for alias, name, value, unset in (("max_tokens", "max_new_tokens", max_tokens, _UNSET),
@@ -157,8 +169,19 @@ class SamplingParams:
         self._check_beam_search()
         self._check_constraints()
 
+    def _shown(self, name: str) -> str:
+        """``name`` as messages write it: a length field as the caller spelled it; one it did not
+        write follows the other (``min_tokens`` alone: ``max_tokens`` too), else hf_paged's name."""
+        if name not in VLLM_NAMES:
+            return name
+        spelled = self._spelling
+        if name in spelled:
+            return spelled[name]
+        other = next(n for n in VLLM_NAMES if n != name)
+        return VLLM_NAMES[name] if spelled.get(other) == VLLM_NAMES[other] else name
+
     def _bad(self, name: str, rule: str) -> ValueError:
-        return ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+        return ValueError(f"SamplingParams.{self._shown(name)} {rule}, got {getattr(self, name)!r}")
 
     def _check_real(self, name: str, low: float, high: float, rule: str) -> None:
         value = getattr(self, name)
@@ -169,7 +192,7 @@ class SamplingParams:
         if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):
             raise self._bad("max_new_tokens", "must be an int >= 1 or None (as many as fit)")
         if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= (self.max_new_tokens or math.inf):
-            raise self._bad("min_new_tokens", "must be an int between 0 and max_new_tokens")
+            raise self._bad("min_new_tokens", f"must be an int between 0 and {self._shown('max_new_tokens')}")
 
     def _check_sampling(self) -> None:
         t = self.temperature
@@ -214,8 +237,9 @@ class SamplingParams:
         # max_new_tokens=None: checked once the engine resolves it for a prompt
         bound = max_length_penalty(self.max_new_tokens) if self.max_new_tokens else math.inf
         if self.num_beams > 1 and abs(self.length_penalty) > bound:
-            raise self._bad("length_penalty", f"must be in [-{bound:.4g}, {bound:.4g}] for max_new_tokens="
-                                              f"{self.max_new_tokens} (max_new_tokens ** length_penalty must stay "
+            max_name = self._shown("max_new_tokens")
+            raise self._bad("length_penalty", f"must be in [-{bound:.4g}, {bound:.4g}] for {max_name}="
+                                              f"{self.max_new_tokens} ({max_name} ** length_penalty must stay "
                                               f"within [1e-30, 1e30])")
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise self._bad("early_stopping", "must be True, False or 'never'")
@@ -231,9 +255,12 @@ class SamplingParams:
             raise self._bad("stop", "must be a string or a list of non-empty strings")
         self.stop = list(self.stop)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "spaces_between_special_tokens"):
+                     "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise self._bad(name, "must be a bool")
+        if self.stop and not self.detokenize:  # vLLM's rule: stop strings are matched on the text
+            raise self._bad("stop", "is only supported when detokenize is True (set detokenize=True to use stop "
+                                    "strings)")
 
     def _check_beam_search(self) -> None:
         """What would change a beam search that reads it is refused, not ignored: the search is
@@ -306,11 +333,73 @@ class SamplingParams:
     def beam_search(self) -> bool:
         return self.num_beams > 1
 
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's ``clone()``): its lists and dicts (``stop``, ``logit_bias``, ...) and
+        its ``structured_outputs`` (plain data: strings, lists, dicts) are its own, so a script can
+        change one request's copy and leave the others alone."""
+        return copy.deepcopy(self)
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        """vLLM's ``SamplingParams.from_optional``: params from fields that may be None (an API
+        request's). A keyword whose value is None takes the default, except ``max_tokens`` /
+        ``max_new_tokens``, where None means as many as fit (vLLM passes it on too). As vLLM's does,
+        ``logit_bias`` keys may be strings of token ids and biases are clamped to [-100, 100]."""
+        known = _parameter_names()  # an unknown name is refused by the constructor, None or not
+        given = {name: value for name, value in kwargs.items()
+                 if value is not None or name in ("max_tokens", "max_new_tokens") or name not in known}
+        if given.get("logit_bias") is not None:
+            given["logit_bias"] = _clamped_logit_bias(given["logit_bias"])
+        return cls(**given)
+
 
 _DEFAULTS = {"max_new_tokens": SamplingParams.max_new_tokens, "min_new_tokens": SamplingParams.min_new_tokens}
-# ... and read under them too (the init-only aliases above would otherwise read None)
-SamplingParams.max_tokens = property(lambda self: self.max_new_tokens, doc="vLLM's name of max_new_tokens")
-SamplingParams.min_tokens = property(lambda self: self.min_new_tokens, doc="vLLM's name of min_new_tokens")
+VLLM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}  # the length fields' vLLM names
+
+
+def _clamped_logit_bias(bias: Any) -> Any:
+    """``from_optional``'s ``logit_bias`` (vLLM's rule): string keys read as token ids, numeric biases
+    clamped to ``LOGIT_BIAS_RANGE``; anything else is left for the constructor to refuse."""
+    if not isinstance(bias, dict):
+        return bias
+    low, high = LOGIT_BIAS_RANGE
+    clamped, bad = {}, []
+    for token, value in bias.items():
+        if isinstance(token, str):
+            try:
+                token = int(token)
+            except ValueError:
+                bad.append(token)
+                continue
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+        clamped[token] = min(high, max(low, value)) if numeric else value
+    if bad:
+        raise ValueError(f"SamplingParams.logit_bias contains key(s) that cannot be converted to integer token ids: "
+                         f"{bad!r}")
+    return clamped
+
+
+def _length_alias(name: str) -> property:
+    """vLLM's name of the length field ``name``, read and written: a write is checked as the
+    constructor checks it, and a refused value leaves the object unchanged."""
+    alias = VLLM_NAMES[name]
+
+    def write(self: SamplingParams, value: int | None) -> None:
+        trial = copy.copy(self)
+        setattr(trial, name, value)
+        trial._spelling = {**self._spelling, name: alias}
+        trial._check_lengths()
+        trial._check_width()  # length_penalty's bound depends on max_new_tokens
+        trial._check_constraints()  # min_new_tokens must be 0 with structured_outputs
+        setattr(self, name, value)
+        self._spelling = trial._spelling
+
+    return property(lambda self: getattr(self, name), write, doc=f"vLLM's name of {name}")
+
+
+# ... and read and written under them too (the init-only aliases above would otherwise read None)
+SamplingParams.max_tokens = _length_alias("max_new_tokens")
+SamplingParams.min_tokens = _length_alias("min_new_tokens")
 
 # vLLM SamplingParams fields this engine does not take, and what to write instead
 VLLM_ONLY = {
@@ -318,27 +407,42 @@ VLLM_ONLY = {
     "use_beam_search": "pass num_beams > 1",
     "guided_decoding": "pass structured_outputs=StructuredOutputsParams(...)",
     "truncate_prompt_tokens": "truncate the prompt before adding it",
-    "detokenize": "outputs carry text whenever the engine has a tokenizer; token_ids are always there",
     "output_kind": "generate() returns final outputs, step() cumulative ones, stream() deltas",
     "extra_args": "there are no custom sampling plugins to read them",
     "thinking_token_budget": "not supported (no budget for reasoning tokens); bound max_tokens instead",
 }
 
 
+def _parameter_names() -> set[str]:
+    """Every keyword ``SamplingParams(...)`` takes."""
+    return {f.name for f in fields(SamplingParams)} | set(VLLM_NAMES.values())
+
+
+def _spelling_of(kwargs: dict[str, Any]) -> dict[str, str]:
+    """The names the caller wrote for the length fields: ``max_tokens`` / ``min_tokens`` where it
+    passed vLLM's name (also when it passed both, as ``dataclasses.replace`` does), else the field's."""
+    return {name: alias if alias in kwargs else name
+            for name, alias in VLLM_NAMES.items() if alias in kwargs or name in kwargs}
+
+
 def _naming_unknown_parameters(init):
     """``SamplingParams(...)`` with a name it does not take: a TypeError that says what to pass
-    instead (vLLM users write vLLM's names), not the dataclass's bare one."""
+    instead (vLLM users write vLLM's names), not the dataclass's bare one. Also notes how the
+    caller spelled the length fields, for the messages."""
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         if args:  # vLLM's SamplingParams(2) is n=2: a positional value is refused, never guessed at
             raise TypeError(f"SamplingParams takes keyword arguments only (e.g. SamplingParams(max_tokens=32, "
                             f"n=2)), got positional {args!r}")
-        known = {f.name for f in fields(SamplingParams)} | {"max_tokens", "min_tokens"}
+        known = _parameter_names()
         for name in kwargs:
             if name not in known:
                 hint = f": {VLLM_ONLY[name]}" if name in VLLM_ONLY else ""
                 raise TypeError(f"SamplingParams has no parameter {name!r}{hint} (it takes: "
                                 f"{', '.join(sorted(known))})")
+        spelling = _spelling_of(kwargs)
+        if spelling:
+            self._spelling = spelling
         init(self, *args, **kwargs)
     return __init__
 
