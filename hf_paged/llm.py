@@ -23,6 +23,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_paged.engine import LLMEngine, RequestOutput, SamplingParams
+from hf_paged.engine.params import generation_defaults
 
 
 @dataclass(kw_only=True)
@@ -144,6 +145,13 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the model's recommended sampling values (its generation config's temperature,
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens), the rest SamplingParams' defaults:
+        what ``generate`` and ``chat`` use when given no parameters."""
+        defaults = generation_defaults(getattr(self.llm_engine.model, "generation_config", None))
+        return SamplingParams.from_optional(**defaults)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (after the weights changed): :meth:`LLMEngine.reset_prefix_cache`."""
         return self.llm_engine.reset_prefix_cache()
@@ -154,6 +162,8 @@ class LLM:
         prompt or parameters the engine refuses raise ``ValueError`` naming the prompt's index,
         before anything runs (as vLLM's); a request that fails while it runs comes back with
         ``error`` set."""
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         if self.max_logprobs is not None:
             for params in sampling_params if isinstance(sampling_params, list) else [sampling_params]:
                 self._check_logprobs(params)

@@ -185,3 +185,23 @@ def test_chat_content_parts_and_options(saved):
     assert ids_only.get_tokenizer() is None
     assert ids_only.generate([[70, 71]], GREEDY, use_tqdm=False)[0].outputs[0].text in ("", None)
     assert llm.llm_engine.kv.stats()["blocks_used"] == 0
+
+
+def test_the_models_generation_config_is_the_default_sampling_params(tmp_path):
+    """As vLLM's LLM: a checkpoint's recommended sampling values (generation_config.json) are
+    get_default_sampling_params(), which generate() and chat() use when given no parameters."""
+    model = demo_model(trained=False, seed=3)
+    model.generation_config.update(do_sample=True, top_k=1, repetition_penalty=1.3, max_new_tokens=5)
+    model.save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), block_size=4)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.top_k, defaults.repetition_penalty, defaults.max_tokens, defaults.temperature) == (1, 1.3, 5, 1.0)
+    explicit = SamplingParams(top_k=1, repetition_penalty=1.3, max_tokens=5)
+    got = llm.generate(PROMPTS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in
+                                                   llm.generate(PROMPTS, explicit, use_tqdm=False)]
+    assert all(len(o.outputs[0].token_ids) == 5 for o in got)
+    assert len(llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)[0].outputs[0].token_ids) == 5
+    assert LLM(block_size=4).get_default_sampling_params().max_tokens == 16  # no recommended values: vLLM's defaults
+    assert llm.llm_engine.kv.stats()["blocks_used"] == 0

@@ -357,6 +357,18 @@ _DEFAULTS = {"max_new_tokens": SamplingParams.max_new_tokens, "min_new_tokens": 
 VLLM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}  # the length fields' vLLM names
 
 
+# generation_config.json fields that are a model's recommended request defaults (vLLM's
+# ``--generation-config auto``), and the SamplingParams keyword each one sets
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(generation_config) -> dict[str, float | int]:
+    """The request defaults a model's generation config sets (``{}`` for none), by SamplingParams keyword."""
+    values = generation_config.to_diff_dict() if generation_config is not None else {}
+    return {field: values[name] for name, field in GENERATION_DEFAULTS.items() if values.get(name) is not None}
+
+
 def _clamped_logit_bias(bias: Any) -> Any:
     """``from_optional``'s ``logit_bias`` (vLLM's rule): string keys read as token ids, numeric biases
     clamped to ``LOGIT_BIAS_RANGE``; anything else is left for the constructor to refuse."""

@@ -318,7 +318,7 @@ class _OpenAIServing:
     def __init__(self, loop: EngineLoop, tokenizer, settings: ServerSettings, limits: Limits, drain: Drain,
                  defaults: dict[str, float | int]):
         self.loop, self.tokenizer, self.settings, self.limits, self.drain = loop, tokenizer, settings, limits, drain
-        self.defaults = defaults  # request defaults from the model's generation config (protocol.generation_defaults)
+        self.defaults = defaults  # request defaults from the model's generation config (params.generation_defaults)
         self.tokenizers = TokenizerPool(tokenizer)
         self.token_text = responses.TokenText(tokenizer)
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id

@@ -34,9 +34,9 @@ from typing import Any
 
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import RequestOutput
+from hf_paged.engine.params import generation_defaults
 from hf_paged.process_exit import exit_process
 from hf_paged.serve.engine_loop import add_requests
-from hf_paged.serve.protocol import generation_defaults
 
 logger = logging.getLogger("hf_paged.serve")
 
@@ -50,7 +50,7 @@ class EngineFacts:
     kv_tokens: int | None  # tokens the KV cache holds; None when it grows
     eos_token_ids: list[int]
     max_num_seqs: int  # the widest request (n, beams) a step can hold
-    sampling_defaults: dict  # request defaults from the model's generation config (protocol.generation_defaults)
+    sampling_defaults: dict  # request defaults from the model's generation config (params.generation_defaults)
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineFacts:

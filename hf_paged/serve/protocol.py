@@ -454,7 +454,7 @@ class _GenerationRequest(StrictModel):
         return False
 
     def fill_defaults(self, defaults: dict[str, float | int]) -> None:
-        """Sampling fields the request leaves unset take ``defaults`` (:func:`generation_defaults`;
+        """Sampling fields the request leaves unset take ``defaults`` (:func:`hf_paged.engine.params.generation_defaults`;
         ``max_tokens`` is the server's to resolve). Beam search reads only ``repetition_penalty``."""
         for name, value in defaults.items():
             if name == "max_tokens" or (self.use_beam_search and name != "repetition_penalty"):
@@ -517,16 +517,6 @@ def _structural_tag_source(fmt: ResponseFormat, tag_fields: list[str]):
 
 # generation_config.json fields a model's authors recommend, as the request fields they default
 # (vLLM's --generation-config auto, its default: the model's values where a request sets none)
-GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-
-
-def generation_defaults(generation_config) -> dict[str, float | int]:
-    """The request defaults a model's generation config sets (``{}`` for none)."""
-    values = generation_config.to_diff_dict() if generation_config is not None else {}
-    return {field: values[name] for name, field in GENERATION_DEFAULTS.items() if values.get(name) is not None}
-
-
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``."""
 
