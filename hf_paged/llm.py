@@ -105,6 +105,7 @@ class LLM:
                  max_logprobs: int | None = None, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
                  quantization: str | None = None, disable_log_stats: bool = True, **engine_kwargs):
         _check_vllm_options(tensor_parallel_size, kv_cache_dtype, quantization, engine_kwargs)
+        del disable_log_stats  # taken as vLLM's scripts pass it: nothing is logged per interval here
         if seed is not None:
             if not isinstance(seed, int) or isinstance(seed, bool):
                 raise ValueError(f"LLM(seed=...) must be None or an int, got {seed!r}")
@@ -236,7 +237,7 @@ def _template_message(message: dict, where: str) -> dict:
 
 
 # vLLM LLM(...) keywords with nothing to do here, and what to do instead
-VLLM_ONLY = {
+VLLM_ONLY_OPTIONS = {
     "swap_space": "preemption swaps only with preemption_mode='swap', to swap_space_blocks CPU blocks",
     "cpu_offload_gb": "weights are not offloaded; load the model as you need it and pass it as model=",
     "pipeline_parallel_size": "pipeline parallelism is not built; tensor parallelism is (hf-paged serve)",
@@ -260,7 +261,7 @@ def _check_vllm_options(tensor_parallel_size: int, kv_cache_dtype: str, quantiza
     known = set(inspect.signature(LLMEngine.__init__).parameters) - {"self", "model", "tokenizer"}
     for name in engine_kwargs:
         if name not in known:
-            hint = f": {VLLM_ONLY[name]}" if name in VLLM_ONLY else ""
+            hint = f": {VLLM_ONLY_OPTIONS[name]}" if name in VLLM_ONLY_OPTIONS else ""
             mine = set(inspect.signature(LLM.__init__).parameters) - {"self", "engine_kwargs"}
             raise TypeError(f"LLM() has no parameter {name!r}{hint} (it takes {', '.join(sorted(mine | known))})")
 
