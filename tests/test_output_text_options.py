@@ -22,7 +22,7 @@ from hf_paged import LLMEngine, SamplingParams
 from hf_paged.demo import byte_tokenizer
 from hf_paged.engine.detokenize import TextStream, text_decoder
 from tests.helpers.serving import tiny_model
-from tests.helpers.tiny_models import VOCAB, build, single_threaded_torch
+from tests.helpers.tiny_models import VOCAB, assert_engine_idle, build, single_threaded_torch
 
 BYTES = byte_tokenizer()
 PAD, BOS, EOS = 0, 1, 2  # the byte tokenizer's special tokens: <pad>, <s>, </s>
@@ -44,8 +44,7 @@ def engine():
 def llm(engine):
     """The module's engine; after the test nothing is in flight and every KV block is free."""
     yield engine
-    engine.kv.check_invariants()
-    assert not engine.has_unfinished_requests() and engine.kv.num_used_blocks() == 0, "KV blocks leaked"
+    assert_engine_idle(engine)
 
 
 def run(engine: LLMEngine, prompt=PROMPT, **params):

@@ -18,7 +18,7 @@ import pytest
 from hf_paged import LLMEngine, SamplingParams
 from hf_paged.constraints import StructuredOutputsParams
 from hf_paged.demo import byte_tokenizer
-from tests.helpers.tiny_models import build, single_threaded_torch
+from tests.helpers.tiny_models import assert_engine_idle, build, single_threaded_torch
 
 TOKENIZER = byte_tokenizer()
 PROMPT = "HELLO"  # byte ids 42, 39, 46, 46, 49: inside the tiny model's vocabulary of 96
@@ -39,8 +39,7 @@ def engine():
 def llm(engine):
     """The module's engine; after the test nothing is in flight and every KV block is free."""
     yield engine
-    engine.kv.check_invariants()
-    assert not engine.has_unfinished_requests() and engine.kv.num_used_blocks() == 0, "KV blocks leaked"
+    assert_engine_idle(engine)
 
 
 def generate(engine: LLMEngine, prompt=PROMPT, **params):
