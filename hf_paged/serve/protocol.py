@@ -454,8 +454,9 @@ class _GenerationRequest(StrictModel):
         return False
 
     def fill_defaults(self, defaults: dict[str, float | int]) -> None:
-        """Sampling fields the request leaves unset take ``defaults`` (:func:`hf_paged.engine.params.generation_defaults`;
-        ``max_tokens`` is the server's to resolve). Beam search reads only ``repetition_penalty``."""
+        """Sampling fields the request leaves unset take ``defaults`` (the model's recommended values:
+        :func:`hf_paged.engine.params.generation_defaults`; ``max_tokens`` is the server's to
+        resolve). Beam search reads only ``repetition_penalty``."""
         for name, value in defaults.items():
             if name == "max_tokens" or (self.use_beam_search and name != "repetition_penalty"):
                 continue
@@ -515,8 +516,6 @@ def _structural_tag_source(fmt: ResponseFormat, tag_fields: list[str]):
     raise invalid(missing, f"{missing}: the older structural tag needs both structures and triggers")
 
 
-# generation_config.json fields a model's authors recommend, as the request fields they default
-# (vLLM's --generation-config auto, its default: the model's values where a request sets none)
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``."""
 
