@@ -114,6 +114,11 @@ class _Job:
     def n(self) -> int:
         return self.request.n
 
+    @property
+    def echoes_logprobs(self) -> bool:
+        """Completions' ``echo`` with ``logprobs``: the prompt's tokens and log-probs come first."""
+        return self.kind == "completion" and bool(self.prompt_texts) and self.request.num_logprobs() is not None
+
 
 def build_app(engine: LLMEngine | EngineProcess, settings: ServerSettings = ServerSettings()) -> FastAPI:
     """The app serving ``engine`` (in this process, on a thread; or an :class:`EngineProcess`);
@@ -620,7 +625,7 @@ class _OpenAIServing:
     def _echoed(job: _Job, out: RequestOutput, token_ids: list[int], logprobs) -> tuple[list[int], list | None]:
         """The tokens and log-probs a choice reports: with ``echo`` and ``logprobs``, the prompt's
         first (the first prompt token has no log-prob: ``None``), as OpenAI's legacy API does."""
-        if job.kind != "completion" or not job.prompt_texts or job.request.num_logprobs() is None or logprobs is None:
+        if not job.echoes_logprobs or logprobs is None:
             return token_ids, logprobs
         return [*out.prompt_token_ids, *token_ids], [*(out.prompt_logprobs or [None]), *logprobs]
 
@@ -675,8 +680,7 @@ class _OpenAIServing:
                prompt_index: int, out: RequestOutput) -> dict | None:
         """The stream chunk for one completion's latest state (None: nothing new to send)."""
         first = index not in texts
-        echoes_logprobs = job.kind == "completion" and bool(job.prompt_texts) and job.request.num_logprobs() is not None
-        if first and echoes_logprobs and not (c.token_ids or out.finished):
+        if first and job.echoes_logprobs and not (c.token_ids or out.finished):
             return None  # the prompt's log-probs are whole once its prefill is done: the first chunk waits
         if first:
             texts[index] = TextStream.of(self.tokenizer, job.stream.params(prompt_index))
