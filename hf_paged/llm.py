@@ -9,7 +9,9 @@ constructor keywords are taken where they mean something here (``enforce_eager``
 ``trust_remote_code``, ``revision``, ``chat_template``, ``skip_tokenizer_init``, ``max_logprobs``) or
 name what they cannot do (a ``tensor_parallel_size`` above 1, a quantized KV cache); others are a
 ``TypeError`` naming ``LLM``. As vLLM's, ``generate`` and ``chat`` raise ``ValueError`` for a prompt
-or parameters the engine refuses, before anything runs.
+or parameters the engine refuses, before anything runs. Their vLLM keywords for features not built
+here (``lora_request``, ``priority``, ``tokenization_kwargs``, ``mm_processor_kwargs``, ...) are taken
+at the values that ask for nothing; another value is a ``ValueError`` naming the keyword.
 """
 
 from __future__ import annotations
@@ -110,9 +112,6 @@ class LLM:
             if not isinstance(seed, int) or isinstance(seed, bool):
                 raise ValueError(f"LLM(seed=...) must be None or an int, got {seed!r}")
             torch.manual_seed(seed)
-        if max_logprobs is not None and (not isinstance(max_logprobs, int) or max_logprobs < -1):
-            raise ValueError(f"LLM(max_logprobs=...) must be None, an int >= 0, or -1, got {max_logprobs!r}")
-        self.max_logprobs = None if max_logprobs == -1 else max_logprobs  # None: the whole vocabulary
         self.chat_template = chat_template  # chat()'s when it is given none (vLLM's)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         loading = dict(local_files_only=True, trust_remote_code=trust_remote_code, revision=revision)
@@ -141,7 +140,7 @@ class LLM:
         if enforce_eager:
             engine_kwargs.setdefault("compile", False)  # vLLM's eager mode: no compiled steps, no graphs
             engine_kwargs.setdefault("cuda_graphs", False)
-        self.llm_engine = LLMEngine(model.to(device).eval(), tokenizer, **engine_kwargs)
+        self.llm_engine = LLMEngine(model.to(device).eval(), tokenizer, max_logprobs=max_logprobs, **engine_kwargs)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -158,34 +157,42 @@ class LLM:
         return self.llm_engine.reset_prefix_cache()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, *, lora_request: Any = None, priority: int | list[int] | None = None,
+                 tokenization_kwargs: dict | None = None,
+                 mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """Every prompt to completion, outputs in input order (see :meth:`LLMEngine.generate`). A
         prompt or parameters the engine refuses raise ``ValueError`` naming the prompt's index,
         before anything runs (as vLLM's); a request that fails while it runs comes back with
-        ``error`` set."""
+        ``error`` set. ``lora_request``, ``priority``, ``tokenization_kwargs`` and
+        ``mm_processor_kwargs`` are vLLM's, taken only where they ask for nothing (see
+        :func:`check_unbuilt_options`)."""
+        check_unbuilt_options("LLM.generate", lora_request=lora_request, priority=priority,
+                              tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if self.max_logprobs is not None:
-            for params in sampling_params if isinstance(sampling_params, list) else [sampling_params]:
-                self._check_logprobs(params)
         return self.llm_engine.generate(prompts, sampling_params, use_tqdm=use_tqdm, raise_on_invalid=True)
 
-    def _check_logprobs(self, params: SamplingParams | None) -> None:
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name, None)
-            if value is not None and (value == -1 or value > self.max_logprobs):
-                raise ValueError(f"SamplingParams.{name}={value} is more than LLM(max_logprobs="
-                                 f"{self.max_logprobs}) allows")
-
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request: Any = None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """Beam search over each prompt (strings, token-id lists, or vLLM's prompt dicts), outputs
-        in input order. A prompt the engine refuses raises ``ValueError`` naming its index."""
+        in input order. A prompt the engine refuses raises ``ValueError`` naming its index.
+        vLLM's parameters in its order: ``lora_request`` only None; ``concurrency_limit``: at most
+        that many prompts searched at a time (None: all at once; the beams are the same either way)."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"LLM.beam_search takes a BeamSearchParams, got {type(params).__name__}")
+        check_unbuilt_options("LLM.beam_search", lora_request=lora_request)
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int)
+                                              or isinstance(concurrency_limit, bool) or concurrency_limit < 1):
+            raise ValueError(f"LLM.beam_search(concurrency_limit=...) must be None or an int >= 1, "
+                             f"got {concurrency_limit!r}")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = list(prompts)
+        step = concurrency_limit or max(len(prompts), 1)
+        results = []
         try:
-            results = self.generate(prompts, params.sampling_params(), use_tqdm=use_tqdm)
+            for start in range(0, len(prompts), step):
+                results += self.generate(prompts[start : start + step], params.sampling_params(), use_tqdm=use_tqdm)
         except ValueError as err:
             raise ValueError(f"LLM.beam_search: {err}") from None
         tokenizer, beams = self.get_tokenizer(), []
@@ -197,12 +204,27 @@ class LLM:
         return beams
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True, *,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             lora_request: Any = None, priority: int | list[int] | None = None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tokenization_kwargs: dict | None = None,
+             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, through the tokenizer's chat template;
-        each output's ``prompt`` is the templated text."""
+        each output's ``prompt`` is the templated text. vLLM's parameters, in its order: message
+        content reaches the template as a string (text parts joined: vLLM's ``"string"`` format,
+        which ``"auto"`` is here); ``continue_final_message`` needs ``add_generation_prompt=False``
+        (transformers and vLLM refuse the pair); ``lora_request``, ``priority``,
+        ``tokenization_kwargs`` and ``mm_processor_kwargs`` as :meth:`generate` takes them."""
+        check_unbuilt_options("LLM.chat", lora_request=lora_request, priority=priority,
+                              tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs)
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"LLM.chat(chat_template_content_format={chat_template_content_format!r}): message "
+                             "content reaches the template as a string (text parts joined by newlines: vLLM's "
+                             "'string' format); pass 'auto' or 'string'")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("LLM.chat: continue_final_message and add_generation_prompt are not compatible (the "
+                             "last message is continued, no new one started): pass add_generation_prompt=False")
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("LLM.chat needs a tokenizer with a chat template")
@@ -210,8 +232,8 @@ class LLM:
         conversations = [[_template_message(m, f"messages[{i}]") for i, m in enumerate(c)] for c in conversations]
         texts = [tokenizer.apply_chat_template(
             conversation, chat_template=chat_template or self.chat_template, tools=tools, tokenize=False,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {}))
             for conversation in conversations]
         ids = [list(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]  # the template has them
         outputs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
@@ -234,6 +256,30 @@ def _template_message(message: dict, where: str) -> dict:
                              f"got {kind or type(part).__name__!r}: only text reaches the model")
         texts.append(part["text"])
     return {**message, "content": "\n".join(texts)}
+
+
+def check_unbuilt_options(method: str, **options: Any) -> None:
+    """vLLM's per-call keywords for features not built here, taken at the values that ask for
+    nothing (None; ``priority`` 0, as every request is served first come, first served; an empty
+    dict of keyword arguments); any other value raises ``ValueError`` naming the keyword and why.
+    vLLM takes a list with one value per prompt for ``lora_request`` and ``priority``: so does this."""
+    for name, value in options.items():
+        values = value if isinstance(value, (list, tuple)) and name in ("lora_request", "priority") else [value]
+        if all(v is None or (name == "priority" and v == 0 and not isinstance(v, bool))
+               or (name.endswith("_kwargs") and v == {}) for v in values):
+            continue
+        raise ValueError(f"{method}({name}={value!r}): {UNBUILT_OPTIONS[name]}")
+
+
+# vLLM LLM.generate / chat / beam_search keywords for features not built here: why a value is refused
+UNBUILT_OPTIONS = {
+    "lora_request": "LoRA adapters are not supported; merge the adapter into the model (peft's merge_and_unload) "
+                    "and pass it as model=",
+    "priority": "requests are served first come, first served (no priority scheduling); pass None or 0",
+    "tokenization_kwargs": "prompts are tokenized with the tokenizer's defaults; tokenize them yourself and pass "
+                           "{'prompt_token_ids': [...]}",
+    "mm_processor_kwargs": "multimodal inputs are not supported (the models served here read text)",
+}
 
 
 # vLLM LLM(...) keywords with nothing to do here, and what to do instead

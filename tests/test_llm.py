@@ -177,7 +177,8 @@ def test_chat_content_parts_and_options(saved):
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     with pytest.raises(ValueError, match="messages\\[0\\].content\\[0\\] is not a text part.*'image_url'"):
         llm.chat(image, GREEDY)
-    with pytest.raises(ValueError, match="logprobs=4 is more than LLM\\(max_logprobs=3\\)"):
+    with pytest.raises(ValueError, match=r"^prompt 0: SamplingParams\.logprobs must be at most the engine's "
+                                         r"max_logprobs=3 \(LLM\(max_logprobs=\.\.\.\)\), got 4$"):
         llm.generate(PROMPTS, SamplingParams(max_tokens=2, logprobs=4))
     assert len(llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, logprobs=3), use_tqdm=False)[0]
                .outputs[0].logprobs[0]) >= 3

@@ -235,7 +235,7 @@ def test_unfinished_outputs_read_with_the_options_here_and_after_a_pipe(llm):
     while llm.has_unfinished_requests():
         for output in llm.step():
             completion = output.outputs[0] if output.request_id == request_id else None
-            if completion is None or completion.finished:
+            if completion is None or completion.finished():
                 continue
             landed = pickle.loads(pickle.dumps(completion))
             assert landed.needs_decoder

@@ -89,11 +89,13 @@ def test_tokenize_messages_is_the_prompt_a_chat_completion_runs(plain, engine):
 
 
 def test_continue_final_message_goes_on_with_the_assistants_text(plain, engine):
-    ids = _post(plain, "/tokenize", {"messages": PREFILLED, "continue_final_message": True}).json()["tokens"]
+    ids = _post(plain, "/tokenize", {"messages": PREFILLED, "continue_final_message": True,
+                                     "add_generation_prompt": False}).json()["tokens"]
     text = TOKENIZER.decode(ids)
     assert text.endswith("Well, the") and TOKENIZER.apply_chat_template(
         PREFILLED, continue_final_message=True, tokenize=False) == text
-    resp = _chat(plain, messages=PREFILLED, max_tokens=8, temperature=0, continue_final_message=True)
+    resp = _chat(plain, messages=PREFILLED, max_tokens=8, temperature=0, continue_final_message=True,
+                 add_generation_prompt=False)
     assert resp.choices[0].model_extra["token_ids"] == _greedy(engine, ids, 8)
     closed = _chat(plain, messages=PREFILLED, max_tokens=8, temperature=0)  # negative control: a new turn
     assert closed.usage.prompt_tokens != len(ids)
@@ -210,9 +212,11 @@ def test_chat_echo_starts_the_reply_with_the_last_message_of_its_role(plain):
         return content
 
     plain_reply = _post(plain, "/v1/chat/completions", {"model": MODEL, "messages": PREFILLED, "max_tokens": 5,
-                                                        "temperature": 0, "continue_final_message": True}).json()
+                                                        "temperature": 0, "continue_final_message": True,
+                                                        "add_generation_prompt": False}).json()
     generated = plain_reply["choices"][0]["message"]["content"]
     for stream in (False, True):
-        assert chat(PREFILLED, stream, continue_final_message=True) == "Well, the" + generated
+        assert chat(PREFILLED, stream, continue_final_message=True, add_generation_prompt=False) == \
+            "Well, the" + generated
         assert chat(MESSAGES, stream, add_generation_prompt=False).startswith("Hi there")
         assert not chat(MESSAGES, stream).startswith("Hi there")  # a new assistant turn: nothing to echo

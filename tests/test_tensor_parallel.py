@@ -209,3 +209,130 @@ def test_the_server_with_two_ranks_answers_like_one_process():
                                                            use_tqdm=False)]
     assert got == want
     assert subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True).returncode == 1, "a rank is left"
+
+
+LIFECYCLE_DEADLINE_S = 90
+STARTUP_WAIT_S = 1
+
+
+def _lifecycle_rank(checkpoint: str, out: str) -> None:
+    """One rank of the lifecycle tests (started by :func:`_lifecycle_ranks`, not torchrun: its agent would
+    stop the others when one fails, hiding a hang). It writes what it saw to ``lifecycle-rank<R>.json`` as it
+    goes. 1: joining a group whose other rank never comes (it died before joining) fails within seconds.
+    2: the real group's timeout is the serving one. 3: rank 0 drops engine A unclosed and builds B; rank 1,
+    in A's run_worker, follows into B. 4: rank 0 exits without closing B; rank 1 leaves B's run_worker."""
+    import time
+
+    import torch.distributed as dist
+
+    from hf_paged.engine import tensor_parallel
+
+    rank = int(os.environ["RANK"])
+    seen: dict = {}
+    path = Path(out) / f"lifecycle-rank{rank}.json"
+
+    def note(**values) -> None:
+        seen.update(values)
+        path.write_text(json.dumps(seen))
+
+    real_port = os.environ["MASTER_PORT"]
+    os.environ.update(MASTER_PORT=os.environ[f"DEAD_PEER_PORT_{rank}"],
+                      HF_PAGED_TP_STARTUP_TIMEOUT_S=str(STARTUP_WAIT_S))
+    start = time.monotonic()
+    try:
+        tensor_parallel.init_from_env()
+    except RuntimeError as err:
+        note(startup_error=str(err))
+    note(startup_s=time.monotonic() - start)
+    os.environ.update(MASTER_PORT=real_port, HF_PAGED_TP_STARTUP_TIMEOUT_S="60")
+    model = tensor_parallel.load_model(checkpoint)
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    note(group_timeout_s=backend.options._timeout.total_seconds())
+
+    greedy = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    first = LLMEngine(model, block_size=4, num_blocks=32)
+    if rank == 0:
+        tokens = []
+        for engine in (first, None):  # the first one is never closed
+            engine = engine or LLMEngine(model, block_size=4, num_blocks=32)
+            engine.add_request(tp_worker.PROMPTS[0], greedy, request_id="r")
+            while engine.has_unfinished_requests():
+                tokens += [out.outputs[0].token_ids for out in engine.step() if out.finished]
+        try:
+            first.step()
+        except RuntimeError as err:
+            note(first_refused=str(err))
+        note(tokens=tokens, exiting=True)  # and exits with the second engine open
+    else:
+        first.run_worker()
+        note(left_first=True)
+        second = LLMEngine(model, block_size=4, num_blocks=32)
+        second.run_worker()
+        note(left_second=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lifecycle(tmp_path_factory) -> dict:
+    """Two ranks started directly, each in a session of its own; past the deadline every one is killed,
+    and every one is reaped."""
+    import time
+
+    tmp = tmp_path_factory.mktemp("tp_lifecycle")
+    build("llama").save_pretrained(tmp / "llama")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "DEAD_PEER_PORT_0": str(_free_port()), "DEAD_PEER_PORT_1": str(_free_port())}
+    code = (f"from tests.test_tensor_parallel import _lifecycle_rank; "
+            f"_lifecycle_rank({str(tmp / 'llama')!r}, {str(tmp)!r})")
+    procs = [subprocess.Popen([sys.executable, "-c", code], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for r in range(2)]
+    deadline, logs = time.monotonic() + LIFECYCLE_DEADLINE_S, []
+    try:
+        for proc in procs:
+            try:
+                logs.append(proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))[0])
+            except subprocess.TimeoutExpired:
+                logs.append(f"(killed at the {LIFECYCLE_DEADLINE_S} s deadline)")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    seen = [json.loads(p.read_text()) if (p := tmp / f"lifecycle-rank{r}.json").exists() else {} for r in range(2)]
+    return {"codes": [proc.returncode for proc in procs], "logs": [log[-3000:] for log in logs], "ranks": seen}
+
+
+def test_startup_fails_within_seconds_when_a_rank_never_joins(lifecycle):
+    """A group whose other rank died before joining: rank 0 (which hosts the rendezvous) and rank 1 (a
+    client of a rank 0 that is gone) fail after the startup wait, naming it, not the serving timeout's 7
+    days. Then the real group's collectives wait the serving timeout (an idle server's followers)."""
+    for rank, seen in enumerate(lifecycle["ranks"]):
+        assert "did not all join within 1 s" in seen.get("startup_error", ""), (seen, lifecycle["logs"][rank])
+        assert seen["startup_s"] < STARTUP_WAIT_S + 8, seen
+        assert seen["group_timeout_s"] == 7 * 24 * 3600, seen
+
+
+def test_rank_0_dropping_an_engine_unclosed_and_building_another(lifecycle):
+    """Rank 1, in the first engine's run_worker, leaves it when rank 0 builds the second, and follows that
+    one: both give one process's tokens; rank 0 refuses the first engine (its followers have left)."""
+    rank0, rank1 = lifecycle["ranks"]
+    assert rank1.get("left_first"), lifecycle["logs"][1]
+    assert len(rank0.get("tokens", [])) == 2 and rank0["tokens"][0] == rank0["tokens"][1], lifecycle["logs"][0]
+    assert len(rank0["tokens"][0]) == 4
+    assert "closed" in rank0["first_refused"], rank0
+
+
+def test_rank_0_exiting_without_close_releases_the_others(lifecycle):
+    """Rank 0 exits with an engine open: its exit releases rank 1 from run_worker, and every process exits 0
+    (rank 1 used to fail with 'lost rank 0'; a rank aborted at times)."""
+    assert lifecycle["ranks"][0].get("exiting") and lifecycle["ranks"][1].get("left_second"), lifecycle["logs"]
+    assert lifecycle["codes"] == [0, 0], lifecycle["logs"]

@@ -103,10 +103,16 @@ def test_generate_takes_vllms_sampling_params_keyword(engine):
         engine.generate([PROMPT], GREEDY, sampling_params=GREEDY, use_tqdm=False)
 
 
-@pytest.mark.parametrize("name, value", [("truncate_prompt_tokens", 8), ("output_kind", 1), ("extra_args", {}),
-                                         ("thinking_token_budget", 8)])
+@pytest.mark.parametrize("name, value", [("truncate_prompt_tokens", 8), ("best_of", 2)])
 def test_vllm_only_fields_say_what_to_do(name, value):
     with pytest.raises(TypeError, match=rf"^SamplingParams has no parameter '{name}': \w"):
+        SamplingParams(**{name: value})
+
+
+@pytest.mark.parametrize("name, value", [("output_kind", 1), ("extra_args", {"x": 1}), ("thinking_token_budget", 8)])
+def test_vllm_fields_at_other_values_say_what_to_do(name, value):
+    """Taken at vLLM's default (tests/test_offline_api_parity.py); another value names the field and why."""
+    with pytest.raises(ValueError, match=rf"^SamplingParams\.{name} can only be .* here: \w.*, got "):
         SamplingParams(**{name: value})
 
 

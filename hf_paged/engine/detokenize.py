@@ -184,8 +184,8 @@ class TextStream:
         self.num_tokens = len(completion.token_ids)
         ended = new_ids and ended_by_token(completion.finish_reason, completion.stop_reason)
         shown = new_ids[:-1] if ended else new_ids
-        self._detokenizer.push(shown, final=completion.finished)
-        if completion.finished:
+        self._detokenizer.push(shown, final=completion.finished())
+        if completion.finished():
             self.finished = True
             final = completion.text
             delta = final[len(self.sent):] if final.startswith(self.sent) else self._detokenizer.text[len(self.sent):]
@@ -206,5 +206,5 @@ class TokenStream:
 
     def update(self, completion: CompletionOutput) -> tuple[str, list[int]]:
         new_ids = completion.token_ids[self.num_tokens:]
-        self.num_tokens, self.finished = len(completion.token_ids), completion.finished
+        self.num_tokens, self.finished = len(completion.token_ids), completion.finished()
         return "", new_ids

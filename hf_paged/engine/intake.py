@@ -21,16 +21,17 @@ from hf_paged.engine.sequence import Request
 
 class RequestIntake:
     def __init__(self, tokenizer, *, vocab_size: int, max_positions: int | None, eos_token_ids: list[int],
-                 kv: KVCacheManager, device: torch.device, max_num_seqs: int):
+                 kv: KVCacheManager, device: torch.device, max_num_seqs: int, max_logprobs: int | None = None):
         self.tokenizer, self.vocab_size, self.max_positions = tokenizer, vocab_size, max_positions
         self.eos_token_ids, self.kv, self.device = eos_token_ids, kv, device
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs, self.max_logprobs = max_num_seqs, max_logprobs
 
     def check_params(self, params: SamplingParams) -> None:
         """The checks that depend on this engine (``SamplingParams`` checks the rest itself): one
         step never runs more than ``max_num_seqs`` sequences, so a request wider than that could
         never be scheduled; log-probabilities, biases and allowed tokens exist for the vocabulary's
-        tokens only; what is text (stop strings, bad words, grammars) needs the tokenizer. The
+        tokens only, and log-probabilities are bounded by ``max_logprobs`` (vLLM's) too; what is text
+        (stop strings, bad words, grammars) needs the tokenizer. The
         bad words' own checks (each tokenizes to something inside the vocabulary) come when the
         request is admitted (:func:`hf_paged.engine.structured.bad_words_token_ids`)."""
         for name in ("n", "num_beams"):
@@ -43,6 +44,11 @@ class RequestIntake:
             if value is not None and value > self.vocab_size:
                 raise ValueError(f"SamplingParams.{name} must be at most the vocabulary size {self.vocab_size}, "
                                  f"got {value!r}")
+            asked = self.vocab_size if value == -1 else value
+            if self.max_logprobs is not None and asked is not None and asked > self.max_logprobs:
+                whole = " (the whole vocabulary)" if value == -1 else ""
+                raise ValueError(f"SamplingParams.{name} must be at most the engine's max_logprobs="
+                                 f"{self.max_logprobs} (LLM(max_logprobs=...)), got {value!r}{whole}")
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise ValueError(f"SamplingParams.logit_bias token ids must be below the vocabulary size {self.vocab_size}, "
                              f"got {max(params.logit_bias)}")

@@ -96,6 +96,8 @@ class LLMEngine:
         max_model_len: vLLM's: the most tokens a sequence may hold, prompt and output (default the
             model's positions; more is refused). A longer prompt is refused, an output stops there
             (``"length"``), and ``max_tokens=None`` means up to it.
+        max_logprobs: vLLM's: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for
+            (None or -1: the whole vocabulary; more is refused, naming the field).
         max_consecutive_failures: failed steps in a row after which :attr:`healthy` is False (a
             step fails when its forward, block moves or processing raise, or when every logits
             row it computed is non-finite; a step in which only some requests failed, each for
@@ -117,18 +119,21 @@ class LLMEngine:
         gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None, max_consecutive_failures: int = 3,
         num_state_slots: int | None = None, prepack_lm_head: bool | None = None, tune_malloc: bool | None = None,
         compile: bool | None = None, serial_small_steps: bool | None = None, cuda_graphs: bool | None = None,
-        max_model_len: int | None = None,
+        max_model_len: int | None = None, max_logprobs: int | None = None,
     ):
         check_engine_supported(model)  # generate()-only models are refused here, naming why
         check_block_options(block_size, num_blocks)
         check_kv_heads(model.config, tp_size_of(model))
         self.tp = TensorParallelGroup.of(model)
-        self._closed = False  # tensor parallelism: rank 0 has released the others
         self._shard = None  # tensor parallelism: this rank's checked snapshot, waiting for rank 0's placement
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if max_logprobs is not None and (not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool)
+                                         or max_logprobs < -1):
+            raise ValueError(f"max_logprobs must be None, an int >= 0, or -1 (the whole vocabulary), "
+                             f"got {max_logprobs!r}")
         if not isinstance(max_consecutive_failures, int) or max_consecutive_failures < 1:
             raise ValueError(f"max_consecutive_failures must be an int >= 1, got {max_consecutive_failures!r}")
         self.max_consecutive_failures = max_consecutive_failures
@@ -188,7 +193,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_positions, self.structured)
         self.intake = RequestIntake(tokenizer, vocab_size=self.config.vocab_size, max_positions=self.max_positions,
                                     eos_token_ids=self.eos_token_ids, kv=self.kv, device=model.device,
-                                    max_num_seqs=max_num_seqs)
+                                    max_num_seqs=max_num_seqs,
+                                    max_logprobs=None if max_logprobs == -1 else max_logprobs)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._counters = {"steps": 0, "generated_tokens": 0, "busy_s": 0.0, "failed_steps": 0,
@@ -495,7 +501,7 @@ class LLMEngine:
         if self.tp.is_driver:
             self.tp.send("stop")
             self.tp.barrier()
-            self._closed = True
+            self.tp.closed = True
         else:
             self.run_worker()
 
@@ -520,12 +526,23 @@ class LLMEngine:
                     self._load_shard(self._shard, *payload)
             elif kind == "stop":
                 self.tp.barrier()
-                self._closed = True
+                self.tp.closed = True
                 if until == "stop":
                     return None
                 raise RuntimeError("rank 0 closed the engine while this rank waited for a generate() call")
+            elif kind in ("open", "exit"):  # rank 0 built its next engine, or exits, without close()
+                self.tp.left(kind, payload)
+                if until == "stop":
+                    return None
+                raise RuntimeError(f"rank 0 {'built another engine' if kind == 'open' else 'exited'} while this "
+                                   "rank waited for a generate() call")
             elif kind == until:
                 return payload
+
+    @property
+    def _closed(self) -> bool:
+        """Tensor parallelism: rank 0 has released the other ranks from this engine."""
+        return bool(self.tp and self.tp.closed)
 
     def _receive(self) -> tuple[str, object]:
         """Rank 0's next message; when the channel fails (rank 0 stopped the group or died), this
@@ -607,9 +624,9 @@ class LLMEngine:
         if text.finished:
             return None
         delta, new_ids = text.update(c)
-        if not new_ids and not c.finished:
+        if not new_ids and not c.finished():
             return None
-        return {"index": c.index, "token_ids": new_ids, "text": delta, "finished": c.finished,
+        return {"index": c.index, "token_ids": new_ids, "text": delta, "finished": c.finished(),
                 "finish_reason": c.finish_reason}
 
     # ------------------------------------------------------------------ prefix-cache snapshots

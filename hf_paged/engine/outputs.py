@@ -6,6 +6,7 @@ import itertools
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 REJECTED = "rejected"  # RequestOutput.error_kind: the request can never be served by this engine
 FAULT = "fault"  # RequestOutput.error_kind: the engine failed while serving the request
@@ -96,8 +97,15 @@ class CompletionOutput:
     def text(self, value: str) -> None:
         self._text, self._decode = value, None
 
-    @property
+    # vLLM's CompletionOutput fields for features not built here, at vLLM's value without them (class
+    # attributes: nothing per output, and __slots__ leave them read-only)
+    lora_request = None
+    routed_experts = None
+    sampling_mask = None
+    spec_decode_metrics = None
+
     def finished(self) -> bool:
+        """Whether it has ended (vLLM's method; ``RequestOutput.finished`` is an attribute)."""
         return self.finish_reason is not None
 
     # Pickled (to the server's process from an engine process: serve/engine_process.py) without the
@@ -262,6 +270,18 @@ class RequestOutput:
     error_kind: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int | None = None
+    # vLLM's RequestOutput attributes for features not built here, at vLLM's offline value without them
+    # (class attributes, not fields: an output is made per request every step). ``metrics``: vLLM's
+    # offline LLM collects none either; ``num_cache_creation_tokens``: not counted here (vLLM counts
+    # the prompt tokens a request wrote to its prefix cache).
+    metrics: ClassVar[None] = None
+    lora_request: ClassVar[None] = None
+    encoder_prompt: ClassVar[None] = None  # decoder-only models
+    encoder_prompt_token_ids: ClassVar[None] = None
+    num_cache_creation_tokens: ClassVar[None] = None
+    prompt_token_id_logprobs: ClassVar[None] = None  # no SamplingParams.prompt_logprob_token_ids here
+    kv_transfer_params: ClassVar[None] = None
+    ec_transfer_params: ClassVar[None] = None
 
     @property
     def has_whole_prompt_logprobs(self) -> bool:

@@ -14,6 +14,8 @@ import functools
 import logging
 import math
 from dataclasses import InitVar, dataclass, field, fields
+from enum import Enum
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from hf_paged.constraints.params import StructuredOutputsParams
@@ -34,9 +36,22 @@ PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty (OpenAI's 
 # <= ln(LENGTH_SCALE_MAX).
 LENGTH_SCALE_MAX = 1e30
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [-(2**63), 2**64)
-LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: the server's bound (and from_optional's clamp), as vLLM's
+# SamplingParams' own bound on a bias: any value a script uses (vLLM's offline API takes any, e.g. -1e4 to ban
+# a token) and still finite in float32 once penalties and temperature scale the logits by up to 1e4
+LOGIT_BIAS_MAX = 1e30
 # max_tokens' default: not passed (16 new tokens), unlike an explicit None (as many as fit, vLLM's meaning)
 _UNSET = object()
+
+
+class RequestOutputKind(Enum):
+    """vLLM's ``SamplingParams.output_kind`` values. ``generate()`` returns final outputs whatever it
+    says (as vLLM's ``LLM.generate``, which sets ``FINAL_ONLY``); ``step()`` returns every step's
+    cumulative outputs (``finished`` marks the final one); ``stream()`` gives deltas."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _is_int(value) -> bool:
@@ -95,9 +110,10 @@ class SamplingParams:
       ``ignore_eos``: the constraint decides where the output may end (EOS is allowed exactly
       when the constraint can end), which those would override. Stop strings still cut the text
       (the result is then a prefix of a valid output, like a ``"length"`` one);
-    * ``logit_bias``: None or ``{token id: bias}`` with ids >= 0 and biases in ``[-100, 100]``
-      (added to the logits before penalties and sampling; the engine bounds ids by the
-      vocabulary). Not with beam search;
+    * ``logit_bias``: None or ``{token id: bias}`` with ids >= 0 and finite biases in ``[-1e30, 1e30]``
+      (any a script uses, as vLLM's offline API: ``-1e4`` bans a token; the server keeps OpenAI's
+      ``[-100, 100]``), added to the logits before penalties and sampling; the engine bounds ids by
+      the vocabulary. Not with beam search;
     * ``allowed_token_ids``: None or a non-empty list of token ids >= 0 (every other token is
       masked; the engine bounds ids by the vocabulary); ``bad_words``: None or a list of non-empty
       strings, tokenized by the engine's tokenizer (alone and after a space, as vLLM does); a
@@ -109,6 +125,8 @@ class SamplingParams:
       are computed;
     * ``include_stop_str_in_output``, ``skip_special_tokens``, ``spaces_between_special_tokens``:
       bools (the text of outputs; token ids are the same either way);
+    * vLLM's fields for what this engine does its own way (``output_kind``, ``skip_clone``,
+      ``stream_interval``, ``flat_logprobs``, ...): only the values :data:`VLLM_DEFAULT_ONLY` lists;
     * ``detokenize``: a bool (vLLM's). False: nothing is decoded for the request: every output's
       ``text`` is ``""`` (streamed deltas too) and every ``Logprob.decoded_token`` None, prompt
       log-probs' included; token ids and log-prob values are the same. Not with ``stop``: stop
@@ -147,20 +165,44 @@ class SamplingParams:
     skip_special_tokens: bool = True  # text leaves special tokens out
     spaces_between_special_tokens: bool = True  # ... and, when they are in, spaces them from the rest
     detokenize: bool = True  # False: no text at all (outputs' text "", Logprob.decoded_token None)
+    # vLLM's fields for what this engine does its own way: taken at the values that ask for what it does
+    # anyway (VLLM_DEFAULT_ONLY: which values, and what to do for another); skip_clone is honoured by clone()
+    output_kind: RequestOutputKind = field(default=RequestOutputKind.CUMULATIVE, repr=False)
+    skip_clone: bool = field(default=False, repr=False)
+    stream_interval: int | None = field(default=None, repr=False)
+    skip_reading_prefix_cache: bool | None = field(default=None, repr=False)
+    flat_logprobs: bool = field(default=False, repr=False)
+    logprob_token_ids: list[int] | None = field(default=None, repr=False)
+    prompt_logprob_token_ids: Any = field(default=None, repr=False)
+    prompt_logprob_start: int | None = field(default=None, repr=False)
+    extra_args: dict[str, Any] | None = field(default=None, repr=False)
+    thinking_token_budget: int | None = field(default=None, repr=False)
+    repetition_detection: Any = field(default=None, repr=False)
+    watermarking: bool | None = field(default=None, repr=False)
+    routed_experts_prompt_start: int = field(default=0, repr=False)
+    trace_decode_token_ids: list[int] | None = field(default=None, repr=False)
+    output_text_buffer_length: int = field(default=0, repr=False)
     # vLLM's spellings, accepted as they are what its users write (not kept: max_new_tokens / min_new_tokens)
     max_tokens: InitVar[int | None] = _UNSET  # None here is vLLM's "as many as fit", not "unset"
     min_tokens: InitVar[int | None] = None
+    # dataclasses.replace passes every init field as the object has it, both names of a length field
+    # included; this one (read: the object's (max_new_tokens, min_new_tokens)) tells which name changed
+    _replaced_lengths: InitVar[tuple[int | None, int] | None] = None
     # the length fields' names as the caller wrote them, where it did (set by __init__ and the setters)
     _spelling: ClassVar[dict[str, str]] = {}
 
-    def __post_init__(self, max_tokens: int | None = _UNSET, min_tokens: int | None = None) -> None:
-        for alias, name, value, unset in (("max_tokens", "max_new_tokens", max_tokens, _UNSET),
-                                          ("min_tokens", "min_new_tokens", min_tokens, None)):
-            if value is not unset:
-                if getattr(self, name) not in (value, _DEFAULTS[name]):
-                    raise ValueError(f"SamplingParams: {alias} (vLLM's name) and {name} say different things "
-                                     f"({value!r}, {getattr(self, name)!r}): pass one")
-                setattr(self, name, value)
+    def __post_init__(self, max_tokens: int | None = _UNSET, min_tokens: int | None = None,
+                      _replaced_lengths: tuple[int | None, int] | None = None) -> None:
+        old = _replaced_lengths or (_UNSET, _UNSET)  # a replace()'s source values: the name still at its
+        for alias, name, value, unset, before in (  # old value is the one the caller did not change
+                ("max_tokens", "max_new_tokens", max_tokens, _UNSET, old[0]),
+                ("min_tokens", "min_new_tokens", min_tokens, None, old[1])):
+            if value is unset or value == before:
+                continue
+            if getattr(self, name) not in (value, before if _replaced_lengths else _DEFAULTS[name]):
+                raise ValueError(f"SamplingParams: {alias} (vLLM's name) and {name} say different things "
+                                 f"({value!r}, {getattr(self, name)!r}): pass one")
+            setattr(self, name, value)
         self._check_lengths()
         self._check_sampling()
         self._check_penalties()
@@ -168,6 +210,7 @@ class SamplingParams:
         self._check_stops()
         self._check_beam_search()
         self._check_constraints()
+        self._check_vllm_defaults()
 
     def _shown(self, name: str) -> str:
         """``name`` as messages write it: a length field as the caller spelled it; one it did not
@@ -278,15 +321,21 @@ class SamplingParams:
                            "frequency_penalty": "; repetition_penalty applies"}.get(name, "")
                 raise self._bad(name, f"does not apply to beam search (num_beams > 1){instead}")
 
+    def _check_vllm_defaults(self) -> None:
+        for name, (accepts, shown, hint) in VLLM_DEFAULT_ONLY.items():
+            if not accepts(getattr(self, name), self):
+                raise self._bad(name, f"can only be {shown} here: {hint}")
+
     def _check_constraints(self) -> None:
         """One constraint and a bias, and nothing that would override where the constraint ends."""
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise self._bad("structured_outputs", "must be None or a StructuredOutputsParams")
         if self.logit_bias is not None:
-            low, high = LOGIT_BIAS_RANGE
             if not isinstance(self.logit_bias, dict) or not all(
-                    _is_int(t) and t >= 0 and _is_real(b) and low <= b <= high for t, b in self.logit_bias.items()):
-                raise self._bad("logit_bias", f"must map token ids (ints >= 0) to numbers in [{low:g}, {high:g}]")
+                    _is_int(t) and t >= 0 and _is_real(b) and abs(b) <= LOGIT_BIAS_MAX
+                    for t, b in self.logit_bias.items()):
+                raise self._bad("logit_bias", f"must map token ids (ints >= 0) to finite numbers in "
+                                              f"[-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
             self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids or not all(
@@ -336,8 +385,9 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's ``clone()``): its lists and dicts (``stop``, ``logit_bias``, ...) and
         its ``structured_outputs`` (plain data: strings, lists, dicts) are its own, so a script can
-        change one request's copy and leave the others alone."""
-        return copy.deepcopy(self)
+        change one request's copy and leave the others alone. With ``skip_clone=True`` the object
+        itself (vLLM's: its owner promised not to share it)."""
+        return self if self.skip_clone else copy.deepcopy(self)
 
     @classmethod
     def from_optional(cls, **kwargs: Any) -> SamplingParams:
@@ -412,6 +462,7 @@ def _length_alias(name: str) -> property:
 # ... and read and written under them too (the init-only aliases above would otherwise read None)
 SamplingParams.max_tokens = _length_alias("max_new_tokens")
 SamplingParams.min_tokens = _length_alias("min_new_tokens")
+SamplingParams._replaced_lengths = property(lambda self: (self.max_new_tokens, self.min_new_tokens))
 
 # vLLM SamplingParams fields this engine does not take, and what to write instead
 VLLM_ONLY = {
@@ -419,14 +470,52 @@ VLLM_ONLY = {
     "use_beam_search": "pass num_beams > 1",
     "guided_decoding": "pass structured_outputs=StructuredOutputsParams(...)",
     "truncate_prompt_tokens": "truncate the prompt before adding it",
-    "output_kind": "generate() returns final outputs, step() cumulative ones, stream() deltas",
-    "extra_args": "there are no custom sampling plugins to read them",
-    "thinking_token_budget": "not supported (no budget for reasoning tokens); bound max_tokens instead",
+}
+
+
+def _only(*values: Any) -> Callable[[Any, SamplingParams], bool]:
+    """Accepts exactly ``values`` (None, bools and enum members by identity: 0 is not False)."""
+    def accepts(value: Any, params: SamplingParams) -> bool:
+        return any(value is v if v is None or isinstance(v, (bool, Enum)) else _is_int(value) and value == v
+                   for v in values)
+    return accepts
+
+
+def _reads_cache_as_vllm(value: Any, params: SamplingParams) -> bool:
+    """vLLM's None: a request skips reading the prefix cache exactly when it asks for prompt log-probs."""
+    return value is None or value is (params.prompt_logprobs is not None)
+
+
+# vLLM SamplingParams fields taken only at the values that ask for what this engine does anyway:
+# name -> (accepts(value, params), those values as a message shows them, what it does here / instead)
+VLLM_DEFAULT_ONLY: dict[str, tuple[Callable[[Any, SamplingParams], bool], str, str]] = {
+    "output_kind": (_only(RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY),
+                    "RequestOutputKind.CUMULATIVE or FINAL_ONLY",
+                    "generate() returns final outputs, step() cumulative ones, stream() deltas"),
+    "skip_clone": (_only(False, True), "a bool", "True makes clone() return the object itself"),
+    "stream_interval": (_only(None, 1), "None or 1", "outputs and stream() deltas come every step"),
+    "skip_reading_prefix_cache": (_reads_cache_as_vllm, "None (or prompt_logprobs is not None)",
+                                  "a request reads the prefix cache unless it asks for prompt_logprobs"),
+    "flat_logprobs": (_only(False), "False", "logprobs are lists of {token id: Logprob} (FlatLogprobs is not "
+                                             "built)"),
+    "logprob_token_ids": (_only(None), "None", "not supported; ask for the top logprobs=k (-1: every token)"),
+    "prompt_logprob_token_ids": (_only(None), "None", "not supported; ask for prompt_logprobs=k (-1: every token)"),
+    "prompt_logprob_start": (_only(None, 0), "None or 0", "prompt_logprobs score every prompt token"),
+    "extra_args": (_only(None), "None", "there are no custom sampling plugins to read them"),
+    "thinking_token_budget": (_only(None), "None", "not supported (no budget for reasoning tokens); bound "
+                                                   "max_tokens instead"),
+    "repetition_detection": (_only(None), "None", "not supported (no n-gram repetition stop); bound max_tokens "
+                                                  "or use repetition_penalty"),
+    "watermarking": (_only(None, False), "None or False", "no watermark is applied"),
+    "routed_experts_prompt_start": (_only(0), "0", "routed experts are not returned"),
+    "trace_decode_token_ids": (_only(None), "None", "forced decoding is not supported; allowed_token_ids or "
+                                                    "structured_outputs constrain the output"),
+    "output_text_buffer_length": (_only(0), "0", "vLLM sets it itself; it is not an input"),
 }
 
 
 def _parameter_names() -> set[str]:
-    """Every keyword ``SamplingParams(...)`` takes."""
+    """Every keyword ``SamplingParams(...)`` takes (``dataclasses.replace``'s ``_replaced_lengths`` aside)."""
     return {f.name for f in fields(SamplingParams)} | set(VLLM_NAMES.values())
 
 
@@ -448,7 +537,7 @@ def _naming_unknown_parameters(init):
                             f"n=2)), got positional {args!r}")
         known = _parameter_names()
         for name in kwargs:
-            if name not in known:
+            if name not in known and name != "_replaced_lengths":
                 hint = f": {VLLM_ONLY[name]}" if name in VLLM_ONLY else ""
                 raise TypeError(f"SamplingParams has no parameter {name!r}{hint} (it takes: "
                                 f"{', '.join(sorted(known))})")

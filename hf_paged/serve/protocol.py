@@ -629,8 +629,9 @@ _TEMPLATE_ARGUMENTS = frozenset({"conversation", "tools", "documents", "chat_tem
 
 class ChatTemplateFields(StrictModel):
     """vLLM's chat-template fields (chat completions and ``/tokenize``): ``add_generation_prompt``,
-    ``continue_final_message`` (the last message is left open for the model to go on with; then no
-    generation prompt unless asked, and asking for both is a 400), ``chat_template`` (a Jinja
+    ``continue_final_message`` (the last message is left open for the model to go on with; with
+    ``add_generation_prompt`` true, as it is by default, it is a 400, as vLLM's template call refuses
+    the pair: send ``add_generation_prompt: false``), ``chat_template`` (a Jinja
     template for this request: only on a server started with ``--trust-request-chat-template``)
     and ``chat_template_kwargs`` (variables the template reads, e.g. ``{"enable_thinking": false}``)."""
 
@@ -640,9 +641,10 @@ class ChatTemplateFields(StrictModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check_template_fields(self) -> None:
-        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+        if self.continue_final_message and self.add_generation_prompt:  # its default (True) too, as vLLM
             raise invalid("continue_final_message", "continue_final_message and add_generation_prompt cannot both "
-                                                    "be true (the last message is continued, no new one started)")
+                                                    "be true (add_generation_prompt is true unless set to false): "
+                                                    "the last message is continued, no new one started")
         for key in self.chat_template_kwargs or {}:
             if key in _TEMPLATE_ARGUMENTS:
                 raise invalid(f"chat_template_kwargs.{key}", f"chat_template_kwargs cannot set {key!r}: it is "
