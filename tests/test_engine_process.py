@@ -25,7 +25,7 @@ from hf_paged import LLMEngine, SamplingParams
 from hf_paged.demo import byte_tokenizer
 from hf_paged.engine import step_threads
 from hf_paged.engine.outputs import CompletionOutput
-from hf_paged.serve.engine_process import EngineProcess
+from hf_paged.serve.engine_process import START_METHODS, EngineProcess
 from tests.helpers.serving import (MODEL, assert_all_free, free_port, same_or_near_tie, serving, single_threaded_torch,
                                    tiny_engine, wait_until_healthy)
 
@@ -135,10 +135,16 @@ def test_a_dead_engine_process_ends_the_requests_in_flight_and_health_says_503()
         assert metrics.status_code == 200 and "\nhf_paged_engine_healthy 0\n" in metrics.text, metrics.text[:300]
 
 
-def test_an_engine_that_fails_to_build_is_reported_with_its_cause():
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_an_engine_that_fails_to_build_is_reported_with_its_cause(start_method):
     build = functools.partial(tiny_engine, {"block_size": 0}, {})
     with pytest.raises(RuntimeError, match="the engine process failed to start: ValueError: .*block_size"):
-        EngineProcess(build, byte_tokenizer())
+        EngineProcess(build, byte_tokenizer(), start_method=start_method)
+
+
+def test_an_unknown_start_method_is_named():
+    with pytest.raises(ValueError, match="start_method must be one of .*'spawn'.*got 'fork'"):
+        EngineProcess(functools.partial(tiny_engine, {}, {}), byte_tokenizer(), start_method="fork")
 
 
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL"])

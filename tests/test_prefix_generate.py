@@ -300,7 +300,7 @@ def test_outputs_that_cover_every_position_compute_every_position():
 
 
 # ---------------------------------------------------------------------- property: random call sequences
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5), st.lists(st.integers(1, 12), min_size=1, max_size=3),
                           st.sampled_from(list(MODES))), min_size=2, max_size=5))
 def test_random_call_sequences_keep_the_books_and_equal_stock(calls):

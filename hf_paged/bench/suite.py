@@ -124,7 +124,7 @@ def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int =
         "engine": systems.engine_run(model, alpaca, **engine_kwargs)}.items()}
 
     # Parallel sampling and beam search (the paper's Figure 14 workloads), engine vs padded generate.
-    variants_base = workloads.dataset("alpaca", 8 if quick else 32, scale=1.0, vocab=vocab, seed=2)
+    variants_base = workloads.dataset("alpaca", 4 if quick else 32, scale=1.0, vocab=vocab, seed=2)
     results["decoding_variants"] = []
     for label, wl in ([(f"parallel sampling n={n}", workloads.with_sampling(variants_base, n=n)) for n in (2, 4, 6)]
                       + [(f"beam search width {k}", workloads.with_sampling(variants_base, num_beams=k))
@@ -184,18 +184,18 @@ def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int =
     # generate() with the flag against stock generate(), on generate_speed's own model (see its docstring).
     section("generate_flag_vs_stock", "generate() with the flag vs stock generate() (stock time / flag time)",
             lambda: generate_speed.run(rounds=max(1, repeats), log=log, new_tokens=generate_new_tokens,
-                                       cases=generate_speed.cases(0.25 if quick else 1.0)))
+                                       cases=generate_speed.cases(0.1 if quick else 1.0)))
 
     # Prefix caching inside generate(): few-shot and multi-turn, against stock and the flag without it.
     section("prefix_generate", "prefix caching in generate()",
-            lambda: prefix_generate.run(questions=16 if quick else 128, prefix_len=200 if quick else 1000,
-                                        turns=3 if quick else 8, log=log))
+            lambda: prefix_generate.run(questions=8 if quick else 128, prefix_len=100 if quick else 1000,
+                                        turns=2 if quick else 8, log=log))
 
     # Serving: the HTTP server against the in-process engine (32 clients); tensor parallelism: 2 ranks vs 1 process.
     section("serving", "HTTP server vs in-process engine, 32 concurrent clients",
-            lambda: serving.run(num_requests=32 if quick else 256, rounds=1 if quick else 3, log=log))
+            lambda: serving.run(num_requests=16 if quick else 256, rounds=1 if quick else 3, log=log))
     section("tensor_parallel", "tensor parallelism, 2 ranks vs 1 process",
-            lambda: tensor_parallel.run(requests=8 if quick else 48, log=log))
+            lambda: tensor_parallel.run(requests=4 if quick else 48, log=log))
 
     # Utilization depends on lengths only: computed at the paper's own length scale (ShareGPT-like,
     # means 161 / 338 tokens, reservation to a 2048-token maximum as the paper's OPT-13B), 1000 requests.

@@ -22,6 +22,7 @@ that dies leaves no engine behind.
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import os
@@ -60,15 +61,33 @@ class EngineFacts:
                    engine.scheduler.max_num_seqs, generation_defaults(getattr(engine.model, "generation_config", None)))
 
 
+START_METHODS = ("spawn", "forkserver")
+
+
 class EngineProcess:
     """An ``LLMEngine`` built by ``build()`` and stepped in a child process; ``tokenizer`` is the
-    server's copy (the engine process loads its own). ``close()`` stops it (idempotent)."""
+    server's copy (the engine process loads its own). ``close()`` stops it (idempotent).
 
-    def __init__(self, build: Callable[[], LLMEngine], tokenizer: Any, start_timeout: float = 1800.0):
+    ``start_method``: ``"spawn"`` (a fresh interpreter that imports torch, transformers and the
+    engine: seconds, paid by every engine process) or ``"forkserver"``, for a program that starts
+    many engine processes (the tests do, one per served fixture): multiprocessing's fork server
+    imports this module and ``build``'s once, and each engine process is forked from it, ready in a
+    fraction of a second. The fork server stays for the program's life, memory and all, and its
+    environment is the program's when it started (OpenMP reads its settings there), so
+    ``hf-paged serve``, which starts one engine process, spawns it."""
+
+    def __init__(self, build: Callable[[], LLMEngine], tokenizer: Any, start_timeout: float = 1800.0,
+                 start_method: str = "spawn"):
+        if start_method not in START_METHODS:
+            raise ValueError(f"EngineProcess start_method must be one of {START_METHODS}, got {start_method!r}")
         self.tokenizer = tokenizer
-        context = multiprocessing.get_context("spawn")
+        context = multiprocessing.get_context(start_method)
+        if start_method == "forkserver":  # taken by the fork server's first start only
+            context.set_forkserver_preload(list(dict.fromkeys([__name__, _module_of(build)])))
         self.connection, child = context.Pipe()
-        self.process = context.Process(target=run_engine_core, args=(build, child, os.getpid()),
+        # the parent an engine process must outlive: the server, unless a fork server stands between
+        parent = os.getpid() if start_method == "spawn" else None
+        self.process = context.Process(target=run_engine_core, args=(build, child, parent),
                                        name="hf-paged-engine-core", daemon=True)
         self.process.start()
         child.close()
@@ -106,10 +125,17 @@ class EngineProcess:
         self.connection.close()
 
 
+def _module_of(build: Callable) -> str:
+    while isinstance(build, functools.partial):
+        build = build.func
+    return getattr(build, "__module__", None) or __name__
+
+
 # ---------------------------------------------------------------------------- the engine's process
 def run_engine_core(build: Callable[[], LLMEngine], connection: Connection, server_pid: int | None = None) -> None:
     """The engine process: build the engine, report its facts, serve commands and step until told
-    to stop or the server's end of the pipe closes."""
+    to stop or the server's end of the pipe closes. ``server_pid``: its parent as the server gave it
+    (spawned), None when forked from a fork server (its parent then, which leaves with the server)."""
     for name in ("SIGINT", "SIGTERM"):  # the server stops it; a service manager signals the whole group
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="hf-paged engine: %(levelname)s %(message)s")

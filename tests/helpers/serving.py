@@ -67,9 +67,12 @@ ENGINE_PLACES = ["thread", "engine process"]  # where a served engine runs: fixt
 def serving(engine_kwargs: dict | None = None, model_overrides: dict | None = None,
             send_buffer_bytes: int | None = None, engine_process: bool = False, **settings):
     """A server on a free loopback port over a fresh engine (on the engine loop's thread, or in an
-    engine process of its own); yields ``(server, engine loop)``."""
+    engine process of its own); yields ``(server, engine loop)``. Engine processes fork from one fork
+    server, which imports torch, transformers and this module once for the whole run (spawned, each
+    would import them again: seconds apiece); ``hf-paged serve``'s spawned one is the CLI tests'."""
     build = functools.partial(tiny_engine, engine_kwargs or {}, model_overrides or {})
-    engine = EngineProcess(functools.partial(build, threads=1), byte_tokenizer()) if engine_process else build()
+    engine = EngineProcess(functools.partial(build, threads=1), byte_tokenizer(), start_method="forkserver") \
+        if engine_process else build()
     try:
         app = build_app(engine, ServerSettings(model_name=MODEL, **settings))
         with ServerThread(app, send_buffer_bytes=send_buffer_bytes) as server:
