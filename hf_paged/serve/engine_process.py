@@ -6,9 +6,9 @@ loop encodes events the step waits for the GIL. vLLM runs its engine core in a p
 for the same reason, and so does ``hf-paged serve`` (``--no-engine-process`` keeps the thread;
 the measurements are in RESULTS.md, "Against vLLM's CPU build").
 
-:class:`EngineProcess` starts the process (``spawn``: the engine is built there by a picklable
-``build()``, so the model is loaded once, in the process that runs it) and waits for its
-:class:`EngineFacts`. :class:`~hf_paged.serve.engine_loop.ProcessEngineLoop` is the engine loop's
+:class:`EngineProcess` starts the process (spawned, or forked from a fork server: the engine is
+built there by a picklable ``build()``, so the model is loaded once, in the process that runs it) and
+waits for its :class:`EngineFacts`. :class:`~hf_paged.serve.engine_loop.ProcessEngineLoop` is the engine loop's
 interface over it: handlers queue commands exactly as before; the loop's thread forwards them
 through a pipe and hands the outputs that come back to the streams. The engine process steps
 whenever it has work, sending each step's outputs as it goes, so it never waits for the HTTP side.
@@ -126,6 +126,7 @@ class EngineProcess:
 
 
 def _module_of(build: Callable) -> str:
+    """The module ``build`` comes from (through partials): the fork server imports it ahead too."""
     while isinstance(build, functools.partial):
         build = build.func
     return getattr(build, "__module__", None) or __name__
