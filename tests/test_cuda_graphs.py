@@ -4,7 +4,8 @@ No GPU here: the graphs are built with ``capture=False`` (same static buffers, b
 and scratch block; the recorded forward runs eagerly instead of replaying) and the Triton kernels
 are forced (the interpreter: the route a GPU takes). Greedy tokens must equal per-request stock
 ``generate()`` while the batch shrinks through the buckets; negative controls show that pad rows
-writing outside the scratch block, or stale static rows, change tokens."""
+writing outside the scratch block, or stale static rows, change tokens. The Llama has 2 heads over
+one K/V head (tiny_models.build_narrow_llama): the interpreter's cost grows with heads."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from hf_paged import LLMEngine, SamplingParams
 from hf_paged.engine.cuda_graphs import DecodeGraphs
-from tests.helpers.tiny_models import build
+from tests.helpers.tiny_models import build, build_narrow_llama
 
 PROMPTS = [list(range(3, 3 + n)) for n in (21, 9, 3, 14, 6)]
 MAX_NEW = [6, 4, 7, 5, 2]  # requests finish at different steps: 5, 4, 3, 2, 1 rows (buckets 8, 4, 4, 2, 1)
@@ -42,7 +43,7 @@ def _tokens(engine, params=None):
 def test_decode_steps_from_static_buffers_give_stock_tokens(arch, compile, triton_launches):
     """gemma2: two layer groups (sliding window 9 and full attention), each with its own buffers
     and scratch block; compile: the compiled body at every bucket size."""
-    model = build(arch)
+    model = build_narrow_llama() if arch == "llama" else build(arch)
     engine = _engine(model, compile=compile)
     graphs = engine.runner.graphs
     assert graphs.buckets == (1, 2, 4, 8) and graphs.width == -(-model.config.max_position_embeddings // 4)
@@ -58,14 +59,14 @@ def test_decode_steps_from_static_buffers_give_stock_tokens(arch, compile, trito
 def test_preempted_sequences_come_back_through_the_graphs(mode, triton_launches):
     """10 blocks of 4 tokens cannot hold every sequence to its end: some are preempted (recomputed, or
     swapped out and back into the same pools) and decode from the static buffers again."""
-    model = build("llama")
+    model = build_narrow_llama()
     engine = _engine(model, num_blocks=10, preemption_mode=mode)
     assert _tokens(engine) == _stock(model)
     assert engine.stats()[f"preemptions_{mode}"] > 0 and engine.runner.graphs.replayed > 0
 
 
 def test_seeded_sampling_equals_eager_steps(triton_launches):
-    model = build("llama")
+    model = build_narrow_llama()
     params = [SamplingParams(max_new_tokens=n, temperature=0.8, top_k=20, seed=i, ignore_eos=True)
               for i, n in enumerate(MAX_NEW)]
     graphs = _engine(model)
@@ -74,14 +75,14 @@ def test_seeded_sampling_equals_eager_steps(triton_launches):
 
 
 def test_negative_control_pad_rows_writing_into_a_live_block_change_tokens(triton_launches):
-    model = build("llama")
+    model = build_narrow_llama()
     engine = _engine(model)
     engine.runner.graphs.scratch = [0]  # pad rows write into block 0, which the first request owns
     assert _tokens(engine) != _stock(model)
 
 
 def test_negative_control_a_bucket_whose_rows_are_not_refilled_changes_tokens(triton_launches, monkeypatch):
-    model = build("llama")
+    model = build_narrow_llama()
     engine = _engine(model)
     graphs = engine.runner.graphs
     fill = graphs._fill
@@ -98,7 +99,7 @@ def test_negative_control_a_bucket_whose_rows_are_not_refilled_changes_tokens(tr
 
 def test_steps_that_do_not_fit_run_eager():
     """A prefill, a mixed step and more sequences than the largest bucket run the eager forward."""
-    model = build("llama")
+    model = build_narrow_llama()
     engine = LLMEngine(model, block_size=4, num_blocks=64, max_num_seqs=8)
     engine.runner.graphs = DecodeGraphs(engine.runner, 2, list(engine.kv.pool_sizes), engine.max_positions,
                                         capture=False)
@@ -108,7 +109,7 @@ def test_steps_that_do_not_fit_run_eager():
 
 
 def test_cuda_graphs_refusals_name_why():
-    model = build("llama")
+    model = build_narrow_llama()
     with pytest.raises(ValueError, match="cuda_graphs=True needs a KV budget"):
         LLMEngine(model, cuda_graphs=True)
     with pytest.raises(ValueError, match="cuda_graphs=True: CUDA graphs need a model on a CUDA device"):

@@ -12,13 +12,12 @@ from __future__ import annotations
 import dataclasses
 import pickle
 
-import httpx
 import pytest
 
 from hf_paged import LLM, BeamSearchParams, LLMEngine, SamplingParams
 from hf_paged.demo import byte_tokenizer
 from hf_paged.engine.params import VLLM_DEFAULT_ONLY, RequestOutputKind
-from tests.helpers.serving import MODEL, NUM_BLOCKS, assert_all_free, serving, single_threaded_torch, tiny_model
+from tests.helpers.serving import MODEL, NUM_BLOCKS, post_then_all_free, serving, single_threaded_torch, tiny_model
 from tests.helpers.tiny_models import assert_engine_idle
 
 PROMPTS = ["Hello there", "Once upon"]
@@ -195,21 +194,13 @@ def served():
         yield server, loop
 
 
-def post(served, path: str, body: dict) -> httpx.Response:
-    server, loop = served
-    try:
-        return httpx.post(server.url + path, json=body, timeout=60)
-    finally:
-        assert_all_free(loop)
-
-
 def test_the_server_refuses_continue_final_message_with_the_default_generation_prompt(served):
     """vLLM's server renders the pair (add_generation_prompt defaults to true) and the template call
     refuses it: a 400. Set to false, the last message is continued."""
     chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": 0, "continue_final_message": True}
     for path, body in (("/v1/chat/completions", chat), ("/tokenize", {"messages": MESSAGES,
                                                                        "continue_final_message": True})):
-        refused = post(served, path, body)
+        refused = post_then_all_free(served, path, body)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message", path
-        assert post(served, path, {**body, "add_generation_prompt": False}).status_code == 200, path
+        assert post_then_all_free(served, path, {**body, "add_generation_prompt": False}).status_code == 200, path
 

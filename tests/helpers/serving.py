@@ -134,6 +134,16 @@ def wait_idle(loop, timeout: float = 15.0) -> dict:
         time.sleep(0.02)
 
 
+def post_then_all_free(served, path: str, body: dict) -> httpx.Response:
+    """POST ``body`` to ``path`` on ``served`` (a ``(server, loop)`` fixture); then nothing is in flight
+    and every KV block is free, whatever the answer."""
+    server, loop = served
+    try:
+        return httpx.post(server.url + path, json=body, timeout=60)
+    finally:
+        assert_all_free(loop)
+
+
 def assert_all_free(loop) -> None:
     stats = wait_idle(loop)
     assert stats["in_flight"] == 0 and stats["running"] == stats["waiting"] == stats["swapped"] == 0, stats

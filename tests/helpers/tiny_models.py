@@ -95,6 +95,15 @@ def build(arch: str, seed: int = 0, table: dict = CONFIGS) -> transformers.PreTr
     return model.eval()
 
 
+def build_narrow_llama(seed: int = 0) -> transformers.PreTrainedModel:
+    """The tiny Llama with 2 heads sharing 1 K/V head and 64 positions: for tests that run the Triton
+    kernels through the interpreter, whose cost grows with the programs a launch runs (heads, and
+    the block-table width that positions set); half the time of ``build("llama")`` there."""
+    return build("llama", seed, {"llama": lambda: transformers.LlamaConfig(
+        **_COMMON, **{**_LLAMA_LIKE, "num_attention_heads": 2, "num_key_value_heads": 1,
+                      "max_position_embeddings": 64})})
+
+
 def left_padded(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A left-padded batch of random prompts of the given lengths: (input_ids, attention_mask)."""
     g = torch.Generator().manual_seed(seed)
