@@ -147,16 +147,29 @@ def test_an_unknown_start_method_is_named():
         EngineProcess(functools.partial(tiny_engine, {}, {}), byte_tokenizer(), start_method="fork")
 
 
-@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL"])
-def test_hf_paged_serve_leaves_no_engine_process_behind(how):
-    """``hf-paged serve`` stopped by SIGINT or SIGTERM to its whole process group (a terminal's
-    Ctrl-C, a service manager's stop: the engine process ignores them, the server drains a request
-    in flight and then stops it) or killed outright (the engine process sees its pipe close and
-    exits)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "hf_paged", "serve", "--port", str(port), "--num-blocks", "64", "--enforce-eager"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+def _omp_wait_policy(pid: int) -> str | None:
+    """``OMP_WAIT_POLICY`` as process ``pid`` started with it."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    value = pairs.get(b"OMP_WAIT_POLICY")
+    return value.decode() if value is not None else None
+
+
+@pytest.mark.parametrize("how, user_policy", [("SIGINT", None), ("SIGTERM", "ACTIVE"), ("SIGKILL", None)])
+def test_hf_paged_serve_starts_its_engine_process_and_leaves_none_behind(how, user_policy):
+    """``hf-paged serve`` with engine threads on every core starts its engine process waiting
+    passively, unless the user chose an OpenMP wait policy (read from the running engine process's
+    environment); stopped by SIGINT or SIGTERM to its whole process group (a terminal's Ctrl-C, a
+    service manager's stop: the engine process ignores them, the server drains a request in flight
+    and then stops it) or killed outright (the engine process sees its pipe close and exits), it
+    leaves no engine process behind."""
+    port, cores = free_port(), len(os.sched_getaffinity(0))
+    cmd = [sys.executable, "-m", "hf_paged", "serve", "--port", str(port), "--num-blocks", "64", "--enforce-eager",
+           "--engine-threads", str(cores)]
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(OMP_NUM_THREADS="1", **({"OMP_WAIT_POLICY": user_policy} if user_policy else {}))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
     started: list[str] = []
     try:
         for line in proc.stdout:  # the server names its engine process before it starts serving
@@ -166,6 +179,11 @@ def test_hf_paged_serve_leaves_no_engine_process_behind(how):
                 break
         else:
             raise AssertionError("".join(started))
+        # passive waits: small steps run on one thread (hf_paged.engine.step_threads)
+        threads_line = next(line for line in started if "engine threads" in line)
+        serial = re.search(r"steps of up to (\d+) tokens run on one", threads_line)
+        assert bool(serial) == (user_policy is None and cores > 1 and step_threads.available()), threads_line
+        assert _omp_wait_policy(engine_pid) == (user_policy or "PASSIVE")
         wait_until_healthy(proc, port, timeout=120)
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60) as client:
             assert client.completions.create(model="hf-paged-demo", prompt="Hi", max_tokens=3).usage \
@@ -215,45 +233,6 @@ def test_the_engine_process_environment_is_set_only_while_it_starts(monkeypatch)
     with _environment({"HF_PAGED_TEST_KEPT": "during", "HF_PAGED_TEST_NEW": "during"}):
         assert os.environ["HF_PAGED_TEST_KEPT"] == os.environ["HF_PAGED_TEST_NEW"] == "during"
     assert os.environ["HF_PAGED_TEST_KEPT"] == "before" and "HF_PAGED_TEST_NEW" not in os.environ
-
-
-@pytest.mark.parametrize("user_policy", [None, "ACTIVE"])
-def test_hf_paged_serve_starts_its_engine_process_with_that_policy(user_policy):
-    """Read from the running engine process's environment."""
-    port, cores = free_port(), len(os.sched_getaffinity(0))
-    cmd = [sys.executable, "-m", "hf_paged", "serve", "--port", str(port), "--num-blocks", "64", "--enforce-eager",
-           "--engine-threads", str(cores)]
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    if user_policy:
-        env["OMP_WAIT_POLICY"] = user_policy
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    printed = []
-    try:
-        for line in proc.stdout:
-            printed.append(line)
-            if found := re.search(r"; engine process (\d+)\)$", line.strip()):
-                engine_pid = int(found.group(1))
-                break
-        else:
-            raise AssertionError("the server named no engine process")
-        # passive waits: small steps run on one thread (hf_paged.engine.step_threads)
-        threads_line = next(line for line in printed if "engine threads" in line)
-        serial = re.search(r"steps of up to (\d+) tokens run on one", threads_line)
-        assert bool(serial) == (user_policy is None and cores > 1 and step_threads.available()), threads_line
-
-        def policy(pid: int) -> str | None:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                pairs = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-            value = pairs.get(b"OMP_WAIT_POLICY")
-            return value.decode() if value is not None else None
-
-        assert policy(engine_pid) == (user_policy or "PASSIVE")
-        wait_until_healthy(proc, port, timeout=120)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert _wait_gone(engine_pid, timeout=30)
 
 
 def test_engine_threads_default_takes_every_core_only_on_two_cores_in_a_process_of_its_own(monkeypatch):
