@@ -15,8 +15,8 @@ import pytest
 import hf_paged
 from hf_paged.__main__ import CliError, _chat_template
 from hf_paged.demo import byte_tokenizer
-from tests.helpers.serving import (MODEL, NUM_BLOCKS, assert_all_free, post_then_all_free, serving, single_threaded_torch,
-                                   tiny_model)
+from tests.helpers.serving import MODEL, NUM_BLOCKS, assert_all_free, serving, single_threaded_torch, tiny_model
+from tests.helpers.serving import post_then_all_free as _post
 
 TOKENIZER = byte_tokenizer()
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
@@ -46,7 +46,6 @@ def plain():
         yield server, loop
 
 
-
 def _chat(served, **body) -> openai.types.chat.ChatCompletion:
     server, loop = served
     with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
@@ -62,28 +61,28 @@ def _greedy(engine, ids: list[int], n: int) -> list[int]:
 
 
 def test_tokenize_a_prompt_as_a_completion_sees_it(plain):
-    got = post_then_all_free(plain, "/tokenize", {"model": MODEL, "prompt": "Hello, 世界"}).json()
+    got = _post(plain, "/tokenize", {"model": MODEL, "prompt": "Hello, 世界"}).json()
     want = TOKENIZER("Hello, 世界").input_ids
     assert got["tokens"] == want and got["count"] == len(want) and got["token_strs"] is None
     assert got["max_model_len"] == tiny_model().config.max_position_embeddings
-    bare = post_then_all_free(plain, "/tokenize", {"prompt": "Hello", "add_special_tokens": False, "return_token_strs": True}).json()
+    bare = _post(plain, "/tokenize", {"prompt": "Hello", "add_special_tokens": False, "return_token_strs": True}).json()
     assert bare["tokens"] == TOKENIZER("Hello", add_special_tokens=False).input_ids
     assert bare["token_strs"] == TOKENIZER.convert_ids_to_tokens(bare["tokens"])
 
 
 def test_tokenize_messages_is_the_prompt_a_chat_completion_runs(plain, engine):
-    got = post_then_all_free(plain, "/tokenize", {"model": MODEL, "messages": MESSAGES}).json()
+    got = _post(plain, "/tokenize", {"model": MODEL, "messages": MESSAGES}).json()
     text = TOKENIZER.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     assert got["tokens"] == TOKENIZER(text, add_special_tokens=False).input_ids
     resp = _chat(plain, messages=MESSAGES, max_tokens=8, temperature=0)
     assert resp.usage.prompt_tokens == got["count"]
     assert resp.choices[0].model_extra["token_ids"] == _greedy(engine, got["tokens"], 8)
-    no_prompt = post_then_all_free(plain, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}).json()
+    no_prompt = _post(plain, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}).json()
     assert no_prompt["tokens"] != got["tokens"] and got["tokens"][:no_prompt["count"]] == no_prompt["tokens"]
 
 
 def test_continue_final_message_goes_on_with_the_assistants_text(plain, engine):
-    ids = post_then_all_free(plain, "/tokenize", {"messages": PREFILLED, "continue_final_message": True,
+    ids = _post(plain, "/tokenize", {"messages": PREFILLED, "continue_final_message": True,
                                      "add_generation_prompt": False}).json()["tokens"]
     text = TOKENIZER.decode(ids)
     assert text.endswith("Well, the") and TOKENIZER.apply_chat_template(
@@ -93,47 +92,47 @@ def test_continue_final_message_goes_on_with_the_assistants_text(plain, engine):
     assert resp.choices[0].model_extra["token_ids"] == _greedy(engine, ids, 8)
     closed = _chat(plain, messages=PREFILLED, max_tokens=8, temperature=0)  # negative control: a new turn
     assert closed.usage.prompt_tokens != len(ids)
-    both = post_then_all_free(plain, "/v1/chat/completions", {"model": MODEL, "messages": PREFILLED, "max_tokens": 4,
+    both = _post(plain, "/v1/chat/completions", {"model": MODEL, "messages": PREFILLED, "max_tokens": 4,
                                                 "continue_final_message": True, "add_generation_prompt": True})
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
 
 
 def test_a_request_template_needs_a_trusting_server(plain, trusted, engine):
     body = {"messages": MESSAGES, "chat_template": TEMPLATE, "chat_template_kwargs": {"shout": True}}
-    refused = post_then_all_free(plain, "/tokenize", body)
+    refused = _post(plain, "/tokenize", body)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
-    refused = post_then_all_free(plain, "/v1/chat/completions", {"model": MODEL, "max_tokens": 4, **body})
+    refused = _post(plain, "/v1/chat/completions", {"model": MODEL, "max_tokens": 4, **body})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
-    own = post_then_all_free(trusted, "/tokenize", {**body, "chat_template": "{{ messages[-1]['content'] }}"}).json()
+    own = _post(trusted, "/tokenize", {**body, "chat_template": "{{ messages[-1]['content'] }}"}).json()
     assert TOKENIZER.decode(own["tokens"]) == "Hi there"
     resp = _chat(trusted, messages=MESSAGES, max_tokens=6, temperature=0, chat_template="{{ messages[-1]['content'] }}")
     assert resp.choices[0].model_extra["token_ids"] == _greedy(engine, own["tokens"], 6)
 
 
 def test_the_servers_template_and_its_variables(trusted, engine):
-    shout = post_then_all_free(trusted, "/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"shout": True}}).json()
+    shout = _post(trusted, "/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"shout": True}}).json()
     assert TOKENIZER.decode(shout["tokens"]) == "[Be brief.][Hi there]!!>"  # --chat-template, not the tokenizer's
-    quiet = post_then_all_free(trusted, "/tokenize", {"messages": MESSAGES}).json()
+    quiet = _post(trusted, "/tokenize", {"messages": MESSAGES}).json()
     assert TOKENIZER.decode(quiet["tokens"]) == "[Be brief.][Hi there]>"
     resp = _chat(trusted, messages=MESSAGES, max_tokens=6, temperature=0, chat_template_kwargs={"shout": True})
     assert resp.usage.prompt_tokens == shout["count"]
     assert resp.choices[0].model_extra["token_ids"] == _greedy(engine, shout["tokens"], 6)
-    reserved = post_then_all_free(trusted, "/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}})
+    reserved = _post(trusted, "/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}})
     assert reserved.status_code == 400 and reserved.json()["error"]["param"] == "chat_template_kwargs.tokenize"
-    bad = post_then_all_free(trusted, "/tokenize", {"messages": MESSAGES, "chat_template_kwargs": ["shout"]})
+    bad = _post(trusted, "/tokenize", {"messages": MESSAGES, "chat_template_kwargs": ["shout"]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
 
 
 def test_detokenize_and_version(plain):
     ids = TOKENIZER("Hello, 世界").input_ids
-    assert post_then_all_free(plain, "/detokenize", {"model": MODEL, "tokens": ids}).json() == {"prompt": TOKENIZER.decode(ids)}
-    outside = post_then_all_free(plain, "/detokenize", {"tokens": [65, 10**6]})
+    assert _post(plain, "/detokenize", {"model": MODEL, "tokens": ids}).json() == {"prompt": TOKENIZER.decode(ids)}
+    outside = _post(plain, "/detokenize", {"tokens": [65, 10**6]})
     assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens[1]"
-    other = post_then_all_free(plain, "/detokenize", {"model": "other", "tokens": ids})
+    other = _post(plain, "/detokenize", {"model": "other", "tokens": ids})
     assert other.status_code == 404 and other.json()["error"]["param"] == "model"
-    typed = post_then_all_free(plain, "/tokenize", {"prompt": 42})
+    typed = _post(plain, "/tokenize", {"prompt": 42})
     assert typed.status_code == 400 and typed.json()["error"]["param"] == "prompt"
-    unknown = post_then_all_free(plain, "/tokenize", {"prompt": "x", "truncate": 3})
+    unknown = _post(plain, "/tokenize", {"prompt": "x", "truncate": 3})
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "truncate"
     assert httpx.get(plain[0].url + "/version").json() == {"version": hf_paged.__version__}
     paths = httpx.get(plain[0].url + "/openapi.json").json()["paths"]
@@ -144,7 +143,7 @@ def test_detokenize_and_version(plain):
 
 def test_a_request_whose_masks_leave_nothing_is_a_400_about_them_not_max_tokens(plain):
     eos = TOKENIZER.eos_token_id
-    resp = post_then_all_free(plain, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4,
+    resp = _post(plain, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4,
                                             "allowed_token_ids": [eos], "min_tokens": 2})
     error = resp.json()["error"]
     assert resp.status_code == 400 and error["param"] is None and "every token is masked" in error["message"]
@@ -163,18 +162,18 @@ def test_chat_prompts_as_vllm_renders_them(plain):
     """Text parts one per line; tools in the template under tool_choice "none" too; a reply without
     a generation prompt keeps the last message's role."""
     parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
-    ids = post_then_all_free(plain, "/tokenize", {"messages": parts}).json()["tokens"]
-    assert ids == post_then_all_free(plain, "/tokenize", {"messages": [{"role": "user", "content": "Hi\nthere"}]}).json()["tokens"]
+    ids = _post(plain, "/tokenize", {"messages": parts}).json()["tokens"]
+    assert ids == _post(plain, "/tokenize", {"messages": [{"role": "user", "content": "Hi\nthere"}]}).json()["tokens"]
     tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
     body = {"messages": MESSAGES, "tools": [tool]}
-    with_tools = post_then_all_free(plain, "/tokenize", body).json()["count"]
-    assert with_tools > post_then_all_free(plain, "/tokenize", {"messages": MESSAGES}).json()["count"]
-    none = post_then_all_free(plain, "/v1/chat/completions", {"model": MODEL, **body, "tool_choice": "none", "max_tokens": 2})
+    with_tools = _post(plain, "/tokenize", body).json()["count"]
+    assert with_tools > _post(plain, "/tokenize", {"messages": MESSAGES}).json()["count"]
+    none = _post(plain, "/v1/chat/completions", {"model": MODEL, **body, "tool_choice": "none", "max_tokens": 2})
     assert none.json()["usage"]["prompt_tokens"] == with_tools
-    reply = post_then_all_free(plain, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 2,
+    reply = _post(plain, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 2,
                                                  "add_generation_prompt": False}).json()
     assert reply["choices"][0]["message"]["role"] == "user"
-    normal = post_then_all_free(plain, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}).json()
+    normal = _post(plain, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}).json()
     assert normal["choices"][0]["message"]["role"] == "assistant"
 
 
@@ -183,7 +182,7 @@ def test_a_tool_reaches_the_template_with_vllms_keys(trusted):
     (vLLM's; a template that prints tools as JSON writes them); other declared keys stay."""
     tool = {"type": "function", "function": {"name": "get_time", "strict": True}}
     body = {"messages": MESSAGES, "tools": [tool], "chat_template": "{{ tools | tojson }}"}
-    shown = TOKENIZER.decode(post_then_all_free(trusted, "/tokenize", body).json()["tokens"])
+    shown = TOKENIZER.decode(_post(trusted, "/tokenize", body).json()["tokens"])
     assert json.loads(shown) == [{"type": "function", "function": {"name": "get_time", "description": None,
                                                                     "parameters": None, "strict": True}}]
 
@@ -195,7 +194,7 @@ def test_chat_echo_starts_the_reply_with_the_last_message_of_its_role(plain):
         payload = {"model": MODEL, "messages": messages, "max_tokens": 5, "temperature": 0, "echo": True,
                    "stream": stream, **body}
         if not stream:
-            return post_then_all_free(plain, "/v1/chat/completions", payload).json()["choices"][0]["message"]["content"]
+            return _post(plain, "/v1/chat/completions", payload).json()["choices"][0]["message"]["content"]
         server, loop = plain
         content = ""
         with httpx.stream("POST", server.url + "/v1/chat/completions", json=payload, timeout=60) as resp:
@@ -205,7 +204,7 @@ def test_chat_echo_starts_the_reply_with_the_last_message_of_its_role(plain):
         assert_all_free(plain[1])
         return content
 
-    plain_reply = post_then_all_free(plain, "/v1/chat/completions", {"model": MODEL, "messages": PREFILLED, "max_tokens": 5,
+    plain_reply = _post(plain, "/v1/chat/completions", {"model": MODEL, "messages": PREFILLED, "max_tokens": 5,
                                                         "temperature": 0, "continue_final_message": True,
                                                         "add_generation_prompt": False}).json()
     generated = plain_reply["choices"][0]["message"]["content"]
