@@ -38,6 +38,16 @@ def triton_launches(monkeypatch):
 
 
 @pytest.fixture
+def llm(engine):
+    """The module's ``engine`` fixture; after the test nothing is in flight and every KV block is free
+    (a module with an ``llm`` of its own uses that)."""
+    from tests.helpers.tiny_models import assert_engine_idle
+
+    yield engine
+    assert_engine_idle(engine)
+
+
+@pytest.fixture
 def threads():
     """``torch.set_num_threads`` for the test; the count before it is restored after."""
     before = torch.get_num_threads()

@@ -22,7 +22,7 @@ from hf_paged import LLMEngine, SamplingParams
 from hf_paged.demo import byte_tokenizer
 from hf_paged.engine.detokenize import TextStream, text_decoder
 from tests.helpers.serving import tiny_model
-from tests.helpers.tiny_models import VOCAB, assert_engine_idle, build, single_threaded_torch
+from tests.helpers.tiny_models import VOCAB, build, single_threaded_torch
 
 BYTES = byte_tokenizer()
 PAD, BOS, EOS = 0, 1, 2  # the byte tokenizer's special tokens: <pad>, <s>, </s>
@@ -38,13 +38,6 @@ OPTIONS = ["skip_special_tokens", "spaces_between_special_tokens", "include_stop
 def engine():
     with single_threaded_torch():
         yield LLMEngine(tiny_model(), BYTES, num_blocks=64)
-
-
-@pytest.fixture
-def llm(engine):
-    """The module's engine; after the test nothing is in flight and every KV block is free."""
-    yield engine
-    assert_engine_idle(engine)
 
 
 def run(engine: LLMEngine, prompt=PROMPT, **params):

@@ -18,7 +18,7 @@ import pytest
 from hf_paged import LLMEngine, SamplingParams
 from hf_paged.constraints import StructuredOutputsParams
 from hf_paged.demo import byte_tokenizer
-from tests.helpers.tiny_models import assert_engine_idle, build, single_threaded_torch
+from tests.helpers.tiny_models import build, single_threaded_torch
 
 TOKENIZER = byte_tokenizer()
 PROMPT = "HELLO"  # byte ids 42, 39, 46, 46, 49: inside the tiny model's vocabulary of 96
@@ -33,13 +33,6 @@ BEAMS = dict(max_tokens=6, num_beams=2, n=2, ignore_eos=True)
 def engine():
     with single_threaded_torch():
         yield LLMEngine(build("llama"), TOKENIZER, block_size=4, num_blocks=192)  # 768 tokens: a whole context fits
-
-
-@pytest.fixture
-def llm(engine):
-    """The module's engine; after the test nothing is in flight and every KV block is free."""
-    yield engine
-    assert_engine_idle(engine)
 
 
 def generate(engine: LLMEngine, prompt=PROMPT, **params):
