@@ -137,13 +137,23 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def continued(tokenizer, prompt: list[int], token_ids: list[int], skip_special_tokens: bool = True) -> str:
+    """The text of ``token_ids`` as it continues ``prompt``'s (vLLM's): the whole decode less the
+    prompt's. This tokenizer's decoder puts a space before every token but the first."""
+    head = tokenizer.decode(prompt, skip_special_tokens=skip_special_tokens)
+    whole = tokenizer.decode(prompt + token_ids, skip_special_tokens=skip_special_tokens)
+    assert whole.startswith(head) and whole[len(head)] == " "
+    return whole[len(head):]
+
+
 def unspaced(tokenizer, token_ids: list[int]) -> str:
-    """The text vLLM shows with special tokens and spaces_between_special_tokens=False: the
-    words spaced, an added token right after another added token without its space."""
+    """The text vLLM shows with special tokens and spaces_between_special_tokens=False, after a
+    prompt: the words spaced, an added token right after another added token of the output
+    without its space."""
     added, text, after_added = set(tokenizer.added_tokens_decoder), "", False
-    for i, token in enumerate(token_ids):
+    for token in token_ids:
         piece = tokenizer.convert_ids_to_tokens(token)
-        text += piece if token in added and after_added else (" " if i else "") + piece
+        text += piece if token in added and after_added else " " + piece
         after_added = token in added
     return text
 
@@ -163,10 +173,10 @@ def test_spaces_between_special_tokens_false_joins_consecutive_added_tokens(word
     ids = joined.token_ids
     assert ids == spaced.token_ids and any(a in added and b in added for a, b in zip(ids, ids[1:])), \
         "no two added tokens in a row: the test would not see the option"
-    assert spaced.text == decoded(ids, False, tokenizer)
+    assert spaced.text == continued(tokenizer, [5, 9, 13], ids, False)
     assert joined.text == unspaced(tokenizer, ids) != spaced.text
     skipped = run(words_engine, [5, 9, 13], **params, spaces_between_special_tokens=False)[0]
-    assert skipped.text == decoded(ids, True, tokenizer)  # as in vLLM: special tokens skipped, nothing to join
+    assert skipped.text == continued(tokenizer, [5, 9, 13], ids)  # as in vLLM: special tokens skipped, nothing to join
     stream = streamed(words_engine, [5, 9, 13], **params, skip_special_tokens=False, spaces_between_special_tokens=False)
     assert stream == {0: (joined.text, ids)}
     assert words_engine.kv.num_used_blocks() == 0 and not words_engine.has_unfinished_requests()

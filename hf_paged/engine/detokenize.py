@@ -12,6 +12,12 @@ keeps special tokens when ``skip_special_tokens=False`` (and, with
 ``spaces_between_special_tokens=False``, joins consecutive added tokens without the spaces a
 decoder puts between tokens); :func:`shown_token_ids` leaves out the token that ended an output
 (EOS, a stop token) unless ``include_stop_str_in_output`` asks for it.
+
+An output's text continues its prompt's: it is decoded after the prompt's last tokens
+(:func:`prompt_context`), as vLLM's detokenizer does. Decoded alone, a SentencePiece tokenizer's
+first token loses its word-start space and a WordPiece decoder puts no space before it, so the
+completion of "The capital of France is" would read "Paris" and an echo "The capital of France
+isParis"; after the prompt it reads " Paris".
 """
 
 from __future__ import annotations
@@ -26,39 +32,71 @@ if TYPE_CHECKING:
     from hf_paged.engine.params import SamplingParams
 
 REPLACEMENT = "\ufffd"
+CONTEXT_TOKENS = 6  # prompt tokens an output is decoded after (see prompt_context)
+WORD_START = "\u2581"  # SentencePiece's mark of a token that starts a word (with a space)
 MAX_HELD_TOKENS = 8  # a UTF-8 character has at most 4 bytes: more than this is really invalid text
 PENDING_TOKENS = 3  # still held when invalid text is released: the start of a character they may complete
 
 
+def prompt_context(tokenizer: Any, prompt_token_ids: Sequence[int] | None,
+                   skip_special_tokens: bool = True) -> list[int]:
+    """The prompt tokens an output's text is decoded after: the longest tail of at most
+    ``CONTEXT_TOKENS`` that decodes to whole characters (none where the prompt ends inside a
+    multi-byte character: the output then completes it, and its text is decoded alone)."""
+    tail = list(prompt_token_ids or ())[-CONTEXT_TOKENS:]
+    while tail and REPLACEMENT in tokenizer.decode(tail, skip_special_tokens=skip_special_tokens):
+        tail = tail[1:]
+    return tail
+
+
 def decode_text(tokenizer: Any, token_ids: Sequence[int], skip_special_tokens: bool = True,
-                spaces_between_special_tokens: bool = True) -> str:
+                spaces_between_special_tokens: bool = True, context: Sequence[int] = ()) -> str:
     """The text of ``token_ids`` as an output shows it: the tokenizer's own decode (special tokens
-    skipped or kept). With special tokens kept and ``spaces_between_special_tokens=False``, an
-    added token that follows another added token is its bare content, without the space a
-    decoder (WordPiece's, say) would put before it: what vLLM's detokenizer shows. Requests with
-    the default options pay for one decode, as before."""
+    skipped or kept), after the ``context`` tokens (:func:`prompt_context`; their own text left
+    out). With special tokens kept and ``spaces_between_special_tokens=False``, an added token
+    that follows another added token of the output is its bare content, without the space a
+    decoder (WordPiece's, say) would put before it: what vLLM's detokenizer shows. Where the
+    context's text is not a prefix of the whole (a decoder that rewrites across tokens), the ids
+    are decoded alone."""
+    if context:
+        ids = [*context, *token_ids]
+        head = _decode(tokenizer, ids[:len(context)], skip_special_tokens, spaces_between_special_tokens,
+                       len(context))
+        whole = _decode(tokenizer, ids, skip_special_tokens, spaces_between_special_tokens, len(context))
+        if whole.startswith(head):
+            return whole[len(head):]
+    return _decode(tokenizer, list(token_ids), skip_special_tokens, spaces_between_special_tokens, 0)
+
+
+def _decode(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool, spaces_between_special_tokens: bool,
+            first: int) -> str:
+    """``decode_text`` of ``token_ids`` whose output starts at ``first`` (the rest is context)."""
     text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
     if skip_special_tokens or spaces_between_special_tokens:
         return text
-    return _unspaced_added_runs(tokenizer, list(token_ids), text)
+    return _unspaced_added_runs(tokenizer, token_ids, text, first)
 
 
-def text_decoder(tokenizer: Any, params: SamplingParams | None = None) -> Callable[[Sequence[int]], str]:
-    """``decode(token_ids)`` with the text options of ``params`` (the defaults without them)."""
+def text_decoder(tokenizer: Any, params: SamplingParams | None = None,
+                 prompt_token_ids: Sequence[int] | None = None) -> Callable[[Sequence[int]], str]:
+    """``decode(token_ids)`` of an output of ``prompt_token_ids``, with the text options of
+    ``params`` (the defaults without them)."""
     skip = params is None or params.skip_special_tokens
     spaces = params is None or params.spaces_between_special_tokens
-    return functools.partial(decode_text, tokenizer, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+    return functools.partial(decode_text, tokenizer, skip_special_tokens=skip, spaces_between_special_tokens=spaces,
+                             context=prompt_context(tokenizer, prompt_token_ids, skip))
 
 
-def _unspaced_added_runs(tokenizer: Any, token_ids: list[int], text: str) -> str:
-    """``text`` (the decode of ``token_ids``) with each run of consecutive added tokens after its
-    first written as their bare contents. Runs are replaced from the last one back, so the
-    offsets (lengths of prefix decodes) of the earlier ones stay valid; a run whose prefix
-    decodes are not prefixes of the text (a decoder that rewrites across tokens) is left as is."""
+def _unspaced_added_runs(tokenizer: Any, token_ids: list[int], text: str, first: int = 0) -> str:
+    """``text`` (the decode of ``token_ids``) with each run of consecutive added tokens from
+    ``first`` on after its first written as their bare contents. Runs are replaced from the last
+    one back, so the offsets (lengths of prefix decodes) of the earlier ones stay valid; a run
+    whose prefix decodes are not prefixes of the text (a decoder that rewrites across tokens) is
+    left as is."""
     added = {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
     runs, start = [], None
     for i, token in enumerate([*token_ids, None]):
-        if token is not None and token in added:
+        if token is not None and token in added and i >= first:
             start = i if start is None else start
             continue
         if start is not None and i - start > 1:
@@ -83,7 +121,10 @@ def shown_token_ids(token_ids: list[int], finish_reason: str | None, stop_reason
 
 
 class TokenTexts:
-    """Each token's text decoded alone (``Logprob.decoded_token``, as vLLM decodes it), once per id."""
+    """Each token's text (``Logprob.decoded_token``, logprobs' tokens), found once per id: its id
+    decoded alone, with the word-start spaces that decoding alone strips from a SentencePiece
+    token (``"\u2581Paris"`` reads " Paris", as vLLM shows it), so that the tokens of an output
+    join to its text."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer, self._cache = tokenizer, {}
@@ -91,7 +132,20 @@ class TokenTexts:
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
-            text = self._cache[token_id] = self.tokenizer.decode([token_id])
+            text = self._cache[token_id] = self._find(token_id)
+        return text
+
+    def alone(self, token_id: int) -> str:
+        """The id decoded alone: how the token reads at the start of a text."""
+        return self.tokenizer.decode([token_id])
+
+    def _find(self, token_id: int) -> str:
+        text = self.alone(token_id)
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and piece.startswith(WORD_START):
+            marks = len(piece) - len(piece.lstrip(WORD_START))
+            missing = marks - (len(text) - len(text.lstrip(" ")))
+            text = " " * missing + text if missing > 0 else text
         return text
 
 
@@ -100,20 +154,23 @@ class IncrementalDetokenizer:
 
     Each push decodes just a window, from the tokens released last time to the end, so the cost
     per token is constant; starting the window at earlier tokens (not at the new ones) lets
-    tokenizers that treat a leading space specially (SentencePiece) see their context.
+    tokenizers that treat a leading space specially (SentencePiece) see their context. The first
+    window starts at the ``context`` tokens (:func:`prompt_context`), whose text is not released.
     """
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
+                 context: Sequence[int] = ()):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = list(context)
         self.text = ""
+        self._first = len(self.token_ids)  # where the output starts
         self._start = 0  # window start
-        self._read = 0  # token_ids[:_read] are in self.text
+        self._read = self._first  # token_ids[_first:_read] are in self.text
 
     def _decode(self, start: int, end: int) -> str:
-        return decode_text(self.tokenizer, self.token_ids[start:end], self.skip_special_tokens,
-                           self.spaces_between_special_tokens)
+        return _decode(self.tokenizer, self.token_ids[start:end], self.skip_special_tokens,
+                       self.spaces_between_special_tokens, max(self._first - start, 0))
 
     def push(self, token_ids: list[int], final: bool = False) -> str:
         """Add tokens; returns the text they complete ('' while a character is still partial).
@@ -157,8 +214,10 @@ class TextStream:
     a prefix of the final text."""
 
     def __init__(self, tokenizer: Any, stop: list[str] | None = None, *, skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True, include_stop_str_in_output: bool = False):
-        self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens, spaces_between_special_tokens)
+                 spaces_between_special_tokens: bool = True, include_stop_str_in_output: bool = False,
+                 context: Sequence[int] = ()):
+        self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens, spaces_between_special_tokens,
+                                                   context)
         self._include_stop = include_stop_str_in_output
         longest = 0 if include_stop_str_in_output else max((len(s) for s in stop or ()), default=0)
         self._hold = max(longest - 1, 0)  # a stop string may be starting
@@ -167,14 +226,17 @@ class TextStream:
         self.finished = False
 
     @classmethod
-    def of(cls, tokenizer: Any, params: SamplingParams) -> TextStream | TokenStream:
-        """The stream of a request with ``params``: its stop strings and text options. With
-        ``detokenize=False`` a :class:`TokenStream`: its text deltas are "" (vLLM decodes nothing)."""
+    def of(cls, tokenizer: Any, params: SamplingParams,
+           prompt_token_ids: Sequence[int] | None = None) -> TextStream | TokenStream:
+        """The stream of a request with ``params``: its stop strings and text options, its text
+        decoded after its prompt's. With ``detokenize=False`` a :class:`TokenStream`: its text
+        deltas are "" (vLLM decodes nothing)."""
         if not params.detokenize:
             return TokenStream()
         return cls(tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens,
                    spaces_between_special_tokens=params.spaces_between_special_tokens,
-                   include_stop_str_in_output=params.include_stop_str_in_output)
+                   include_stop_str_in_output=params.include_stop_str_in_output,
+                   context=prompt_context(tokenizer, prompt_token_ids, params.skip_special_tokens))
 
     def update(self, completion: CompletionOutput) -> tuple[str, list[int]]:
         """``(text delta, new token ids)`` for the completion's latest state. The engine's final

@@ -600,7 +600,7 @@ class LLMEngine:
                 mine = self._claim({request_id})
                 for out in mine:
                     for c in out.outputs:
-                        delta = self._stream_delta(texts, c, request_params)
+                        delta = self._stream_delta(texts, c, request_params, out.prompt_token_ids)
                         if delta is not None:
                             delta["num_cached_tokens"] = out.num_cached_tokens
                             delta["prompt_logprobs"] = None if sent else out.prompt_logprobs
@@ -616,10 +616,12 @@ class LLMEngine:
             if not ended:
                 self.abort(request_id)
 
-    def _stream_delta(self, texts: dict, c: CompletionOutput, params: SamplingParams) -> dict | None:
+    def _stream_delta(self, texts: dict, c: CompletionOutput, params: SamplingParams,
+                      prompt_token_ids: list[int]) -> dict | None:
         """One completion's delta for ``stream()`` (None: nothing new)."""
         if c.index not in texts:
-            texts[c.index] = TextStream.of(self.tokenizer, params) if self.tokenizer is not None else TokenStream()
+            texts[c.index] = (TextStream.of(self.tokenizer, params, prompt_token_ids) if self.tokenizer is not None
+                              else TokenStream())
         text = texts[c.index]
         if text.finished:
             return None

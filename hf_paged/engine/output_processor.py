@@ -14,6 +14,7 @@ request of the batch goes on as if the failed one had been aborted.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import Counter
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_paged.engine import sampler
-from hf_paged.engine.detokenize import TokenTexts, decode_text, shown_token_ids
+from hf_paged.engine.detokenize import TokenTexts, decode_text, prompt_context, shown_token_ids
 from hf_paged.engine.outputs import FAULT, REJECTED, CompletionOutput, Logprob, RequestOutput
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.scheduler_output import SchedulerOutput
@@ -369,8 +370,7 @@ class OutputProcessor:
         if params.stop and self.tokenizer is not None:
             shown = shown_token_ids(seq.output_token_ids, seq.finish_reason, seq.stop_reason,
                                     params.include_stop_str_in_output)
-            seq.text = decode_text(self.tokenizer, shown, params.skip_special_tokens,
-                                   params.spaces_between_special_tokens)
+            seq.text = self._decode(request, shown)
             if seq.num_output_tokens < params.min_new_tokens:  # no stop string may end in this text
                 seq.stop_floor = len(seq.text)
             else:
@@ -428,10 +428,13 @@ class OutputProcessor:
                 request.finished_seqs.append(seq)
 
     # ------------------------------------------------------------------ outputs
-    def _decoder(self, token_ids: list[int], params: SamplingParams) -> Callable[[], str]:
-        tokenizer = self.tokenizer
-        return lambda: decode_text(tokenizer, token_ids, params.skip_special_tokens,
-                                   params.spaces_between_special_tokens)
+    def _decode(self, request: Request, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, an output of ``request``: decoded after its prompt's."""
+        params = request.params
+        if request.text_context is None:
+            request.text_context = prompt_context(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
+        return decode_text(self.tokenizer, token_ids, params.skip_special_tokens, params.spaces_between_special_tokens,
+                           request.text_context)
 
     def request_output(self, request: Request, with_text: bool = True) -> RequestOutput:
         """What ``request`` has produced so far (all of it, not a delta). ``with_text=False``: no
@@ -454,10 +457,9 @@ class OutputProcessor:
             if with_text and text is None and self.tokenizer is not None and token_ids:
                 if s.is_finished:  # decoded here, once, so that a tokenizer fault fails this request
                     shown = shown_token_ids(token_ids, s.finish_reason, stop_reason, params.include_stop_str_in_output)
-                    text = s.text = decode_text(self.tokenizer, shown, params.skip_special_tokens,
-                                                params.spaces_between_special_tokens)
+                    text = s.text = self._decode(request, shown)
                 else:  # decoded by whoever reads it (the server never does), not on the engine thread
-                    decode = self._decoder(token_ids, params)
+                    decode = functools.partial(self._decode, request, token_ids)
             outputs.append(CompletionOutput(
                 index=s.index, token_ids=token_ids, text=text or "", finish_reason=s.finish_reason,
                 cumulative_logprob=s.cumulative_logprob if scored else None, logprobs=s.logprobs,

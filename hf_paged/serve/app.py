@@ -683,7 +683,7 @@ class _OpenAIServing:
         if first and job.echoes_logprobs and not (c.token_ids or out.finished):
             return None  # the prompt's log-probs are whole once its prefill is done: the first chunk waits
         if first:
-            texts[index] = TextStream.of(self.tokenizer, job.stream.params(prompt_index))
+            texts[index] = TextStream.of(self.tokenizer, job.stream.params(prompt_index), out.prompt_token_ids)
         text_stream = texts[index]
         if text_stream.finished:
             return None

@@ -487,7 +487,7 @@ class ProcessEngineLoop(EngineLoop):
         for completion in output.outputs:
             if completion.needs_decoder:
                 params = live.stream.params(live.index) if live is not None else None
-                decode = decode or text_decoder(self.engine.tokenizer, params)
+                decode = decode or text_decoder(self.engine.tokenizer, params, output.prompt_token_ids)
                 completion.set_decoder(decode)
         return output
 

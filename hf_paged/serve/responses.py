@@ -83,15 +83,22 @@ class TextOffsets:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._shows_special, self._echoed, self._echo_shows_special = shows_special, echoed, echo_shows_special
 
-    def advance(self, text_of: TokenText, token_id: int) -> int:
-        """The offset of this token (then counts its characters)."""
-        offset, shown = self.chars, self._echo_shows_special if self._echoed else self._shows_special
+    def token(self, text_of: TokenText, token_id: int) -> tuple[str, int]:
+        """This token's text as the choice's text shows it, and its offset (then counts its
+        characters). The first word-start token of an echoed prompt reads without its space: the
+        prompt's text, decoded whole (or sent), starts without it."""
+        offset, echoing = self.chars, self._echoed > 0
+        shown = self._echo_shows_special if echoing else self._shows_special
         self._echoed = max(self._echoed - 1, 0)
+        text = text_of(token_id)
         if shown and text_of.is_special(token_id):
-            self.chars += len(self._decoder.decode(b"", final=True)) + len(text_of(token_id))
-        else:
-            self.chars += len(self._decoder.decode(text_of.bytes_of(token_id)))
-        return offset
+            self.chars += len(self._decoder.decode(b"", final=True)) + len(text)
+            return text, offset
+        data = text_of.bytes_of(token_id)
+        if echoing and not offset and data[:1] == b" " and not text_of.alone(token_id).startswith(" "):
+            data, text = data[1:], text[1:]
+        self.chars += len(self._decoder.decode(data))
+        return text, offset
 
 
 def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
@@ -110,11 +117,12 @@ def completion_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list
     """Completions' format: parallel lists of tokens, their log-probs, top-``k`` and text offsets
     (``None`` entries, an echoed prompt's first token, have neither log-prob nor top ones)."""
     logprobs = _finite(logprobs)
-    return {"tokens": [text_of(t) for t in token_ids],
+    tokens = [offsets.token(text_of, t) for t in token_ids]
+    return {"tokens": [text for text, _ in tokens],
             "token_logprobs": [None if lp is None else lp[t] for lp, t in zip(logprobs, token_ids)],
             "top_logprobs": [None if lp is None else _by_text(text_of, _with_chosen(_top(lp, k), t, lp[t]))
                              for lp, t in zip(logprobs, token_ids)],
-            "text_offset": [offsets.advance(text_of, t) for t in token_ids]}
+            "text_offset": [offset for _, offset in tokens]}
 
 
 def _with_chosen(top: list[tuple[int, float]], token_id: int, value: float) -> list[tuple[int, float]]:

@@ -531,11 +531,12 @@ class ResponseRenderer:
     async def _output_events(self, stream: RequestStream) -> AsyncIterator[dict[str, Any]]:
         """The events after ``response.in_progress``: the items', then the finished response
         (nothing more when the request was aborted: the client left)."""
-        text, items, final = TextStream.of(self.tokenizer, self.params), OutputItems(self.tools, self.calls_only), None
+        text, items, final = None, OutputItems(self.tools, self.calls_only), None
         async for _, out in stream:
             if out.error:
                 yield _error(self.failure(out))
                 return
+            text = text or TextStream.of(self.tokenizer, self.params, out.prompt_token_ids)
             for completion in out.outputs[:1]:  # one: the Responses API has no n
                 delta, _ = text.update(completion)
                 for event in items.feed(delta, final=text.finished):
