@@ -364,7 +364,8 @@ def serving_engine(args) -> LLMEngine:
                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            max_consecutive_failures=args.max_consecutive_failures,
                            num_state_slots=args.num_state_slots, compile=False if args.enforce_eager else None,
-                           cuda_graphs=args.cuda_graphs, max_model_len=args.max_model_len)
+                           cuda_graphs=args.cuda_graphs, max_model_len=args.max_model_len,
+                           scheduling_policy=args.scheduling_policy)
     except ValueError as err:  # an option the model or device rules out
         raise CliError(str(err)) from None
     if engine.tp and not engine.tp.is_driver:
@@ -503,6 +504,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=None,
                    help="the most tokens a sequence may hold, prompt and output (default: the model's positions)")
     s.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond which new ones get 503")
+    s.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="fcfs: first come, first served (a request's nonzero priority is a 400); priority: requests "
+                        "run in order of their priority field (lower first), the last in that order preempted first")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $HF_PAGED_API_KEY)")
     s.add_argument("--served-model-name", help="the model name clients pass (default: --model, or hf-paged-demo)")
     s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413")

@@ -9,9 +9,10 @@ constructor keywords are taken where they mean something here (``enforce_eager``
 ``trust_remote_code``, ``revision``, ``chat_template``, ``skip_tokenizer_init``, ``max_logprobs``) or
 name what they cannot do (a ``tensor_parallel_size`` above 1, a quantized KV cache); others are a
 ``TypeError`` naming ``LLM``. As vLLM's, ``generate`` and ``chat`` raise ``ValueError`` for a prompt
-or parameters the engine refuses, before anything runs. Their vLLM keywords for features not built
-here (``lora_request``, ``priority``, ``tokenization_kwargs``, ``mm_processor_kwargs``, ...) are taken
-at the values that ask for nothing; another value is a ``ValueError`` naming the keyword.
+or parameters the engine refuses, before anything runs; their ``priority`` is honoured under
+``LLM(scheduling_policy="priority")``. Their vLLM keywords for features not built here
+(``lora_request``, ``tokenization_kwargs``, ``mm_processor_kwargs``, ...) are taken at the values
+that ask for nothing; another value is a ``ValueError`` naming the keyword.
 """
 
 from __future__ import annotations
@@ -163,14 +164,16 @@ class LLM:
         """Every prompt to completion, outputs in input order (see :meth:`LLMEngine.generate`). A
         prompt or parameters the engine refuses raise ``ValueError`` naming the prompt's index,
         before anything runs (as vLLM's); a request that fails while it runs comes back with
-        ``error`` set. ``lora_request``, ``priority``, ``tokenization_kwargs`` and
-        ``mm_processor_kwargs`` are vLLM's, taken only where they ask for nothing (see
-        :func:`check_unbuilt_options`)."""
-        check_unbuilt_options("LLM.generate", lora_request=lora_request, priority=priority,
-                              tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs)
+        ``error`` set. ``priority``: one for all prompts or one each, honoured under
+        ``LLM(scheduling_policy="priority")`` (see :meth:`LLMEngine.add_request`). ``lora_request``,
+        ``tokenization_kwargs`` and ``mm_processor_kwargs`` are vLLM's, taken only where they ask
+        for nothing (see :func:`check_unbuilt_options`)."""
+        check_unbuilt_options("LLM.generate", lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
+                              mm_processor_kwargs=mm_processor_kwargs)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        return self.llm_engine.generate(prompts, sampling_params, use_tqdm=use_tqdm, raise_on_invalid=True)
+        return self.llm_engine.generate(prompts, sampling_params, use_tqdm=use_tqdm, raise_on_invalid=True,
+                                        priority=priority)
 
     def beam_search(self, prompts, params: BeamSearchParams, lora_request: Any = None, use_tqdm: bool = False,
                     concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
@@ -214,10 +217,10 @@ class LLM:
         each output's ``prompt`` is the templated text. vLLM's parameters, in its order: message
         content reaches the template as a string (text parts joined: vLLM's ``"string"`` format,
         which ``"auto"`` is here); ``continue_final_message`` needs ``add_generation_prompt=False``
-        (transformers and vLLM refuse the pair); ``lora_request``, ``priority``,
+        (transformers and vLLM refuse the pair); ``priority``, ``lora_request``,
         ``tokenization_kwargs`` and ``mm_processor_kwargs`` as :meth:`generate` takes them."""
-        check_unbuilt_options("LLM.chat", lora_request=lora_request, priority=priority,
-                              tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs)
+        check_unbuilt_options("LLM.chat", lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
+                              mm_processor_kwargs=mm_processor_kwargs)
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError(f"LLM.chat(chat_template_content_format={chat_template_content_format!r}): message "
                              "content reaches the template as a string (text parts joined by newlines: vLLM's "
@@ -236,7 +239,7 @@ class LLM:
             **(chat_template_kwargs or {}))
             for conversation in conversations]
         ids = [list(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]  # the template has them
-        outputs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(ids, sampling_params, use_tqdm=use_tqdm, priority=priority)
         for output, text in zip(outputs, texts):
             output.prompt = text
         return outputs
@@ -260,13 +263,12 @@ def _template_message(message: dict, where: str) -> dict:
 
 def check_unbuilt_options(method: str, **options: Any) -> None:
     """vLLM's per-call keywords for features not built here, taken at the values that ask for
-    nothing (None; ``priority`` 0, as every request is served first come, first served; an empty
-    dict of keyword arguments); any other value raises ``ValueError`` naming the keyword and why.
-    vLLM takes a list with one value per prompt for ``lora_request`` and ``priority``: so does this."""
+    nothing (None; an empty dict of keyword arguments); any other value raises ``ValueError``
+    naming the keyword and why. vLLM takes a list with one value per prompt for ``lora_request``:
+    so does this."""
     for name, value in options.items():
-        values = value if isinstance(value, (list, tuple)) and name in ("lora_request", "priority") else [value]
-        if all(v is None or (name == "priority" and v == 0 and not isinstance(v, bool))
-               or (name.endswith("_kwargs") and v == {}) for v in values):
+        values = value if isinstance(value, (list, tuple)) and name == "lora_request" else [value]
+        if all(v is None or (name.endswith("_kwargs") and v == {}) for v in values):
             continue
         raise ValueError(f"{method}({name}={value!r}): {UNBUILT_OPTIONS[name]}")
 
@@ -275,7 +277,6 @@ def check_unbuilt_options(method: str, **options: Any) -> None:
 UNBUILT_OPTIONS = {
     "lora_request": "LoRA adapters are not supported; merge the adapter into the model (peft's merge_and_unload) "
                     "and pass it as model=",
-    "priority": "requests are served first come, first served (no priority scheduling); pass None or 0",
     "tokenization_kwargs": "prompts are tokenized with the tokenizer's defaults; tokenize them yourself and pass "
                            "{'prompt_token_ids': [...]}",
     "mm_processor_kwargs": "multimodal inputs are not supported (the models served here read text)",

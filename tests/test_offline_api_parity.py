@@ -85,8 +85,10 @@ def test_generate_chat_and_beam_search_take_vllms_keywords_where_they_ask_for_no
 
 @pytest.mark.parametrize("method, options, named", [
     ("generate", dict(lora_request=object()), "lora_request=.*LoRA adapters are not supported"),
-    ("generate", dict(priority=1), "priority=1.*first come, first served"),
-    ("generate", dict(priority=[0, 2]), r"priority=\[0, 2\]"),
+    ("generate", dict(priority=1), "prompt 0: priority=1 needs scheduling_policy='priority'"),
+    ("generate", dict(priority=[0, 2]), "prompt 1: priority=2 needs scheduling_policy='priority'"),
+    ("generate", dict(priority=[0]), "2 prompts but 1 priorities"),
+    ("generate", dict(priority=[0, 1.5]), "prompt 1: priority must be an int, got 1.5"),
     ("generate", dict(tokenization_kwargs={"truncation": True}), "tokenization_kwargs=.*tokenize them yourself"),
     ("generate", dict(mm_processor_kwargs={"size": 4}), "mm_processor_kwargs=.*multimodal"),
     ("chat", dict(chat_template_content_format="openai"), "chat_template_content_format='openai'.*'string'"),

@@ -33,7 +33,7 @@ from hf_paged.engine.model_runner import ModelRunner
 from hf_paged.engine.output_processor import OutputProcessor
 from hf_paged.engine.outputs import FAULT, REJECTED, CompletionOutput, RequestOutput
 from hf_paged.engine.params import SamplingParams
-from hf_paged.engine.scheduler import Scheduler
+from hf_paged.engine.scheduler import Scheduler, check_scheduling_policy
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.sequence import Request
 from hf_paged.engine.structured import StructuredOutputManager
@@ -93,6 +93,9 @@ class LLMEngine:
             ``None`` / False (default): eager steps (graphs are not yet measured on a device);
             True: capture, or raise naming why not.
         preemption_mode: ``"recompute"`` or ``"swap"`` (to ``swap_space_blocks`` CPU blocks).
+        scheduling_policy: vLLM's: ``"fcfs"`` (first come, first served) or ``"priority"``: requests
+            are served in order of the ``priority`` given to :meth:`add_request` (lower first, then
+            arrival), and the one preempted when blocks run out is the last in that order.
         max_model_len: vLLM's: the most tokens a sequence may hold, prompt and output (default the
             model's positions; more is refused). A longer prompt is refused, an output stops there
             (``"length"``), and ``max_tokens=None`` means up to it.
@@ -119,8 +122,9 @@ class LLMEngine:
         gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None, max_consecutive_failures: int = 3,
         num_state_slots: int | None = None, prepack_lm_head: bool | None = None, tune_malloc: bool | None = None,
         compile: bool | None = None, serial_small_steps: bool | None = None, cuda_graphs: bool | None = None,
-        max_model_len: int | None = None, max_logprobs: int | None = None,
+        max_model_len: int | None = None, max_logprobs: int | None = None, scheduling_policy: str = "fcfs",
     ):
+        check_scheduling_policy(scheduling_policy)
         check_engine_supported(model)  # generate()-only models are refused here, naming why
         check_block_options(block_size, num_blocks)
         check_kv_heads(model.config, tp_size_of(model))
@@ -175,7 +179,7 @@ class LLMEngine:
                                  swap_space_blocks=swap_space_blocks, groups=groups,
                                  num_state_slots=num_state_slots or 0, swap_state_slots=swap_slots)
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   preemption_mode=preemption_mode,
+                                   preemption_mode=preemption_mode, policy=scheduling_policy,
                                    split_prompts=all(s.continues_chunks for s in self.state_specs if s))
         swap_storage = PagedKVStorage(block_size, device="cpu", pin_memory=model.device.type == "cuda")
         self.runner = ModelRunner(model, PagedKVStorage(block_size), swap_storage, swap_space_blocks, groups=groups,
@@ -241,10 +245,14 @@ class LLMEngine:
         return False
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0) -> str:
         """Queue a request; returns its id. Bad input raises ``ValueError`` and queues nothing.
-        ``prompt``: a string, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``."""
+        ``prompt``: a string, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``.
+        ``priority`` (vLLM's): lower is served first, under ``scheduling_policy="priority"`` only
+        (another value is refused under ``"fcfs"``, which would ignore it)."""
         self._check_driver("add_request")
+        self.check_priority(priority)
         if isinstance(request_id, SamplingParams) or isinstance(params, (str, dict)):  # vLLM's argument order
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}: LLMEngine.add_request "
                              "takes (prompt, params, request_id=None), not vLLM's (request_id, prompt, params)")
@@ -253,7 +261,7 @@ class LLMEngine:
             while request_id in self.requests:
                 request_id = str(next(self._ids))
         request = self.intake.request(str(request_id), prompt, params, taken=self.requests)
-        request_id = request.request_id
+        request_id, request.priority = request.request_id, priority
         if request.prompt_logprobs is not None:  # their Logprob.decoded_token, decoded on first read
             request.prompt_logprobs.texts = self.output_processor.token_texts
         ready = self.structured.admit(request)  # False: its grammar compiles off this thread (see step())
@@ -261,6 +269,15 @@ class LLMEngine:
         if ready:
             self.scheduler.add(request)
         return request_id
+
+    def check_priority(self, priority: Any) -> None:
+        """``ValueError`` unless ``priority`` is an int this engine's scheduling policy honours."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if priority and self.scheduler.policy != "priority":
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (this engine serves first "
+                             "come, first served, and would ignore it); pass 0 or start the engine with "
+                             "scheduling_policy='priority'")
 
     @torch.inference_mode()
     def abort(self, request_id: str | Iterable[str]) -> None:
@@ -436,12 +453,13 @@ class LLMEngine:
     # ------------------------------------------------------------------ offline and streaming use
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, *, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 raise_on_invalid: bool = False) -> list[RequestOutput]:
+                 raise_on_invalid: bool = False, priority: int | list[int] | None = None) -> list[RequestOutput]:
         """Run all prompts to completion; outputs in input order. A bad prompt or bad parameters
         give that request an output with ``error`` set; the others are served (``raise_on_invalid``:
         a ``ValueError`` naming the prompt's index instead, before anything runs, as vLLM's
         ``LLM.generate``). Under tensor parallelism every rank calls it; the others execute rank 0's
-        steps and return its outputs. ``sampling_params`` is vLLM's name of ``params``."""
+        steps and return its outputs. ``sampling_params`` is vLLM's name of ``params``; ``priority``:
+        one for all prompts or one each (see :meth:`add_request`)."""
         if sampling_params is not None:
             if params is not None:
                 raise TypeError("generate() got both params and sampling_params (vLLM's name of params): pass one")
@@ -454,11 +472,14 @@ class LLMEngine:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        priorities = priority if isinstance(priority, (list, tuple)) else [priority or 0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priorities)} priorities")
         results: dict[str, RequestOutput] = {}
         order = []
-        for index, (prompt, p) in enumerate(zip(prompts, params)):
+        for index, (prompt, p, rank) in enumerate(zip(prompts, params, priorities)):
             try:
-                order.append(self.add_request(prompt, p))
+                order.append(self.add_request(prompt, p, priority=rank))
             except ValueError as err:
                 if raise_on_invalid:
                     self.abort(order)

@@ -1,10 +1,15 @@
-"""Iteration-level FCFS scheduling with a token budget, chunked prefill and gang preemption.
+"""Iteration-level scheduling with a token budget, chunked prefill and gang preemption.
 
 Each step: running requests first (oldest first: one token per decoding sequence, the next chunk
 for a prefilling one), then swapped-out requests come back, then waiting requests are admitted
 while the token budget, the sequence limit and the free blocks allow. When a running request
 cannot get its slots, the newest running request is preempted as a whole: dropped and recomputed
 later ("recompute") or moved to the CPU block pool ("swap"; recompute when swap space is full).
+
+Two policies order the queues (vLLM's ``scheduling_policy``): ``"fcfs"``, first come first served,
+as above; ``"priority"``, every queue in order of the requests' ``priority`` (lower first), then
+arrival: the running request preempted is the one that comes last in that order, and a waiting
+request that comes before every swapped-out one is admitted without waiting for them.
 
 The scheduler is the only writer of KV state: :meth:`Scheduler.schedule` allocates (and
 preempts), :meth:`Scheduler.update_from_output` caches, forks and frees what the step's
@@ -15,6 +20,7 @@ cache, and it names the requests the failed step may have left with incomplete K
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -23,6 +29,19 @@ from hf_paged.engine.scheduler_output import (GroupBlocks, PromptLogprobRows, Sc
                                               StateMoves)
 from hf_paged.engine.sequence import Request, Sequence, Status
 from hf_paged.engine.step_result import FinishRequest, ForkSequence, FreeSequence, StepResult
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def check_scheduling_policy(policy: str) -> None:
+    if policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {policy!r}")
+
+
+def priority_order(request: Request) -> tuple[int, float]:
+    """Where a request stands under the ``"priority"`` policy: lower priority values first, then
+    earlier arrivals (equal ones keep the order they were queued in)."""
+    return request.priority, request.arrival
 
 
 @dataclass
@@ -62,10 +81,12 @@ class Scheduler:
 
     def __init__(
         self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int, preemption_mode: str,
-        split_prompts: bool = True,
+        split_prompts: bool = True, policy: str = "fcfs",
     ):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        check_scheduling_policy(policy)
+        self.policy = policy
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -85,7 +106,23 @@ class Scheduler:
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request) -> None:
         request.status = Status.WAITING
-        self.waiting.append(request)
+        self._enqueue(self.waiting, request)
+
+    def _enqueue(self, queue: deque[Request] | list[Request], request: Request, front: bool = False) -> None:
+        """Queue ``request``: FCFS at the back (``front``: a preempted request, at the front);
+        by priority in :func:`priority_order`."""
+        if self.policy == "priority":
+            queue.insert(bisect.bisect_right(queue, priority_order(request), key=priority_order), request)
+        elif front:
+            queue.appendleft(request)
+        else:
+            queue.append(request)
+
+    def _before_swapped(self, request: Request) -> bool:
+        """Whether a waiting request may be admitted while requests are swapped out: only by
+        priority, where it comes before all of them (FCFS: they come back first)."""
+        return not self.swapped or (self.policy == "priority"
+                                    and priority_order(request) < priority_order(self.swapped[0]))
 
     def finish_request(self, request: Request) -> None:
         """Take a request out of whatever queue holds it and free its blocks (finish or abort)."""
@@ -152,7 +189,7 @@ class Scheduler:
             budget, preempted = self._append_running_preempting(plan)
         if not preempted:
             budget = self._swap_in(plan, budget)
-        if not preempted and not self.swapped:
+        if not preempted and self.waiting and self._before_swapped(self.waiting[0]):
             self._admit(plan, budget)
         return self._output(plan)
 
@@ -228,7 +265,7 @@ class Scheduler:
             plan.state_swap_in += self.kv.swap_in_states(seqs)
             plan.moved.append(request)
             request.status = Status.RUNNING
-            self.running.append(request)
+            self._enqueue(self.running, request)
             work = self._work(request, budget)
             if work:
                 self.kv.release_out_of_window(work)
@@ -240,6 +277,8 @@ class Scheduler:
     def _admit(self, plan: _StepPlan, budget: int) -> None:
         while self.waiting and budget > 0:
             request = self.waiting[0]
+            if not self._before_swapped(request):
+                break
             if self._num_running_seqs() + self._width(request) > self.max_num_seqs and self.running:
                 break
             if self._lacks_state_slots(request):
@@ -276,7 +315,7 @@ class Scheduler:
                 self.kv.mark_inflight(seq)
             plan.extend(plan.copies, self.kv.append(work))
             request.status = Status.RUNNING
-            self.running.append(request)
+            self._enqueue(self.running, request)
             budget -= plan.add(request, work)
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
@@ -288,12 +327,12 @@ class Scheduler:
             plan.extend(plan.swap_out, self.kv.swap_out(seqs))
             plan.moved.append(request)
             request.status = Status.SWAPPED
-            self.swapped.append(request)
+            self._enqueue(self.swapped, request)
             self.preemptions["swap"] += 1
             return
         self._release(seqs)
         request.status = Status.WAITING
-        self.waiting.appendleft(request)
+        self._enqueue(self.waiting, request, front=True)
         self.preemptions["recompute"] += 1
 
     # ------------------------------------------------------------------ the step's two ends

@@ -77,6 +77,7 @@ class Request:
     params: SamplingParams
     prompt: str | None = None
     arrival: float = field(default_factory=time.monotonic)
+    priority: int = 0  # the "priority" scheduling policy's order: lower first (vLLM's)
     status: Status = Status.WAITING
     seqs: list[Sequence] = field(default_factory=list)
     finished_seqs: list[Sequence] = field(default_factory=list)

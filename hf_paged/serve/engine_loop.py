@@ -65,12 +65,12 @@ class RequestStream:
     Iterating yields ``(prompt index, RequestOutput)``: every change, or with ``final_only`` just
     the finished outputs. ``abort()`` stops whatever is unfinished (idempotent). ``params(i)``:
     the ``SamplingParams`` of prompt ``i``'s request (what its text shows: a stream's deltas are
-    decoded as its final text is).
+    decoded as its final text is). ``priority``: its requests' (``LLMEngine.add_request``).
     """
 
     def __init__(self, owner: EngineLoop, request_ids: list[str], final_only: bool,
-                 params: SamplingParams | list[SamplingParams] | None = None):
-        self.request_ids, self.final_only = request_ids, final_only
+                 params: SamplingParams | list[SamplingParams] | None = None, priority: int = 0):
+        self.request_ids, self.final_only, self.priority = request_ids, final_only, priority
         self._params = params
         self._owner = owner
         self._loop = asyncio.get_running_loop()
@@ -192,10 +192,11 @@ class EngineLoop:
         return self.engine.structured.compiler
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], request_id: str,
-               final_only: bool = False) -> RequestStream:
+               final_only: bool = False, priority: int = 0) -> RequestStream:
         """Queue one engine request per prompt (ids ``{request_id}-{i}``; ``params`` for all, or one
-        per prompt); await ``accepted()``."""
-        stream = RequestStream(self, [f"{request_id}-{i}" for i in range(len(prompts))], final_only, params)
+        per prompt; all with ``priority``); await ``accepted()``."""
+        stream = RequestStream(self, [f"{request_id}-{i}" for i in range(len(prompts))], final_only, params,
+                               priority)
         self._post(("add", stream, prompts, params))
         return stream
 
@@ -262,7 +263,7 @@ class EngineLoop:
 
     def _add(self, stream: RequestStream, prompts: list[list[int]],
              params: SamplingParams | list[SamplingParams]) -> None:
-        refusal = add_requests(self.engine, stream.request_ids, prompts, params, self.max_waiting)
+        refusal = add_requests(self.engine, stream.request_ids, prompts, params, self.max_waiting, stream.priority)
         self._admit(stream, len(prompts), refusal)
 
     def _admit(self, stream: RequestStream, num_prompts: int, refusal: tuple[str, str] | None) -> None:
@@ -342,10 +343,11 @@ class EngineLoop:
 
 
 def add_requests(engine: LLMEngine, request_ids: list[str], prompts: list[list[int]],
-                 params: SamplingParams | list[SamplingParams], max_waiting: int | None) -> tuple[str, str] | None:
+                 params: SamplingParams | list[SamplingParams], max_waiting: int | None,
+                 priority: int = 0) -> tuple[str, str] | None:
     """Queue one engine request per prompt, all or none (in the engine's thread or process), with
     ``params``, or one of them per prompt (a completion's default ``max_tokens`` is what fits after
-    its own prompt). None when queued, else ``(why, message)``: "overloaded" (more than
+    its own prompt), and ``priority``. None when queued, else ``(why, message)``: "overloaded" (more than
     ``max_waiting`` would wait), "invalid" (``ValueError``: a bad prompt or parameters) or "engine"
     (the engine refused, e.g. a tensor-parallel engine whose group was stopped; logged)."""
     if max_waiting is not None and engine.stats()["waiting"] + len(prompts) > max_waiting:
@@ -354,7 +356,7 @@ def add_requests(engine: LLMEngine, request_ids: list[str], prompts: list[list[i
     try:
         each = params if isinstance(params, list) else [params] * len(prompts)
         for request_id, prompt, prompt_params in zip(request_ids, prompts, each):
-            engine.add_request(prompt, prompt_params, request_id=request_id)
+            engine.add_request(prompt, prompt_params, request_id=request_id, priority=priority)
             added.append(request_id)
     except Exception as err:  # noqa: BLE001 - the caller answers 400 or 503
         for request_id in added:
@@ -498,7 +500,8 @@ class ProcessEngineLoop(EngineLoop):
             case ("add", stream, prompts, params):
                 key = stream.request_ids[0]
                 self._pending[key] = (stream, len(prompts))
-                problem = self._forward(("add", key, stream.request_ids, prompts, params, self.max_waiting))
+                problem = self._forward(("add", key, stream.request_ids, prompts, params, self.max_waiting,
+                                         stream.priority))
                 if problem is not None:
                     del self._pending[key]
                     self._send(stream, problem)

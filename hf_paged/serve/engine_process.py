@@ -231,8 +231,8 @@ class _EngineCore:
 
     def _execute(self, command: tuple) -> None:
         match command:
-            case ("add", key, request_ids, prompts, params, max_waiting):
-                refusal = add_requests(self.engine, request_ids, prompts, params, max_waiting)
+            case ("add", key, request_ids, prompts, params, max_waiting, priority):
+                refusal = add_requests(self.engine, request_ids, prompts, params, max_waiting, priority)
                 if refusal is None:
                     self.live.update(request_ids)
                 self._send(("added", key, refusal))
