@@ -263,6 +263,42 @@ def test_models_health_and_metrics(client, served):
         assert count >= 1 and f'hf_paged_{hist}_bucket{{le="+Inf"}} {count}' in text
 
 
+def test_vllms_metric_names_ping_and_load(client, served):
+    """What reads a vLLM server reads this one: its main series under vLLM's names (a Prometheus
+    parser reads the whole exposition), ``/ping`` as ``/health``, ``/load`` counting the generation
+    requests being answered."""
+    server, _ = served
+    stream = client.completions.create(model=MODEL, prompt="Hi", max_tokens=64, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert httpx.get(server.url + "/load").json() == {"server_load": 1}
+    busy = _samples(httpx.get(server.url + "/metrics").text)
+    assert busy[("vllm:num_requests_running", (("model_name", MODEL),))] == 1
+    assert 0 < busy[("vllm:kv_cache_usage_perc", (("model_name", MODEL),))] <= 1
+    stream.close()
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0)
+    assert httpx.get(server.url + "/load").json() == {"server_load": 0}
+    samples = _samples(httpx.get(server.url + "/metrics").text)
+    label = (("model_name", MODEL),)
+    assert samples[("vllm:generation_tokens_total", label)] == samples[("hf_paged_generation_tokens_total", ())]
+    for name in ("num_requests_waiting", "num_preemptions_total", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "prompt_tokens_total"):
+        assert ("vllm:" + name, label) in samples, name
+    assert samples[("vllm:request_success_total", (("finished_reason", "length"), *label))] >= 1
+    assert samples[("vllm:time_to_first_token_seconds_count", label)] == \
+        samples[("hf_paged_time_to_first_token_seconds_count", ())] >= 2
+    for method in ("GET", "POST"):
+        assert httpx.request(method, server.url + "/ping").json() == {"status": "ok"}
+
+
+def _samples(exposition: str) -> dict[tuple[str, tuple], float]:
+    """``{(sample name, sorted labels): value}`` as ``prometheus_client``'s parser reads the text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(exposition) for s in family.samples}
+
+
 def test_an_unsent_max_tokens_is_at_most_what_fits(client):
     """As vLLM: a completion's default max_tokens (16) and a chat's (as many as fit) are at most the
     room each prompt leaves in the model's context (once a 400 about a max_tokens=16 never sent); a

@@ -153,10 +153,12 @@ def build_app(engine: LLMEngine | EngineProcess, settings: ServerSettings = Serv
     _add_error_handlers(app)
     auth = [Depends(_api_key_check(settings.api_key))]
     for path, handler, guard in (("/health", serving.health, []), ("/metrics", serving.metrics, []),
-                                 ("/v1/models", serving.models, auth), ("/v1/models/{model_id:path}", serving.model, auth)):
+                                 ("/load", serving.load, []), ("/v1/models", serving.models, auth),
+                                 ("/v1/models/{model_id:path}", serving.model, auth)):
         app.add_api_route(path, handler, methods=["GET"], dependencies=guard)
         # HEAD as HTTP has it (load balancers and uptime checks probe with it); not a separate operation
         app.add_api_route(path, handler, methods=["HEAD"], dependencies=guard, include_in_schema=False)
+    app.add_api_route("/ping", serving.health, methods=["GET", "POST"])  # vLLM's (SageMaker's) name of /health
     app.add_api_route("/reset_prefix_cache", serving.reset_prefix_cache, methods=["POST"], dependencies=auth)
     app.add_api_route("/version", serving.version, methods=["GET"])
     bodies = {"/v1/completions": (serving.completions, CompletionRequest),
@@ -353,7 +355,12 @@ class _OpenAIServing:
             stats = await asyncio.wait_for(asyncio.wrap_future(self.loop.call(LLMEngine.stats)), timeout=10)
         except (asyncio.TimeoutError, EngineFailure):
             stats = {"healthy": False}
-        return PlainTextResponse(self.loop.metrics.render(stats), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(self.loop.metrics.render(stats, self.settings.model_name),
+                                 media_type="text/plain; version=0.0.4")
+
+    async def load(self) -> dict:
+        """vLLM's ``/load``: the generation requests being answered now (a load balancer's measure)."""
+        return {"server_load": self.drain.active}
 
     async def reset_prefix_cache(self) -> Response:
         """Forget every cached prefix block (vLLM's route of the same name; benchmarks call it between

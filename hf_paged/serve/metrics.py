@@ -4,6 +4,11 @@ The engine reports its queues, KV blocks, state slots, prefix-cache hits, preemp
 (``LLMEngine.stats()``); time to first token and inter-token latency are measured by the engine
 loop as outputs come out of each step, so they include scheduling but not HTTP. Written by hand
 (the format is a few lines) to keep ``prometheus_client`` out of the dependencies.
+
+The main series of vLLM's server follow under vLLM's names (``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc``, ... labelled ``model_name``), so that what reads a vLLM server (an
+autoscaler on its queue, an inference gateway picking the least loaded replica, a dashboard)
+reads this one unchanged.
 """
 
 from __future__ import annotations
@@ -54,14 +59,17 @@ class Histogram:
         self.sum += value
         self.count += 1
 
-    def lines(self) -> list[str]:
-        full = f"{PREFIX}_{self.name}"
+    def lines(self, full: str | None = None, labels: str = "") -> list[str]:
+        """The exposition under ``full`` (default ``hf_paged_<name>``), each sample with ``labels``
+        (``'a="b"'``) too."""
+        full = full or f"{PREFIX}_{self.name}"
         out = [f"# HELP {full} {self.help}", f"# TYPE {full} histogram"]
-        running = 0
+        running, before = 0, f"{labels}," if labels else ""
         for bound, n in zip((*self.buckets, float("inf")), self.counts):
             running += n
-            out.append(f'{full}_bucket{{le="{"+Inf" if bound == float("inf") else repr(bound)}"}} {running}')
-        return out + [f"{full}_sum {self.sum!r}", f"{full}_count {self.count}"]
+            out.append(f'{full}_bucket{{{before}le="{"+Inf" if bound == float("inf") else repr(bound)}"}} {running}')
+        tail = f"{{{labels}}}" if labels else ""
+        return out + [f"{full}_sum{tail} {self.sum!r}", f"{full}_count{tail} {self.count}"]
 
 
 class ServingMetrics:
@@ -95,8 +103,9 @@ class ServingMetrics:
         with self._lock:
             self.stream_timeouts += 1
 
-    def render(self, engine_stats: dict) -> str:
-        """The whole exposition: engine stats first, then the server's own series."""
+    def render(self, engine_stats: dict, model_name: str = "hf-paged") -> str:
+        """The whole exposition: engine stats first, then the server's own series, then vLLM's
+        names of the main ones (labelled ``model_name``)."""
         lines = []
         for key, (name, kind, help_text) in _ENGINE_METRICS.items():
             if key in engine_stats:
@@ -114,10 +123,46 @@ class ServingMetrics:
                              "Streams aborted because their client read nothing for --stream-timeout seconds.",
                              [("", self.stream_timeouts)])
             lines += self.ttft.lines() + self.itl.lines()
+            lines += self._vllm_lines(engine_stats, model_name)
         return "\n".join(lines) + "\n"
+
+    def _vllm_lines(self, stats: dict, model_name: str) -> list[str]:
+        """vLLM's series (its names, types and ``model_name`` label) from the same numbers. Prompt
+        tokens are those computed plus those found cached; waiting requests exclude swapped-out ones
+        (``vllm:num_requests_swapped``, vLLM V0's name); the KV usage is of the device blocks."""
+        label = 'model_name="' + model_name.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        total = stats.get("blocks_total") or 0
+        gauges = {"num_requests_running": ("Requests being computed.", stats.get("running", 0)),
+                  "num_requests_waiting": ("Requests waiting to be scheduled.", stats.get("waiting", 0)),
+                  "num_requests_swapped": ("Requests swapped out to CPU.", stats.get("swapped", 0)),
+                  "kv_cache_usage_perc": ("KV-cache usage: 1 means 100 percent.",
+                                          stats.get("blocks_used", 0) / total if total else 0.0)}
+        counters = {
+            "prefix_cache_queries_total": ("Prompt tokens looked up in the prefix cache.",
+                                           stats.get("prefix_cache_queried_tokens", 0)),
+            "prefix_cache_hits_total": ("Prompt tokens found in the prefix cache.",
+                                        stats.get("prefix_cache_hit_tokens", 0)),
+            "num_preemptions_total": ("Cumulative number of preemptions.",
+                                      stats.get("preemptions_recompute", 0) + stats.get("preemptions_swap", 0)),
+            "prompt_tokens_total": ("Prompt tokens processed (computed or found cached).",
+                                    stats.get("computed_prompt_tokens", 0) + stats.get("prefix_cache_hit_tokens", 0)),
+            "generation_tokens_total": ("Generation tokens processed.", stats.get("generated_tokens", 0)),
+        }
+        lines = []
+        for kind, table in (("gauge", gauges), ("counter", counters)):
+            for name, (help_text, value) in table.items():
+                lines += _series(f"vllm:{name}", kind, help_text, [(f"{{{label}}}", value)])
+        lines += _series("vllm:request_success_total", "counter", "Finished requests, by finish reason.",
+                         [(f'{{{label},finished_reason="{r}"}}', self.finished[r])
+                          for r in sorted({"stop", "length", "abort", "error", *self.finished})])
+        return lines + self.ttft.lines("vllm:time_to_first_token_seconds", label) + \
+            self.itl.lines("vllm:inter_token_latency_seconds", label)
 
 
 def _sample(name: str, kind: str, help_text: str, values: list[tuple[str, float]]) -> list[str]:
-    full = f"{PREFIX}_{name}"
+    return _series(f"{PREFIX}_{name}", kind, help_text, values)
+
+
+def _series(full: str, kind: str, help_text: str, values: list[tuple[str, float]]) -> list[str]:
     return [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"] + [
         f"{full}{labels} {int(value) if isinstance(value, bool) else value!r}" for labels, value in values]
