@@ -9,12 +9,19 @@ policy changes who runs when, never the tokens. Every test ends with every KV bl
 
 from __future__ import annotations
 
+import re
+import threading
+import time
+
+import httpx
+import openai
 import pytest
 
 from hf_paged import LLMEngine, SamplingParams
 from hf_paged.engine.kv_cache_manager import KVCacheManager
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Request, Status
+from tests.helpers.serving import MODEL, assert_all_free, serving
 from tests.helpers.tiny_models import build, single_threaded_torch
 from tests.test_scheduler import BS, add, play, request, run_to_end
 
@@ -149,3 +156,54 @@ def test_fcfs_refuses_a_priority_it_would_ignore(model):
         LLMEngine(model, num_blocks=16, scheduling_policy="sjf")
     engine.abort(list(engine.requests))
     assert engine.kv.num_used_blocks() == 0 and not engine.has_unfinished_requests()
+
+
+# ---------------------------------------------------------------------------- over HTTP
+def _waiting(server) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return float(re.search(r'^vllm:num_requests_waiting\{[^}]*\} (\S+)$', text, re.M).group(1))
+
+
+def _until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_priority_server_serves_the_request_field_in_order():
+    """One sequence at a time, in an engine process: while a stream holds the engine, ``later``
+    (priority 5) and then ``sooner`` (priority -5) queue; once the stream ends, ``sooner`` runs
+    first. A fcfs server refuses a nonzero priority, naming the field."""
+    with serving({"num_blocks": 64, "max_num_seqs": 1, "scheduling_policy": "priority"},
+                 engine_process=True) as (server, loop):
+        holder = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = holder.completions.create(model=MODEL, prompt="Hold", max_tokens=400, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        finished: list[str] = []
+
+        def ask(name: str, priority: int) -> None:
+            resp = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "messages": [{"role": "user", "content": name}], "max_tokens": 6,
+                "temperature": 0, "ignore_eos": True, "priority": priority})
+            assert resp.status_code == 200, resp.text
+            finished.append(name)
+
+        threads = [threading.Thread(target=ask, args=("later", 5)), threading.Thread(target=ask, args=("sooner", -5))]
+        threads[0].start()
+        _until(lambda: _waiting(server) == 1)
+        threads[1].start()
+        _until(lambda: _waiting(server) == 2)
+        stream.close()
+        for thread in threads:
+            thread.join(60)
+        assert finished == ["sooner", "later"]
+        assert_all_free(loop)
+    with serving({"num_blocks": 64}) as (server, loop):
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+        refused = httpx.post(server.url + "/v1/completions", json={**body, "priority": 1}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority", refused.text
+        assert "--scheduling-policy priority" in refused.json()["error"]["message"]
+        assert httpx.post(server.url + "/v1/completions", json={**body, "priority": 0}, timeout=60).status_code == 200
+        assert_all_free(loop)

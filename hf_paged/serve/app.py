@@ -131,7 +131,8 @@ def build_app(engine: LLMEngine | EngineProcess, settings: ServerSettings = Serv
         loop, facts = EngineLoop(engine, max_waiting=settings.max_waiting), EngineFacts.of(engine)
     limits = Limits(max_n=min(settings.max_n, facts.max_num_seqs), max_tokens=settings.max_tokens,
                     max_logprobs=facts.vocab_size if settings.max_logprobs == -1 else settings.max_logprobs,
-                    vocab_size=facts.vocab_size, context=facts.max_positions, kv_tokens=facts.kv_tokens)
+                    vocab_size=facts.vocab_size, context=facts.max_positions, kv_tokens=facts.kv_tokens,
+                    scheduling_policy=facts.scheduling_policy)
     drain = Drain(lambda: loop.end_all(shutting_down()), settings.shutdown_timeout_s)
     defaults = _checked_defaults(facts.sampling_defaults) if settings.generation_config == "auto" else {}
     serving = _OpenAIServing(loop, copy.deepcopy(engine.tokenizer), settings, limits, drain, defaults)
@@ -559,7 +560,8 @@ class _OpenAIServing:
 
     async def _run(self, job: _Job, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                    request: Request) -> Response:
-        job.stream = self.loop.submit(prompts, params, job.response_id, final_only=not job.request.stream)
+        job.stream = self.loop.submit(prompts, params, job.response_id, final_only=not job.request.stream,
+                                      priority=job.request.priority or 0)
         try:
             await job.stream.accepted()
         except Overloaded as err:

@@ -52,13 +52,15 @@ class EngineFacts:
     eos_token_ids: list[int]
     max_num_seqs: int  # the widest request (n, beams) a step can hold
     sampling_defaults: dict  # request defaults from the model's generation config (params.generation_defaults)
+    scheduling_policy: str = "fcfs"  # whether requests' priority is honoured ("priority")
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineFacts:
         kv = engine.kv
         return cls(engine.config.vocab_size, engine.max_positions,
                    None if kv.growable else kv.num_blocks * kv.block_size, list(engine.eos_token_ids),
-                   engine.scheduler.max_num_seqs, generation_defaults(getattr(engine.model, "generation_config", None)))
+                   engine.scheduler.max_num_seqs, generation_defaults(getattr(engine.model, "generation_config", None)),
+                   engine.scheduler.policy)
 
 
 START_METHODS = ("spawn", "forkserver")

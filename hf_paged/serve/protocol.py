@@ -98,6 +98,7 @@ class Limits:
     vocab_size: int | None = None
     context: int | None = None  # the model's positions
     kv_tokens: int | None = None  # a fixed KV budget, in tokens of one sequence (None: the pool grows)
+    scheduling_policy: str = "fcfs"  # the engine's: "priority" honours a request's priority
 
 
 def checked_logprobs(name: str, value: int, limits: Limits) -> int:
@@ -302,6 +303,7 @@ class _GenerationRequest(StrictModel):
     length_penalty: float | None = 1.0
     early_stopping: bool | None = False
     return_token_ids: bool | None = False
+    priority: int | None = 0  # --scheduling-policy priority: lower first (fcfs refuses another value)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: dict | str | None = None  # vLLM's names before structured_outputs (removed upstream in 0.12)
@@ -321,6 +323,9 @@ class _GenerationRequest(StrictModel):
 
     def check(self, limits: Limits) -> None:
         """The request on its own (before its prompt is known): options and server limits."""
+        if self.priority and limits.scheduling_policy != "priority":
+            raise invalid("priority", f"priority={self.priority} needs a server started with --scheduling-policy "
+                                      "priority (this one serves first come, first served and would ignore it)")
         for name in ("n", "best_of"):  # --max-n bounds the samples and the beams alike
             if (getattr(self, name) or 0) > limits.max_n:
                 raise invalid(name, f"{name} must be at most {limits.max_n} on this server, got {getattr(self, name)}")
