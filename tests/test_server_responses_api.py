@@ -71,9 +71,9 @@ def prompts(served, monkeypatch) -> list[list[int]]:
     _, loop = served
     seen, submit = [], loop.submit
 
-    def recording(prompt_ids, params, request_id, final_only=False):
+    def recording(prompt_ids, params, request_id, final_only=False, priority=0):
         seen.extend(prompt_ids)
-        return submit(prompt_ids, params, request_id, final_only)
+        return submit(prompt_ids, params, request_id, final_only, priority)
 
     monkeypatch.setattr(loop, "submit", recording)
     return seen
@@ -418,7 +418,7 @@ def test_the_route_is_published_with_its_request_model(served, client):
     fields = schema["components"]["schemas"]["ResponsesRequest"]["properties"]
     assert {"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "top_k"} <= set(fields)
     chat_stream_options = schema["components"]["schemas"]["StreamOptions"]["properties"]
-    assert set(chat_stream_options) == {"include_usage"}  # the chat model's, not overwritten by a namesake
+    assert set(chat_stream_options) == {"include_usage", "continuous_usage_stats"}  # the chat model's, not a namesake's
 
 
 # ---------------------------------------------------------------------------- disconnects and failures

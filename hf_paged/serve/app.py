@@ -397,7 +397,8 @@ class _OpenAIServing:
 
     async def _parse(self, request: Request, model):
         req = parse(model, decode_body(await request.body()))
-        self._check_model(req.model)
+        if req.model is not None:  # left out: the served model (vLLM's)
+            self._check_model(req.model)
         req.check(self.limits)
         req.fill_defaults(self.defaults)
         return req
@@ -433,13 +434,12 @@ class _OpenAIServing:
     async def _completion_job(self, request: Request, ticket: Ticket):
         req: CompletionRequest = await self._parse(request, CompletionRequest)
         prompts = req.prompts(self.document_start)
-        encoded, texts = await self.tokenizers.run(self._encode_prompts, prompts, bool(req.echo))
+        encoded, texts, decoded = await self.tokenizers.run(self._encode_prompts, prompts, req)
         # unset: 16 (as vLLM: not the model's max_new_tokens), at most what fits after each prompt
         asked = 1 if req.prompt_only() else req.max_tokens  # the token drawn for nothing is left out of the answer
         max_tokens = [resolve_max_tokens(asked, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), self.limits,
                                          "prompt") for ids in encoded]
-        job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", req, texts, ticket,
-                   echoed_ids=[not isinstance(p, str) for p in prompts])
+        job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", req, texts, ticket, echoed_ids=decoded)
         params = {n: req.sampling_params(n) for n in set(max_tokens)}
         await self._compile_constraint(req, params[max_tokens[0]])
         return job, encoded, params[max_tokens[0]] if len(params) == 1 else [params[n] for n in max_tokens]
@@ -450,6 +450,7 @@ class _OpenAIServing:
             req = await self._parse(request, ChatCompletionRequest)
         ids = await self.tokenizers.run(_chat_ids, req.conversation(), req.template_tools(), self._chat_template(req),
                                         req.template_kwargs())
+        ids = req.truncated(ids, self.limits)
         max_tokens = resolve_max_tokens(req.max_tokens, self.defaults.get("max_tokens"), len(ids), self.limits,
                                         "messages", req.max_tokens_param)
         echoed = req.echoed_text()
@@ -545,11 +546,15 @@ class _OpenAIServing:
         except ConstraintError as err:
             raise invalid(param, f"{param}: {err}") from None
 
-    def _encode_prompts(self, tokenizer, prompts: list[str | list[int]], echo: bool):
-        """(token ids, echoed texts) of the prompts: on a tokenizer worker thread."""
+    def _encode_prompts(self, tokenizer, prompts: list[str | list[int]], req: CompletionRequest):
+        """(token ids, echoed texts, whether each echoed text is its ids decoded) of the prompts,
+        truncated as ``truncate_prompt_tokens`` asks: on a tokenizer worker thread. A prompt sent
+        as text echoes as sent, unless truncation cut it."""
         encoded = [self._encode(tokenizer, p) for p in prompts]
-        texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if echo else []
-        return encoded, texts
+        cut = [req.truncated(ids, self.limits) for ids in encoded]
+        decoded = [not isinstance(p, str) or len(c) < len(ids) for p, ids, c in zip(prompts, encoded, cut)]
+        texts = [tokenizer.decode(c) if d else p for p, c, d in zip(prompts, cut, decoded)] if req.echo else []
+        return cut, texts, decoded
 
     def _encode(self, tokenizer, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -648,15 +653,17 @@ class _OpenAIServing:
         k = job.request.num_logprobs()
         if k is None or logprobs is None:
             return None
+        text_of = responses.TokenIdText(self.token_text) if job.request.return_tokens_as_token_ids else self.token_text
         if job.kind == "chat":
-            return responses.chat_logprobs(self.token_text, token_ids, logprobs, k)
-        return responses.completion_logprobs(self.token_text, token_ids, logprobs, k, offsets)
+            return responses.chat_logprobs(text_of, token_ids, logprobs, k)
+        return responses.completion_logprobs(text_of, token_ids, logprobs, k, offsets)
 
     # ------------------------------------------------------------------ streaming
     async def _events(self, job: _Job, watcher: asyncio.Task) -> AsyncIterator[str]:
         """SSE chunks, ``[DONE]`` last; the requests are aborted if the stream stops early."""
         req, created = job.request, int(time.time())
         with_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = with_usage and bool(req.stream_options.continuous_usage_stats)  # vLLM's: usage in every chunk
         texts: dict[int, TextStream] = {}
         offsets: dict[int, responses.TextOffsets] = {}
         finals: dict[int, RequestOutput] = {}
@@ -670,8 +677,9 @@ class _OpenAIServing:
                 for c in out.outputs:
                     chunk = self._chunk(job, i * job.n + c.index, c, texts, offsets, i, out)
                     if chunk is not None:
+                        so_far = responses.choice_usage(out, c) if continuous else None
                         yield responses.sse(responses.envelope(job.kind, job.response_id, self.settings.model_name,
-                                                               [chunk], chunk=True, created=created,
+                                                               [chunk], so_far, chunk=True, created=created,
                                                                null_usage=with_usage))
             else:
                 if with_usage:

@@ -222,6 +222,7 @@ def _no_op(name: str, value: Any) -> bool:
 
 class StreamOptions(StrictModel):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, every chunk carries usage so far
 
 
 class JSONSchemaFormat(StrictModel):
@@ -272,7 +273,7 @@ class _GenerationRequest(StrictModel):
     """Fields completions and chat share. ``None`` means "not set" (so beam search can refuse what
     it would not apply). Ranges are checked by ``SamplingParams`` (and the server's limits)."""
 
-    model: str
+    model: str | None = None  # as vLLM: left out, the served model
     max_tokens: int | None = Field(None, ge=0)  # 0: only completions' echo (the prompt scored, nothing generated)
     temperature: float | None = None
     top_p: float | None = None
@@ -304,6 +305,9 @@ class _GenerationRequest(StrictModel):
     early_stopping: bool | None = False
     return_token_ids: bool | None = False
     priority: int | None = 0  # --scheduling-policy priority: lower first (fcfs refuses another value)
+    return_tokens_as_token_ids: bool | None = False  # logprobs' tokens read "token_id:<id>"
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep this many prompt tokens (-1: what fits)
+    truncation_side: Literal["left", "right"] | None = None  # which end truncation cuts (default left: keep the last)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: dict | str | None = None  # vLLM's names before structured_outputs (removed upstream in 0.12)
@@ -315,6 +319,18 @@ class _GenerationRequest(StrictModel):
     _constraint: StructuredOutputsParams | None = PrivateAttr(None)  # set by check()
     _constraint_param: str | None = PrivateAttr(None)
 
+    def truncated(self, ids: list[int], limits: Limits) -> list[int]:
+        """The prompt's token ids after ``truncate_prompt_tokens`` (vLLM's): its last ``k`` (or, with
+        ``truncation_side: "right"``, its first); -1 keeps what fits in the context beside
+        ``max_tokens`` (one token when unset)."""
+        keep = self.truncate_prompt_tokens
+        if keep == -1:
+            keep = limits.context - (self.max_tokens or 1) if limits.context else None
+        if keep is None or len(ids) <= keep:
+            return ids
+        keep = max(keep, 1)
+        return ids[:keep] if self.truncation_side == "right" else ids[-keep:]
+
     def stop_strings(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOP_STRINGS or not all(stop):
@@ -323,6 +339,12 @@ class _GenerationRequest(StrictModel):
 
     def check(self, limits: Limits) -> None:
         """The request on its own (before its prompt is known): options and server limits."""
+        if self.truncate_prompt_tokens == 0:
+            raise invalid("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (what fits in the context) "
+                                                    "or the number of prompt tokens to keep (>= 1), got 0")
+        if limits.context and (self.truncate_prompt_tokens or 0) > limits.context:
+            raise invalid("truncate_prompt_tokens", f"truncate_prompt_tokens={self.truncate_prompt_tokens} is more "
+                                                    f"than the model's context ({limits.context} tokens)")
         if self.priority and limits.scheduling_policy != "priority":
             raise invalid("priority", f"priority={self.priority} needs a server started with --scheduling-policy "
                                       "priority (this one serves first come, first served and would ignore it)")

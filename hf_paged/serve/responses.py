@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from hf_paged.engine.detokenize import TokenTexts
-from hf_paged.engine.outputs import RequestOutput
+from hf_paged.engine.outputs import CompletionOutput, RequestOutput
 
 OBJECT = {"completion": "text_completion", "chat": "chat.completion"}
 CHUNK_OBJECT = {"completion": "text_completion", "chat": "chat.completion.chunk"}
@@ -92,13 +92,28 @@ class TextOffsets:
         self._echoed = max(self._echoed - 1, 0)
         text = text_of(token_id)
         if shown and text_of.is_special(token_id):
-            self.chars += len(self._decoder.decode(b"", final=True)) + len(text)
+            self.chars += len(self._decoder.decode(b"", final=True)) + len(text_of.alone(token_id))
             return text, offset
         data = text_of.bytes_of(token_id)
         if echoing and not offset and data[:1] == b" " and not text_of.alone(token_id).startswith(" "):
-            data, text = data[1:], text[1:]
+            data, text = data[1:], text[1:] if text.startswith(" ") else text
         self.chars += len(self._decoder.decode(data))
         return text, offset
+
+
+class TokenIdText:
+    """:class:`TokenText` for ``return_tokens_as_token_ids`` (vLLM's): a token reads
+    ``"token_id:<id>"`` (tokens whose text is no valid UTF-8 are still told apart); its bytes,
+    its width in ``text_offset`` and whether it is special stay those of its text."""
+
+    def __init__(self, text_of: TokenText):
+        self._text_of = text_of
+
+    def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._text_of, name)
 
 
 def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
@@ -166,6 +181,12 @@ def usage(outputs: list[RequestOutput]) -> dict:
     cached = sum(o.num_cached_tokens or 0 for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def choice_usage(output: RequestOutput, completion: CompletionOutput) -> dict:
+    """vLLM's ``continuous_usage_stats``: one choice's usage so far (its prompt, its tokens)."""
+    prompt, generated = len(output.prompt_token_ids), len(completion.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
 def choice(kind: str, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
