@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerFast
 
 from hf_paged import LLMEngine, SamplingParams
 from hf_paged.demo import byte_tokenizer
-from hf_paged.engine.detokenize import TokenTexts, decode_text, prompt_context
+from hf_paged.engine.detokenize import PromptContext, TokenTexts, decode_text, prompt_context
 from hf_paged.serve import ServerSettings, ServerThread, build_app
 from tests.helpers.tiny_models import VOCAB, build, single_threaded_torch
 
@@ -90,15 +90,16 @@ def test_stop_strings_match_the_continued_text(engine):
 
 
 def test_the_prompt_context_is_its_tail_of_whole_characters():
-    assert prompt_context(TOKENIZER, list(range(3, 20))) == list(range(14, 20))  # the last CONTEXT_TOKENS
-    assert prompt_context(TOKENIZER, []) == [] and prompt_context(TOKENIZER, None) == []
+    tail = prompt_context(TOKENIZER, list(range(3, 20)))  # the last CONTEXT_TOKENS, and their text
+    assert tail == PromptContext(tuple(range(14, 20)), TOKENIZER.decode(list(range(14, 20))))
+    assert prompt_context(TOKENIZER, []) == prompt_context(TOKENIZER, None) == PromptContext()
     nbytes = byte_tokenizer()
     e_acute = nbytes("\u00e9", add_special_tokens=False).input_ids  # two byte tokens
     assert len(e_acute) == 2
     a = nbytes("a", add_special_tokens=False).input_ids
-    assert prompt_context(nbytes, a + e_acute[:1]) == []  # ends inside a character: the output completes it
+    assert prompt_context(nbytes, a + e_acute[:1]) == PromptContext()  # ends inside a character: the output ends it
     assert decode_text(nbytes, e_acute[1:], context=prompt_context(nbytes, a + e_acute[:1])) == "\ufffd"
-    assert prompt_context(nbytes, e_acute[1:] + a) == a  # a tail starting inside a character is cut
+    assert prompt_context(nbytes, e_acute[1:] + a).token_ids == tuple(a)  # a tail starting inside a character is cut
 
 
 def test_token_texts_keep_the_word_start_space():

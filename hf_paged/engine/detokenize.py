@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hf_paged.engine.outputs import CompletionOutput, ended_by_token
@@ -38,19 +39,33 @@ MAX_HELD_TOKENS = 8  # a UTF-8 character has at most 4 bytes: more than this is 
 PENDING_TOKENS = 3  # still held when invalid text is released: the start of a character they may complete
 
 
+@dataclass(frozen=True)
+class PromptContext:
+    """The prompt tokens an output's text is decoded after, and their own text (left out of it)."""
+
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+
+
+NO_CONTEXT = PromptContext()
+
+
 def prompt_context(tokenizer: Any, prompt_token_ids: Sequence[int] | None,
-                   skip_special_tokens: bool = True) -> list[int]:
-    """The prompt tokens an output's text is decoded after: the longest tail of at most
-    ``CONTEXT_TOKENS`` that decodes to whole characters (none where the prompt ends inside a
-    multi-byte character: the output then completes it, and its text is decoded alone)."""
+                   skip_special_tokens: bool = True) -> PromptContext:
+    """The longest tail of the prompt, of at most ``CONTEXT_TOKENS``, that decodes to whole
+    characters (none where the prompt ends inside a multi-byte character: the output then
+    completes it, and its text is decoded alone), with its text."""
     tail = list(prompt_token_ids or ())[-CONTEXT_TOKENS:]
-    while tail and REPLACEMENT in tokenizer.decode(tail, skip_special_tokens=skip_special_tokens):
+    while tail:
+        text = tokenizer.decode(tail, skip_special_tokens=skip_special_tokens)
+        if REPLACEMENT not in text:
+            return PromptContext(tuple(tail), text)
         tail = tail[1:]
-    return tail
+    return NO_CONTEXT
 
 
 def decode_text(tokenizer: Any, token_ids: Sequence[int], skip_special_tokens: bool = True,
-                spaces_between_special_tokens: bool = True, context: Sequence[int] = ()) -> str:
+                spaces_between_special_tokens: bool = True, context: PromptContext = NO_CONTEXT) -> str:
     """The text of ``token_ids`` as an output shows it: the tokenizer's own decode (special tokens
     skipped or kept), after the ``context`` tokens (:func:`prompt_context`; their own text left
     out). With special tokens kept and ``spaces_between_special_tokens=False``, an added token
@@ -58,13 +73,11 @@ def decode_text(tokenizer: Any, token_ids: Sequence[int], skip_special_tokens: b
     decoder (WordPiece's, say) would put before it: what vLLM's detokenizer shows. Where the
     context's text is not a prefix of the whole (a decoder that rewrites across tokens), the ids
     are decoded alone."""
-    if context:
-        ids = [*context, *token_ids]
-        head = _decode(tokenizer, ids[:len(context)], skip_special_tokens, spaces_between_special_tokens,
-                       len(context))
-        whole = _decode(tokenizer, ids, skip_special_tokens, spaces_between_special_tokens, len(context))
-        if whole.startswith(head):
-            return whole[len(head):]
+    if context.token_ids:
+        whole = _decode(tokenizer, [*context.token_ids, *token_ids], skip_special_tokens,
+                        spaces_between_special_tokens, len(context.token_ids))
+        if whole.startswith(context.text):
+            return whole[len(context.text):]
     return _decode(tokenizer, list(token_ids), skip_special_tokens, spaces_between_special_tokens, 0)
 
 
@@ -159,10 +172,10 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
-                 context: Sequence[int] = ()):
+                 context: PromptContext = NO_CONTEXT):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
-        self.token_ids: list[int] = list(context)
+        self.token_ids: list[int] = list(context.token_ids)
         self.text = ""
         self._first = len(self.token_ids)  # where the output starts
         self._start = 0  # window start
@@ -215,7 +228,7 @@ class TextStream:
 
     def __init__(self, tokenizer: Any, stop: list[str] | None = None, *, skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True, include_stop_str_in_output: bool = False,
-                 context: Sequence[int] = ()):
+                 context: PromptContext = NO_CONTEXT):
         self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens, spaces_between_special_tokens,
                                                    context)
         self._include_stop = include_stop_str_in_output

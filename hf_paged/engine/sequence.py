@@ -95,7 +95,7 @@ class Request:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0  # vLLM's: prompt tokens found in the prefix cache when first scheduled
     num_preemptions: int = 0  # vLLM's: times preempted (swapped out or dropped for recompute)
-    text_context: list[int] | None = None  # the prompt tokens its texts are decoded after (found on first use)
+    text_context: Any = None  # the PromptContext its texts are decoded after (found on first use)
 
     def __post_init__(self) -> None:
         if not self.seqs:
