@@ -159,7 +159,8 @@ def build_app(engine: LLMEngine | EngineProcess, settings: ServerSettings = Serv
         app.add_api_route(path, handler, methods=["GET"], dependencies=guard)
         # HEAD as HTTP has it (load balancers and uptime checks probe with it); not a separate operation
         app.add_api_route(path, handler, methods=["HEAD"], dependencies=guard, include_in_schema=False)
-    app.add_api_route("/ping", serving.health, methods=["GET", "POST"])  # vLLM's (SageMaker's) name of /health
+    for method in ("GET", "POST"):  # vLLM's (SageMaker's) name of /health; a route per method: one operation id each
+        app.add_api_route("/ping", serving.health, methods=[method])
     app.add_api_route("/reset_prefix_cache", serving.reset_prefix_cache, methods=["POST"], dependencies=auth)
     app.add_api_route("/version", serving.version, methods=["GET"])
     bodies = {"/v1/completions": (serving.completions, CompletionRequest),
@@ -450,7 +451,7 @@ class _OpenAIServing:
             req = await self._parse(request, ChatCompletionRequest)
         ids = await self.tokenizers.run(_chat_ids, req.conversation(), req.template_tools(), self._chat_template(req),
                                         req.template_kwargs())
-        ids = req.truncated(ids, self.limits)
+        ids = req.truncated(ids, self.limits, self.defaults.get("max_tokens"))
         max_tokens = resolve_max_tokens(req.max_tokens, self.defaults.get("max_tokens"), len(ids), self.limits,
                                         "messages", req.max_tokens_param)
         echoed = req.echoed_text()
@@ -551,7 +552,7 @@ class _OpenAIServing:
         truncated as ``truncate_prompt_tokens`` asks: on a tokenizer worker thread. A prompt sent
         as text echoes as sent, unless truncation cut it."""
         encoded = [self._encode(tokenizer, p) for p in prompts]
-        cut = [req.truncated(ids, self.limits) for ids in encoded]
+        cut = [req.truncated(ids, self.limits, COMPLETIONS_DEFAULT_MAX_TOKENS) for ids in encoded]
         decoded = [not isinstance(p, str) or len(c) < len(ids) for p, ids, c in zip(prompts, encoded, cut)]
         texts = [tokenizer.decode(c) if d else p for p, c, d in zip(prompts, cut, decoded)] if req.echo else []
         return cut, texts, decoded

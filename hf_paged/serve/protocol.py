@@ -9,8 +9,11 @@ generated), beam search (``use_beam_search`` with ``best_of`` beams, ``length_pe
 ``include_stop_str_in_output`` (the stop string that ended a choice stays in its text),
 ``skip_special_tokens`` and ``spaces_between_special_tokens`` (special tokens in the text, and how
 consecutive ones are joined; beam search too), ``return_token_ids`` (token ids in every choice
-or chunk), and in chat the chat-template fields of :class:`ChatTemplateFields`. The bodies of
-vLLM's ``/tokenize`` and ``/detokenize`` are here too.
+or chunk), ``return_tokens_as_token_ids`` (log-probs' tokens read ``token_id:<id>``),
+``truncate_prompt_tokens`` with ``truncation_side`` (the prompt served is its last, or first,
+``k`` tokens), ``stream_options.continuous_usage_stats`` (usage so far in every chunk), ``model``
+left out (the served one), and in chat the chat-template fields of :class:`ChatTemplateFields`.
+The bodies of vLLM's ``/tokenize`` and ``/detokenize`` are here too.
 
 Structured outputs: OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``, and
 vLLM's ``structural_tag``: ``format``, or the older ``structures`` with ``triggers``),
@@ -319,13 +322,17 @@ class _GenerationRequest(StrictModel):
     _constraint: StructuredOutputsParams | None = PrivateAttr(None)  # set by check()
     _constraint_param: str | None = PrivateAttr(None)
 
-    def truncated(self, ids: list[int], limits: Limits) -> list[int]:
+    def truncated(self, ids: list[int], limits: Limits, default_max_tokens: int | None = None) -> list[int]:
         """The prompt's token ids after ``truncate_prompt_tokens`` (vLLM's): its last ``k`` (or, with
-        ``truncation_side: "right"``, its first); -1 keeps what fits in the context beside
-        ``max_tokens`` (one token when unset)."""
+        ``truncation_side: "right"``, its first). -1 keeps what fits in the model's context (and a
+        fixed KV budget) beside the ``max_tokens`` the request gets: its own, else
+        ``default_max_tokens``, else one token (vLLM keeps ``max_model_len - 1`` and then cuts
+        ``max_tokens`` to fit; this server refuses a ``max_tokens`` that does not fit instead)."""
         keep = self.truncate_prompt_tokens
         if keep == -1:
-            keep = limits.context - (self.max_tokens or 1) if limits.context else None
+            room = [x for x in (limits.context, limits.kv_tokens) if x is not None]
+            wanted = self.max_tokens if self.max_tokens is not None else default_max_tokens
+            keep = min(room) - max(wanted or 1, 1) if room else None
         if keep is None or len(ids) <= keep:
             return ids
         keep = max(keep, 1)

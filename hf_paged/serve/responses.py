@@ -38,6 +38,10 @@ class TokenText(TokenTexts):
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special
 
+    def alternative_bytes(self, token_id: int) -> bytes:
+        """A top alternative's ``bytes`` in chat's logprobs: the token's own."""
+        return self.bytes_of(token_id)
+
     def bytes_of(self, token_id: int) -> bytes:
         found = self._bytes.get(token_id)
         if found is None:
@@ -103,14 +107,20 @@ class TextOffsets:
 
 class TokenIdText:
     """:class:`TokenText` for ``return_tokens_as_token_ids`` (vLLM's): a token reads
-    ``"token_id:<id>"`` (tokens whose text is no valid UTF-8 are still told apart); its bytes,
-    its width in ``text_offset`` and whether it is special stay those of its text."""
+    ``"token_id:<id>"`` (tokens whose text is no valid UTF-8 are still told apart). Its width in
+    ``text_offset`` and whether it is special stay those of its text, so offsets still index the
+    choice's text (vLLM's count the ``token_id:<id>`` strings', which index nothing). Chat's
+    ``bytes`` are as vLLM's: a chosen token's are its text's, a top alternative's those of its
+    ``token_id:<id>``."""
 
     def __init__(self, text_of: TokenText):
         self._text_of = text_of
 
     def __call__(self, token_id: int) -> str:
         return f"token_id:{token_id}"
+
+    def alternative_bytes(self, token_id: int) -> bytes:
+        return self(token_id).encode("utf-8")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._text_of, name)
@@ -166,11 +176,12 @@ def _by_text(text_of: TokenText, top: list[tuple[int, float]]) -> dict[str, floa
 
 def chat_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list[dict[int, float]], k: int) -> dict:
     """Chat's format: one entry per token, with its bytes and its top-``k`` alternatives."""
-    def entry(token_id: int, value: float) -> dict:
-        return {"token": text_of(token_id), "logprob": value, "bytes": list(text_of.bytes_of(token_id))}
+    def entry(token_id: int, value: float, data: bytes) -> dict:
+        return {"token": text_of(token_id), "logprob": value, "bytes": list(data)}
 
     logprobs = _finite(logprobs)
-    return {"content": [{**entry(t, lp[t]), "top_logprobs": [entry(i, v) for i, v in _top(lp, k)]}
+    return {"content": [{**entry(t, lp[t], text_of.bytes_of(t)),
+                         "top_logprobs": [entry(i, v, text_of.alternative_bytes(i)) for i, v in _top(lp, k)]}
                         for lp, t in zip(logprobs, token_ids)]}
 
 
