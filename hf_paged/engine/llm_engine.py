@@ -252,7 +252,7 @@ class LLMEngine:
         ``priority`` (vLLM's): lower is served first, under ``scheduling_policy="priority"`` only
         (another value is refused under ``"fcfs"``, which would ignore it)."""
         self._check_driver("add_request")
-        self.check_priority(priority)
+        self._check_priority(priority)
         if isinstance(request_id, SamplingParams) or isinstance(params, (str, dict)):  # vLLM's argument order
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}: LLMEngine.add_request "
                              "takes (prompt, params, request_id=None), not vLLM's (request_id, prompt, params)")
@@ -270,7 +270,7 @@ class LLMEngine:
             self.scheduler.add(request)
         return request_id
 
-    def check_priority(self, priority: Any) -> None:
+    def _check_priority(self, priority: Any) -> None:
         """``ValueError`` unless ``priority`` is an int this engine's scheduling policy honours."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an int, got {priority!r}")
