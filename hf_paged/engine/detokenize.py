@@ -22,7 +22,6 @@ isParis"; after the prompt it reads " Paris".
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -93,11 +92,19 @@ def _decode(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool, spa
 def text_decoder(tokenizer: Any, params: SamplingParams | None = None,
                  prompt_token_ids: Sequence[int] | None = None) -> Callable[[Sequence[int]], str]:
     """``decode(token_ids)`` of an output of ``prompt_token_ids``, with the text options of
-    ``params`` (the defaults without them)."""
+    ``params`` (the defaults without them). The prompt's context is found on the first call: the
+    server attaches a decoder to every unfinished output it passes on, and reads almost none."""
     skip = params is None or params.skip_special_tokens
     spaces = params is None or params.spaces_between_special_tokens
-    return functools.partial(decode_text, tokenizer, skip_special_tokens=skip, spaces_between_special_tokens=spaces,
-                             context=prompt_context(tokenizer, prompt_token_ids, skip))
+    context: PromptContext | None = None
+
+    def decode(token_ids: Sequence[int]) -> str:
+        nonlocal context
+        if context is None:
+            context = prompt_context(tokenizer, prompt_token_ids, skip)
+        return decode_text(tokenizer, token_ids, skip, spaces, context)
+
+    return decode
 
 
 def _unspaced_added_runs(tokenizer: Any, token_ids: list[int], text: str, first: int = 0) -> str:
