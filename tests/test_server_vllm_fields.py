@@ -1,6 +1,7 @@
 """vLLM's request fields that its server takes and a differential probe found refused here:
 ``model`` left out, ``return_tokens_as_token_ids``, ``stream_options.continuous_usage_stats``,
-``truncate_prompt_tokens`` (with ``truncation_side``). Driven over HTTP (the ``openai`` client, or
+``truncate_prompt_tokens`` (with ``truncation_side``); and what its answers carry that this
+server's lacked: a chat stream's opening role chunk, ``prompt_token_ids`` with ``return_token_ids``. Driven over HTTP (the ``openai`` client, or
 ``httpx`` where the client insists on a field), compared with an in-process engine on the same
 weights, streamed and not; bad values are 400s naming the field. After every test nothing is in
 flight and every KV block is free (the ``client`` fixture)."""
@@ -283,3 +284,63 @@ def test_minus_one_keeps_what_the_context_and_the_kv_budget_hold():
     unset = CompletionRequest.model_validate({"prompt": "x", "truncate_prompt_tokens": -1})
     assert unset.truncated(ids, Limits(context=100), 16) == ids[-84:] and unset.truncated(ids, Limits(context=100)) \
         == ids[-99:]  # room for the default max_tokens, else for one token
+
+
+# ---------------------------------------------------------------------------- stream openings, prompt_token_ids
+@pytest.mark.parametrize("echo", [False, True], ids=["reply", "echo"])
+def test_a_chat_stream_opens_each_choice_with_its_role_alone(client, served, echo):
+    """As OpenAI and vLLM: a choice's first chunk is ``{"role": ..., "content": ""}`` (no tokens,
+    log-probs or finish reason); no later chunk repeats the role; the contents still join to the
+    reply (with ``echo``, the last message's text first)."""
+    messages = [*MESSAGES, {"role": "assistant", "content": "Well"}] if echo else MESSAGES
+    template = dict(add_generation_prompt=False, continue_final_message=True) if echo else {}
+    body = {"model": MODEL, "messages": messages, "max_tokens": 5, "temperature": 1.0, "seed": 4, "n": 2,
+            "logprobs": True, "echo": echo, **IGNORE_EOS, **template}
+    whole = post(served, CHAT, body).json()
+    parts = chunks_of(post(served, CHAT, {**body, "stream": True}))
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in parts if c["choices"][0]["index"] == index]
+        assert mine[0] == {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None, "stop_reason": None}
+        assert all("role" not in c["delta"] for c in mine[1:]) and mine[-1]["finish_reason"] == "length"
+        content = "".join(c["delta"].get("content") or "" for c in mine)
+        assert content == whole["choices"][index]["message"]["content"]
+        assert [t for c in mine for t in c.get("token_ids") or []] == whole["choices"][index]["token_ids"]
+    assert whole["choices"][0]["message"]["content"].startswith("Well") == echo
+
+
+@STREAMED
+def test_return_token_ids_gives_each_completion_its_prompt_token_ids(client, served, stream):
+    """As vLLM: with ``return_token_ids`` every completion choice carries its prompt's token ids
+    (streamed: in its first chunk only); without it none does."""
+    prompts = [PROMPT_IDS, PROMPT_IDS[:9]]
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "temperature": 1.0, "seed": 5, "max_tokens": 4,
+            "stream": stream, **IGNORE_EOS}
+    resp = post(served, COMPLETIONS, body)
+    choices = [c["choices"][0] for c in chunks_of(resp)] if stream else resp.json()["choices"]
+    for index in range(4):
+        mine = [c for c in choices if c["index"] == index]
+        assert mine[0]["prompt_token_ids"] == prompts[index // 2]
+        assert all("prompt_token_ids" not in c for c in mine[1:])
+    plain = post(served, COMPLETIONS, {**body, "return_token_ids": False})
+    without = [c["choices"][0] for c in chunks_of(plain)] if stream else plain.json()["choices"]
+    assert len(without) >= 4 and all("prompt_token_ids" not in c for c in without)
+
+
+@STREAMED
+def test_return_token_ids_gives_a_chat_answer_its_prompt_token_ids(client, served, stream):
+    """As vLLM: a chat answer carries the templated prompt's token ids once, at its top level
+    (streamed: in each choice's opening chunk); without ``return_token_ids`` it does not."""
+    body = {"model": MODEL, "messages": MESSAGES, "n": 2, "temperature": 1.0, "seed": 5, "max_tokens": 4,
+            "stream": stream, **IGNORE_EOS}
+    resp = post(served, CHAT, body)
+    if stream:
+        parts = chunks_of(resp)
+        carrying = [c for c in parts if "prompt_token_ids" in c]
+        assert [c["choices"][0]["delta"] for c in carrying] == [{"role": "assistant", "content": ""}] * 2
+        assert all(c["prompt_token_ids"] == chat_ids(MESSAGES) for c in carrying)
+    else:
+        assert resp.json()["prompt_token_ids"] == chat_ids(MESSAGES)
+    plain = post(served, CHAT, {**body, "return_token_ids": False})
+    bodies = chunks_of(plain) if stream else [plain.json()]
+    assert all("prompt_token_ids" not in b for b in bodies)

@@ -621,6 +621,8 @@ class _OpenAIServing:
                     self._logprobs(job, ids, entries, self._text_offsets(job, i, len(ids) - len(generated))),
                     generated if req.return_token_ids else None,
                     tool_calls=calls, stop_reason=stop_reason, role=self._role(job)))
+                if req.return_token_ids and job.kind == "completion":  # vLLM's: per choice (chat: once, below)
+                    choices[-1]["prompt_token_ids"] = list(out.prompt_token_ids)
                 if req.prompt_logprobs is not None and job.kind == "completion":  # vLLM's: per choice
                     choices[-1]["prompt_logprobs"] = responses.prompt_logprobs(self.token_text, out.prompt_logprobs)
         choices.sort(key=lambda ch: ch["index"])
@@ -630,6 +632,8 @@ class _OpenAIServing:
         body = responses.envelope(job.kind, job.response_id, self.settings.model_name, choices, usage)
         if req.prompt_logprobs is not None and job.kind == "chat":  # vLLM's: one conversation, one list
             body["prompt_logprobs"] = responses.prompt_logprobs(self.token_text, outputs[0].prompt_logprobs)
+        if req.return_token_ids and job.kind == "chat":
+            body["prompt_token_ids"] = list(outputs[0].prompt_token_ids)
         return body
 
     @staticmethod
@@ -676,7 +680,10 @@ class _OpenAIServing:
                 if out.finished:
                     finals[i] = out
                 for c in out.outputs:
-                    chunk = self._chunk(job, i * job.n + c.index, c, texts, offsets, i, out)
+                    index = i * job.n + c.index
+                    if job.kind == "chat" and index not in texts:  # the role first, alone (as OpenAI and vLLM)
+                        yield self._role_chunk(job, index, out, created, with_usage, continuous)
+                    chunk = self._chunk(job, index, c, texts, offsets, i, out)
                     if chunk is not None:
                         so_far = responses.choice_usage(out, c) if continuous else None
                         yield responses.sse(responses.envelope(job.kind, job.response_id, self.settings.model_name,
@@ -693,6 +700,19 @@ class _OpenAIServing:
             watcher.cancel()
             job.stream.abort()
         yield responses.sse("[DONE]")
+
+    def _role_chunk(self, job: _Job, index: int, out: RequestOutput, created: int, with_usage: bool,
+                    continuous: bool) -> str:
+        """A chat choice's first chunk: its role and empty content (with ``return_token_ids``, the
+        prompt's token ids too), sent when its first output comes, before any content."""
+        choice = responses.choice("chat", index, "", None, delta=True, first=True, role=self._role(job))
+        so_far = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": 0,
+                  "total_tokens": len(out.prompt_token_ids)} if continuous else None
+        body = responses.envelope("chat", job.response_id, self.settings.model_name, [choice], so_far, chunk=True,
+                                  created=created, null_usage=with_usage)
+        if job.request.return_token_ids:
+            body["prompt_token_ids"] = list(out.prompt_token_ids)
+        return responses.sse(body)
 
     def _chunk(self, job: _Job, index: int, c, texts: dict[int, TextStream], offsets: dict[int, responses.TextOffsets],
                prompt_index: int, out: RequestOutput) -> dict | None:
@@ -721,9 +741,12 @@ class _OpenAIServing:
             offsets[index] = self._text_offsets(job, prompt_index, len(ids) - len(new_ids))
         logprobs = self._logprobs(job, ids, entries, offsets[index])
         wants_tokens = bool(new_ids) and (logprobs is not None or job.request.return_token_ids)
-        if not (delta or calls or text_stream.finished or wants_tokens or (first and job.kind == "chat")):
+        prompt_ids = first and job.kind == "completion" and job.request.return_token_ids
+        if not (delta or calls or text_stream.finished or wants_tokens or prompt_ids):
             return None
-        return responses.choice(job.kind, index, delta, finish, logprobs,
-                                new_ids if job.request.return_token_ids else None, delta=True, first=first,
-                                tool_calls=calls, stop_reason=c.stop_reason if text_stream.finished else None,
-                                role=self._role(job))
+        body = responses.choice(job.kind, index, delta, finish, logprobs,
+                                new_ids if job.request.return_token_ids else None, delta=True,
+                                tool_calls=calls, stop_reason=c.stop_reason if text_stream.finished else None)
+        if prompt_ids:  # vLLM's: a completion choice's first chunk carries its prompt's token ids
+            body["prompt_token_ids"] = list(out.prompt_token_ids)
+        return body

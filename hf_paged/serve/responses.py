@@ -204,7 +204,8 @@ def choice(kind: str, index: int, text: str | None, finish_reason: str | None, l
            token_ids: list[int] | None = None, *, delta: bool = False, first: bool = False,
            tool_calls: list[dict] | None = None, stop_reason: str | int | None = None,
            role: str = "assistant") -> dict:
-    """A completions or chat choice; ``delta``: a stream chunk's (chat: ``delta`` not ``message``).
+    """A completions or chat choice; ``delta``: a stream chunk's (chat: ``delta`` not ``message``);
+    ``first``: a chat stream's opening chunk, the one whose delta carries the role.
     ``tool_calls``: a chat message's calls (or a chunk's call deltas); its content may then be None.
     ``stop_reason`` (vLLM's extension): the stop string or stop token id that ended it, else null.
     ``role``: a chat reply's (the last message's when no generation prompt started a new one)."""
