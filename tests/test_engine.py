@@ -390,6 +390,35 @@ def test_seeded_samples_are_the_same_when_preempted_by_recompute(model):
         assert all(a != b for a, b in ample)  # two samples, not one twice
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=12, temperature=1.0, n=4, seed=3, ignore_eos=True),
+                                    SamplingParams(max_new_tokens=12, num_beams=4, n=2, ignore_eos=True)],
+                         ids=["4 samples", "4 beams"])
+def test_sequences_recomputed_after_preemption_share_their_prompt_again(model, params, prefix_caching):
+    """A request of 4 sequences on a 60-token prompt fits 30 blocks of 4 while they share the
+    prompt's blocks (15 + their own), not recomputed apart (4 x 19). Preempted by an older request
+    and recomputed, its first sequence computes the common part alone and the others fork from it:
+    it finishes with the tokens of an unpreempted run (it was once refused as too large for the
+    cache, the prefix cache's blocks evicted or not)."""
+    g = torch.Generator().manual_seed(1)
+    older, prompt = (torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (20, 60))
+
+    def run(num_blocks):
+        engine = LLMEngine(model, block_size=4, num_blocks=num_blocks, enable_prefix_caching=prefix_caching)
+        engine.add_request(older, SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True))
+        request_id = engine.add_request(prompt, params)
+        finals = {}
+        while engine.has_unfinished_requests():
+            finals.update((o.request_id, o) for o in engine.step() if o.finished)
+        _check_no_leak(engine)
+        out = finals[request_id]
+        return out.error, [c.token_ids for c in out.outputs], engine.stats()["preemptions_recompute"]
+
+    _, ample, _ = run(300)
+    error, tight, preemptions = run(30)
+    assert preemptions > 0 and error is None and tight == ample
+
+
 def test_the_first_of_n_seeded_samples_is_the_single_sample(model, prompts):
     """Sample i of a seeded request draws from its own generator from the first token on, sample 0
     from the seed's own (vLLM: seed + i): the first of n samples is the n=1 draw, and n=2's samples

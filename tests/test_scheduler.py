@@ -203,6 +203,37 @@ def test_preemption_of_the_newest_request(mode):
     assert all(len(r.finished_seqs[0].output_token_ids) == 8 for r in reqs.values())
 
 
+def test_a_request_recomputed_after_preemption_rejoins_its_shared_blocks():
+    """Three samples of an 18-token prompt hold 4 shared full blocks (+ the shared partial one)
+    and their own. Dropped for recompute, they would need 3 x 6 blocks apart, more than the 14
+    there are. Readmitted once the whole request fits (preempted only once), the first sample
+    computes the 18 common tokens alone; the next step the others fork from it and all three
+    compute their own tokens on the shared blocks."""
+    s = scheduler(14, prefix=False)
+    reqs = add(s, request("old", 8, new=16))
+    play(s, s.schedule(), reqs)
+    many = request("many", list(range(500, 518)), new=8, n=3)
+    reqs.update(add(s, many))
+    out = s.schedule()
+    parent = many.seqs[0]
+    many.seqs += [parent.fork(1), parent.fork(2)]
+    for seq, token in zip(many.seqs + reqs["old"].seqs, (7, 8, 9, 7)):
+        seq.token_ids.append(token)  # the samples' first tokens differ: 18 tokens in common
+    s.update_from_output(out, StepResult(tuple(ForkSequence(parent, child) for child in many.seqs[1:])))
+    steps = []  # per step: many's scheduled sequences with their block tables
+    while s.has_unfinished():
+        out = s.schedule()
+        steps.append([(x, table) for x, table in zip(out.sequences, out.block_tables) if x.request_id == "many"])
+        play(s, out, reqs)
+        s.kv.check_invariants()
+    assert s.preemptions["recompute"] == 1 and s.kv.num_used_blocks() == 0
+    i = next(i for i, step in enumerate(steps) if step and step[0][0].start == 0)  # the recompute
+    assert [(x.seq_id, x.num_tokens) for x, _ in steps[i]] == [(parent.seq_id, 18)]
+    assert [(x.start, x.num_tokens) for x, _ in steps[i + 1]] == [(18, 7)] * 3
+    assert len({table[:4] for _, table in steps[i + 1]}) == 1  # the 4 full blocks of the common part, shared
+    assert [len(seq.output_token_ids) for seq in many.finished_seqs] == [8, 8, 8] and many.error is None
+
+
 def test_a_request_that_can_never_fit_is_rejected_alone():
     s = scheduler(4)
     reqs = add(s, request("huge", 30), request("small", 3))

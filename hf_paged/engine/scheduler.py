@@ -102,6 +102,7 @@ class Scheduler:
         self._state_copies: list[tuple[int, int]] = []  # forks settled by the last update, for the next step
         self._forked: list[Request] = []  # their requests
         self._request_of: dict[int, Request] = {}  # the last output's sequences' requests
+        self._rejoining: list[Request] = []  # running requests whose other sequences wait to fork
 
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request) -> None:
@@ -165,10 +166,12 @@ class Scheduler:
         their beam siblings) are left out.
         """
         work = []
-        for seq in request.seqs:
+        for seq in request.seqs if request.rejoin_at is None else request.live_seqs[:1]:
             if seq.finish_reason is not None:
                 continue
             n = len(seq.token_ids) - seq.num_computed_tokens
+            if request.rejoin_at is not None:  # the shared part alone (the others fork from it after)
+                n = request.rejoin_at - seq.num_computed_tokens
             if self.split_prompts or n <= 1:
                 n = min(n, budget)
             elif n > budget and n <= self.max_num_batched_tokens:
@@ -184,6 +187,8 @@ class Scheduler:
         if self._scheduled is not None:
             raise RuntimeError("Scheduler.schedule() called again before update_from_output() of the last step")
         plan = _StepPlan(len(self.kv.groups))
+        if self._rejoining:
+            self._rejoin_ready()
         budget, preempted = self._append_all_running(plan), False
         if budget is None:  # they do not all fit: preempt (or reject) one request at a time
             budget, preempted = self._append_running_preempting(plan)
@@ -288,23 +293,20 @@ class Scheduler:
                 plan.rejected.append((request, f"the request runs {self._width(request)} sequences at once, and the "
                                                f"engine has {self.kv.num_state_slots} recurrent-state slots"))
                 continue
-            seqs = request.live_seqs
             read_cache = not request.skip_reading_prefix_cache
-            for seq in seqs:
-                if not self.kv.holds(seq):
-                    seq.num_computed_tokens = self.kv.allocate_prefix(seq, read=read_cache)
+            needed_alone = self._blocks_alone(request)
+            seqs = self._allocate(request, read_cache)
             work = self._work(request, budget)
-            needed_alone = sum(self.kv.blocks_for(seq.num_tokens + 1) for seq in seqs)
             if read_cache and any(self.kv.waits_for_inflight(seq) for seq in seqs):
-                self._release(seqs)
+                self._unadmit(request, seqs)
                 break
-            if not work or not self.kv.can_append(work):
+            if not work or not self.kv.can_append(work, reserve=self._rejoin_reserve(request)):
                 if not self.running and not self.swapped and needed_alone > self.kv.num_blocks:
                     self.waiting.popleft()
                     plan.rejected.append((request, "the request needs more KV blocks than the cache has"))
                     self._release(seqs)
                     continue
-                self._release(seqs)  # give adopted prefix blocks back; they stay cached
+                self._unadmit(request, seqs)  # give adopted prefix blocks back; they stay cached
                 break
             self.waiting.popleft()
             if not request.num_preemptions:  # vLLM's num_cached_tokens: the first admission's hit
@@ -316,13 +318,74 @@ class Scheduler:
             plan.extend(plan.copies, self.kv.append(work))
             request.status = Status.RUNNING
             self._enqueue(self.running, request)
+            if request.rejoin_at is not None and request not in self._rejoining:
+                self._rejoining.append(request)
             budget -= plan.add(request, work)
+
+    def _unadmit(self, request: Request, seqs: list[Sequence]) -> None:
+        """Admission fell through: the sequences give their blocks back (cached ones stay cached)
+        and a request that was to rejoin still is."""
+        self._release(seqs)
+        if request.num_preemptions:
+            request.rejoin_at = self._common_part(request.live_seqs)
+
+    def _allocate(self, request: Request, read_cache: bool) -> list[Sequence]:
+        """Give the sequences of a request being admitted their cached prefix blocks; returns those
+        that now hold blocks. A request rejoining after a recompute (:attr:`Request.rejoin_at`)
+        allocates its first sequence alone, unless the prefix cache already holds their common
+        part: then every sequence takes it from there, shared."""
+        seqs = request.live_seqs
+        if request.rejoin_at is not None:
+            leader = seqs[0]
+            if not self.kv.holds(leader):
+                leader.num_computed_tokens = self.kv.allocate_prefix(leader, read=read_cache)
+            if leader.num_computed_tokens < request.rejoin_at:
+                return [leader]
+            request.rejoin_at = None
+        for seq in seqs:
+            if not self.kv.holds(seq):
+                seq.num_computed_tokens = self.kv.allocate_prefix(seq, read=read_cache)
+        return seqs
+
+    def _blocks_alone(self, request: Request) -> int:
+        """Blocks the request needs for its known tokens and one more each, alone in the cache
+        (a rejoining request's sequences share the full blocks of their common part)."""
+        seqs = request.live_seqs
+        needed = sum(self.kv.blocks_for(seq.num_tokens + 1) for seq in seqs)
+        if request.rejoin_at is not None:
+            needed -= (len(seqs) - 1) * (request.rejoin_at // self.kv.block_size)
+        return needed
+
+    def _rejoin_reserve(self, request: Request) -> int:
+        """Blocks a rejoining request admitted with its first sequence alone needs once the others
+        fork (their own tokens, a copy of the shared partial block each, the first's own tokens):
+        admitted without them free, it would be preempted again as soon as they fork."""
+        if request.rejoin_at is None:
+            return 0
+        leader, *others = request.live_seqs
+        shared = request.rejoin_at // self.kv.block_size
+        return (sum(self.kv.blocks_for(seq.num_tokens) - shared for seq in others)
+                + self.kv.blocks_for(leader.num_tokens) - self.kv.blocks_for(request.rejoin_at))
+
+    def _rejoin_ready(self) -> None:
+        """Fork the waiting sequences of each rejoining request whose first sequence has computed
+        their common part: they share its blocks (the partial last one is copied on write)."""
+        for request in list(self._rejoining):
+            if request.status is Status.RUNNING and request.rejoin_at is not None:
+                leader, *others = request.live_seqs
+                if leader.num_computed_tokens < request.rejoin_at:
+                    continue
+                for seq in others:
+                    self.kv.fork(leader, seq)
+                    seq.num_computed_tokens = leader.num_computed_tokens
+                request.rejoin_at = None
+            self._rejoining.remove(request)
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self.running.remove(request)
         request.num_preemptions += 1
         seqs = request.live_seqs
-        if self.preemption_mode == "swap" and self.kv.can_swap_out(seqs):
+        if self.preemption_mode == "swap" and request.rejoin_at is None and self.kv.can_swap_out(seqs):
             plan.state_swap_out += self.kv.swap_out_states(seqs)  # (before swap_out frees the sequences)
             plan.extend(plan.swap_out, self.kv.swap_out(seqs))
             plan.moved.append(request)
@@ -331,9 +394,22 @@ class Scheduler:
             self.preemptions["swap"] += 1
             return
         self._release(seqs)
+        request.rejoin_at = self._common_part(seqs)
         request.status = Status.WAITING
         self._enqueue(self.waiting, request, front=True)
         self.preemptions["recompute"] += 1
+
+    def _common_part(self, seqs: list[Sequence]) -> int | None:
+        """How many leading tokens the sequences of a request dropped for recompute have in common,
+        each one's last token left out (it must be computed by each, for its logits); None: one
+        sequence, none in common, or recurrent states (a state cannot be forked mid-prefill)."""
+        if len(seqs) < 2 or self.kv.has_states:
+            return None
+        first, common = seqs[0].token_ids, min(seq.num_tokens for seq in seqs) - 1
+        for seq in seqs[1:]:  # the prompt is common: compare what they generated
+            common = next((i for i in range(seqs[0].num_prompt_tokens, common) if first[i] != seq.token_ids[i]),
+                          common)
+        return common or None
 
     # ------------------------------------------------------------------ the step's two ends
     def _output(self, plan: _StepPlan) -> SchedulerOutput:

@@ -96,6 +96,10 @@ class Request:
     num_cached_tokens: int = 0  # vLLM's: prompt tokens found in the prefix cache when first scheduled
     num_preemptions: int = 0  # vLLM's: times preempted (swapped out or dropped for recompute)
     text_context: Any = None  # the PromptContext its texts are decoded after (found on first use)
+    # after a recompute of several live sequences: the tokens they have in common (their last token
+    # left out). The first computes them alone, then the others fork from it, sharing those blocks
+    # again as they did before the preemption (computed apart they could need more blocks than exist)
+    rejoin_at: int | None = None
 
     def __post_init__(self) -> None:
         if not self.seqs:
