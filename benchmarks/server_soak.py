@@ -81,8 +81,8 @@ def words(rng: random.Random) -> str:
     return head + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 60)))
 
 
-def draw(rng: random.Random) -> Case:
-    """One random valid request."""
+def draw(rng: random.Random, priorities: bool = True) -> Case:
+    """One random valid request (``priorities``: the server schedules by priority)."""
     chat = rng.random() < 0.5
     if chat:
         messages = [{"role": "user", "content": words(rng)}]
@@ -145,7 +145,7 @@ def draw(rng: random.Random) -> Case:
         body["max_tokens"] = 200
         for name in ("min_tokens", "ignore_eos", "logit_bias", "echo"):  # (an echo would precede the text)
             body.pop(name, None)
-    if rng.random() < 0.2:
+    if rng.random() < 0.2 and priorities:
         body["priority"] = rng.randint(-5, 5)
     if not (case.constraint or case.tool_choice or case.beam):
         for name, value in (("stop_token_ids", [rng.randint(3, 250)]), ("bad_words", ["the"]),
@@ -358,11 +358,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=2)
     parser.add_argument("serve_options", nargs="*", help="after --: options of hf-paged serve")
     args = parser.parse_args()
-    rng = random.Random(args.seed)
-    cases = [draw(random.Random(rng.getrandbits(32))) for _ in range(args.requests)]
+    rng, options = random.Random(args.seed), args.serve_options or SERVE_DEFAULTS
+    priorities = "--scheduling-policy=priority" in options or "priority" in options[1:] and \
+        options[options.index("priority") - 1] == "--scheduling-policy"
+    cases = [draw(random.Random(rng.getrandbits(32)), priorities) for _ in range(args.requests)]
     port = free_port()
-    cmd = [sys.executable, "-m", "hf_paged", "serve", "--device", "cpu", "--port", str(port),
-           *(args.serve_options or SERVE_DEFAULTS)]
+    cmd = [sys.executable, "-m", "hf_paged", "serve", "--device", "cpu", "--port", str(port), *options]
     start = time.monotonic()
     log = Path(tempfile.gettempdir()) / "hf_paged_server_soak.log"
     print(f"server log: {log}")
