@@ -1,10 +1,11 @@
 """vLLM's request fields that its server takes and a differential probe found refused here:
 ``model`` left out, ``return_tokens_as_token_ids``, ``stream_options.continuous_usage_stats``,
 ``truncate_prompt_tokens`` (with ``truncation_side``); and what its answers carry that this
-server's lacked: a chat stream's opening role chunk, ``prompt_token_ids`` with ``return_token_ids``. Driven over HTTP (the ``openai`` client, or
-``httpx`` where the client insists on a field), compared with an in-process engine on the same
-weights, streamed and not; bad values are 400s naming the field. After every test nothing is in
-flight and every KV block is free (the ``client`` fixture)."""
+server's lacked: a chat stream's opening role chunk, ``prompt_token_ids`` with
+``return_token_ids``. Driven over HTTP (the ``openai`` client, or ``httpx`` where the client
+insists on a field), compared with an in-process engine on the same weights, streamed and not;
+bad values are 400s naming the field. After every test nothing is in flight and every KV block
+is free (the ``client`` fixture)."""
 
 from __future__ import annotations
 
