@@ -347,9 +347,9 @@ def test_a_prompt_longer_than_the_kv_budget_is_refused(model, prompts, reference
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_a_request_that_outgrows_the_whole_pool_is_refused_while_others_wait(model, prompts, mode):
     """A 79-token prompt fits 20 blocks of 4 but its 8 new tokens do not: it is refused and the
-    other request served. Swap mode refuses it at once, though another request waits (it once
-    swapped it out for good, admitted nothing behind it and stepped forever); recompute mode
-    first lets the waiting one run, then refuses it alone."""
+    other request served. Both modes refuse it as soon as it cannot grow, though another request
+    waits: swapped out it was once kept for good, admitting nothing behind it, stepping forever;
+    recomputed it came back first and needed the same blocks again."""
     engine = LLMEngine(model, block_size=4, num_blocks=20, preemption_mode=mode)
     params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     small = prompts[3][:10]

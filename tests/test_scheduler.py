@@ -234,6 +234,43 @@ def test_a_request_recomputed_after_preemption_rejoins_its_shared_blocks():
     assert [len(seq.output_token_ids) for seq in many.finished_seqs] == [8, 8, 8] and many.error is None
 
 
+def test_a_request_that_outgrows_the_pool_while_others_wait_is_rejected_not_recomputed_forever():
+    """6 blocks of 4, no prefix cache; an 8-token budget per step lets a recomputed 18-token prompt
+    come back in chunks. Recomputed after it outgrew the pool, "big" came back first, took the
+    whole budget and outgrew the pool again, forever, "small" (come meanwhile) waiting behind it
+    (a random run found it). One sequence gains nothing from a recompute: it is rejected, and
+    "small" is served."""
+    s = scheduler(6, budget=8, prefix=False)
+    reqs = add(s, request("big", 18, new=10))
+    for _ in range(4):
+        play(s, s.schedule(), reqs)
+    reqs.update(add(s, request("small", 3, new=2)))
+    rejected = [r for out in run_to_end(s, reqs) for r in out.rejected]
+    assert rejected == [("big", "the request alone needs more KV blocks than the cache has")]
+    assert [len(seq.output_token_ids) for seq in reqs["small"].finished_seqs] == [2]
+
+
+def test_a_swapped_request_that_fits_only_alone_comes_back_when_nothing_runs():
+    """9 blocks of 4. Three samples of a 20-token prompt hold 5 shared blocks and one each (8) when
+    an older request's growth swaps them out. Their next tokens fit the blocks they have, but
+    8 + a spare block each is more than the pool, so they once waited in swap space forever after
+    the older one finished. With nothing running they come back without the spare blocks."""
+    s = scheduler(9, mode="swap", swap=16)
+    reqs = add(s, request("old", 1, new=12))
+    play(s, s.schedule(), reqs)
+    many = request("many", list(range(500, 520)), new=4, n=3)
+    reqs.update(add(s, many))
+    out = s.schedule()
+    parent = many.seqs[0]
+    many.seqs += [parent.fork(1), parent.fork(2)]
+    for seq, token in zip(many.seqs + reqs["old"].seqs, (7, 8, 9, 7)):
+        seq.token_ids.append(token)
+    s.update_from_output(out, StepResult(tuple(ForkSequence(parent, child) for child in many.seqs[1:])))
+    outputs = run_to_end(s, reqs)
+    assert s.preemptions["swap"] == 1 and any(o.swap_in for o in outputs)
+    assert [len(seq.output_token_ids) for seq in many.finished_seqs] == [4, 4, 4]
+
+
 def test_a_request_that_can_never_fit_is_rejected_alone():
     s = scheduler(4)
     reqs = add(s, request("huge", 30), request("small", 3))

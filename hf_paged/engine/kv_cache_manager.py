@@ -246,6 +246,12 @@ class KVCacheManager:
         return all(dst.growable or len(self._distinct(src, seqs)) + reserve <= dst.num_free_blocks
                    for src, dst in zip(self._swap.managers, self._blocks))
 
+    def swap_in_fits_at_all(self, seqs: list[Sequence]) -> bool:
+        """Whether the sequences' swapped-out blocks fit the device pools when nothing else holds
+        any (if not, they can never come back)."""
+        return all(dst.growable or len(self._distinct(src, seqs)) <= dst.num_blocks
+                   for src, dst in zip(self._swap.managers, self._blocks))
+
     def swap_in(self, seqs: list[Sequence]) -> list[BlockPairs]:
         """The reverse of :meth:`swap_out`: returns the (CPU block, device block) copies per group."""
         return [self._move(seqs, src, dst) for src, dst in zip(self._swap.managers, self._blocks)]

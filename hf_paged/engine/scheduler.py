@@ -222,10 +222,11 @@ class Scheduler:
 
     def _append_running_preempting(self, plan: _StepPlan) -> tuple[int, bool]:
         """One running request at a time, preempting from the back of the queue until each fits
-        (or rejecting one that cannot fit alone). Alone, a request that waits behind no one is
-        rejected; one that others wait behind is preempted too under recompute (recomputed later,
-        its samples may share more blocks), but not under swap: swapped back it would hold the
-        same blocks and need the same one more, forever (the engine once stepped on endlessly).
+        (or rejecting one that cannot fit alone). Alone, a request is preempted only under
+        recompute and when recomputed its sequences would fit, sharing their common part (they
+        may share less now, e.g. beams); else it is rejected: swapped back, or recomputed as it
+        is, it would need the same blocks again, forever (a single sequence once went from the
+        front of the queue to preempting itself and back, endlessly, while others waited).
         Returns the budget left and whether it preempted."""
         budget = self.max_num_batched_tokens
         preempted = False
@@ -240,7 +241,7 @@ class Scheduler:
             while not self.kv.can_append(work):
                 victim = self.running[-1]
                 if victim is request and len(self.running) == 1 and (
-                        self.preemption_mode == "swap" or not (self.swapped or self.waiting)):
+                        self.preemption_mode == "swap" or not self._fits_recomputed(request)):
                     plan.rejected.append((request, "the request alone needs more KV blocks than the cache has"))
                     self.running.remove(request)
                     work = []
@@ -258,12 +259,21 @@ class Scheduler:
         return budget, preempted
 
     def _swap_in(self, plan: _StepPlan, budget: int) -> int:
+        """Swapped-out requests come back in order while their blocks fit with a block to spare for
+        each sequence's next token. With nothing running the spare blocks are not asked for (its
+        next tokens are checked as it runs, and it is rejected alone if they cannot fit), and one
+        whose blocks do not fit the whole pool, which can never come back, is rejected (such a
+        request once waited forever)."""
         while self.swapped and budget > 0:
             request = self.swapped[0]
             seqs = request.live_seqs
             if self._num_running_seqs() + len(seqs) > self.max_num_seqs or self._lacks_state_slots(request):
                 break
-            if not self.kv.can_swap_in(seqs, reserve=len(seqs)):
+            if not self.kv.can_swap_in(seqs, reserve=len(seqs) if self.running else 0):
+                if not self.running and not self.kv.swap_in_fits_at_all(seqs):
+                    self.swapped.popleft()
+                    plan.rejected.append((request, "the request needs more KV blocks than the cache has"))
+                    continue
                 break
             self.swapped.popleft()
             plan.extend(plan.swap_in, self.kv.swap_in(seqs))
@@ -294,7 +304,7 @@ class Scheduler:
                                                f"engine has {self.kv.num_state_slots} recurrent-state slots"))
                 continue
             read_cache = not request.skip_reading_prefix_cache
-            needed_alone = self._blocks_alone(request)
+            needed_alone = self._blocks_alone(request.live_seqs, request.rejoin_at)
             seqs = self._allocate(request, read_cache)
             work = self._work(request, budget)
             if read_cache and any(self.kv.waits_for_inflight(seq) for seq in seqs):
@@ -347,14 +357,17 @@ class Scheduler:
                 seq.num_computed_tokens = self.kv.allocate_prefix(seq, read=read_cache)
         return seqs
 
-    def _blocks_alone(self, request: Request) -> int:
-        """Blocks the request needs for its known tokens and one more each, alone in the cache
-        (a rejoining request's sequences share the full blocks of their common part)."""
-        seqs = request.live_seqs
+    def _blocks_alone(self, seqs: list[Sequence], common: int | None) -> int:
+        """Blocks a request's sequences need for their known tokens and one more each, alone in
+        the cache, sharing the full blocks of their first ``common`` tokens."""
         needed = sum(self.kv.blocks_for(seq.num_tokens + 1) for seq in seqs)
-        if request.rejoin_at is not None:
-            needed -= (len(seqs) - 1) * (request.rejoin_at // self.kv.block_size)
-        return needed
+        return needed - (len(seqs) - 1) * ((common or 0) // self.kv.block_size)
+
+    def _fits_recomputed(self, request: Request) -> bool:
+        """Whether a request of several sequences would fit the cache alone once recomputed (its
+        sequences then share their common part: :meth:`_preempt`)."""
+        seqs = request.live_seqs
+        return len(seqs) > 1 and self._blocks_alone(seqs, self._common_part(seqs)) <= self.kv.num_blocks
 
     def _rejoin_reserve(self, request: Request) -> int:
         """Blocks a rejoining request admitted with its first sequence alone needs once the others
