@@ -204,6 +204,22 @@ def test_preemption_of_the_newest_request(mode):
     assert all(len(r.finished_seqs[0].output_token_ids) == 8 for r in reqs.values())
 
 
+def old_then_three_samples(s: Scheduler, *, old_prompt: int, old_new: int, prompt: int, new: int) -> dict:
+    """An "old" request prefilled, then "many": 3 samples of a ``prompt``-token prompt, forked at
+    their first tokens (which differ: the prompt is all they have in common)."""
+    reqs = add(s, request("old", old_prompt, new=old_new))
+    play(s, s.schedule(), reqs)
+    many = request("many", list(range(500, 500 + prompt)), new=new, n=3)
+    reqs.update(add(s, many))
+    out = s.schedule()
+    parent = many.seqs[0]
+    many.seqs += [parent.fork(1), parent.fork(2)]
+    for seq, token in zip(many.seqs + reqs["old"].seqs, (7, 8, 9, 7)):
+        seq.token_ids.append(token)
+    s.update_from_output(out, StepResult(tuple(ForkSequence(parent, child) for child in many.seqs[1:])))
+    return reqs
+
+
 def test_a_request_recomputed_after_preemption_rejoins_its_shared_blocks():
     """Three samples of an 18-token prompt hold 4 shared full blocks (+ the shared partial one)
     and their own. Dropped for recompute, they would need 3 x 6 blocks apart, more than the 14
@@ -211,16 +227,8 @@ def test_a_request_recomputed_after_preemption_rejoins_its_shared_blocks():
     computes the 18 common tokens alone; the next step the others fork from it and all three
     compute their own tokens on the shared blocks."""
     s = scheduler(14, prefix=False)
-    reqs = add(s, request("old", 8, new=16))
-    play(s, s.schedule(), reqs)
-    many = request("many", list(range(500, 518)), new=8, n=3)
-    reqs.update(add(s, many))
-    out = s.schedule()
-    parent = many.seqs[0]
-    many.seqs += [parent.fork(1), parent.fork(2)]
-    for seq, token in zip(many.seqs + reqs["old"].seqs, (7, 8, 9, 7)):
-        seq.token_ids.append(token)  # the samples' first tokens differ: 18 tokens in common
-    s.update_from_output(out, StepResult(tuple(ForkSequence(parent, child) for child in many.seqs[1:])))
+    reqs = old_then_three_samples(s, old_prompt=8, old_new=16, prompt=18, new=8)
+    many, parent = reqs["many"], reqs["many"].seqs[0]
     steps = []  # per step: many's scheduled sequences with their block tables
     while s.has_unfinished():
         out = s.schedule()
@@ -257,16 +265,8 @@ def test_a_swapped_request_that_fits_only_alone_comes_back_when_nothing_runs():
     8 + a spare block each is more than the pool, so they once waited in swap space forever after
     the older one finished. With nothing running they come back without the spare blocks."""
     s = scheduler(9, mode="swap", swap=16)
-    reqs = add(s, request("old", 1, new=12))
-    play(s, s.schedule(), reqs)
-    many = request("many", list(range(500, 520)), new=4, n=3)
-    reqs.update(add(s, many))
-    out = s.schedule()
-    parent = many.seqs[0]
-    many.seqs += [parent.fork(1), parent.fork(2)]
-    for seq, token in zip(many.seqs + reqs["old"].seqs, (7, 8, 9, 7)):
-        seq.token_ids.append(token)
-    s.update_from_output(out, StepResult(tuple(ForkSequence(parent, child) for child in many.seqs[1:])))
+    reqs = old_then_three_samples(s, old_prompt=1, old_new=12, prompt=20, new=4)
+    many = reqs["many"]
     outputs = run_to_end(s, reqs)
     assert s.preemptions["swap"] == 1 and any(o.swap_in for o in outputs)
     assert [len(seq.output_token_ids) for seq in many.finished_seqs] == [4, 4, 4]
