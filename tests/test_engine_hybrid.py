@@ -195,6 +195,40 @@ def test_engine_beam_search_equals_transformers(name):
     _all_free(engine)
 
 
+SHARING = [n for n in HYBRIDS if n not in ("jamba", "mamba2")]  # K/V blocks, and prefills that continue a state
+
+
+@pytest.mark.parametrize("params, num_blocks", [
+    (hf_paged.SamplingParams(max_new_tokens=20, n=4, temperature=1.0, seed=3, ignore_eos=True), 32),
+    (hf_paged.SamplingParams(max_new_tokens=12, num_beams=4, n=4, ignore_eos=True), 20)], ids=["samples", "beams"])
+@pytest.mark.parametrize("name", SHARING)
+def test_sequences_recomputed_after_preemption_share_their_prompt_and_state_again(name, params, num_blocks):
+    """4 sequences on a 40-token prompt fit ``num_blocks`` blocks of 4 sharing the prompt's (10 + their
+    own), not recomputed apart (4 x 13 or more). Preempted by an older request and recomputed, the first
+    computes the common part alone and the others fork from it, its blocks shared and its state
+    copied into theirs: one preemption and the tokens of an unpreempted run (before, beams were
+    refused as too large for the cache, and samples were preempted 13 times, until enough of
+    them had finished for the rest to fit apart)."""
+    model = _model(name)
+    g = torch.Generator().manual_seed(1)
+    older, prompt = (torch.randint(3, 96, (n,), generator=g).tolist() for n in (16, 40))
+
+    def run(num_blocks):
+        engine = hf_paged.LLMEngine(model, block_size=BLOCK, num_blocks=num_blocks, max_num_batched_tokens=64)
+        engine.add_request(older, hf_paged.SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True))
+        request_id = engine.add_request(prompt, params)
+        finals = {}
+        while engine.has_unfinished_requests():
+            finals.update((o.request_id, o) for o in engine.step() if o.finished)
+        _all_free(engine)
+        out = finals[request_id]
+        return out.error, [c.token_ids for c in out.outputs], engine.stats()["preemptions_recompute"]
+
+    _, ample, _ = run(200)
+    error, tight, preemptions = run(num_blocks)
+    assert preemptions == 1 and error is None and tight == ample
+
+
 # ------------------------------------------------------------------------------ limits and refusals
 def test_running_sequences_never_exceed_the_state_slots():
     model = _model("qwen3_5_text")

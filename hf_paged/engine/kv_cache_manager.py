@@ -297,7 +297,8 @@ class KVCacheManager:
         for states, blocks in ((self._states, self._device), (self._swap_states, self._swap)):
             if states is not None:
                 states.check_invariants()
-                assert states.num_used == len(blocks.managers[0].sequences), "state slots and sequences disagree"
+                held = len(blocks.managers[0].sequences) if blocks is not None else 0
+                assert states.num_used == held, "state slots and sequences disagree"
 
     def num_used_blocks(self) -> int:
         return self._device.num_used_blocks + (self._swap.num_used_blocks if self._swap else 0)

@@ -244,6 +244,7 @@ class Scheduler:
                         self.preemption_mode == "swap" or not self._fits_recomputed(request)):
                     plan.rejected.append((request, "the request alone needs more KV blocks than the cache has"))
                     self.running.remove(request)
+                    self._release(request.live_seqs)  # for this step's admissions (a state slot once ran out)
                     work = []
                     break
                 self._preempt(victim, plan)
@@ -392,6 +393,9 @@ class Scheduler:
                     self.kv.fork(leader, seq)
                     seq.num_computed_tokens = leader.num_computed_tokens
                 request.rejoin_at = None
+                if self.kv.has_states:  # the leader's state after the common part: copied before this step
+                    self._state_copies += self.kv.settle_state_forks()
+                    self._forked.append(request)
             self._rejoining.remove(request)
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
@@ -415,8 +419,9 @@ class Scheduler:
     def _common_part(self, seqs: list[Sequence]) -> int | None:
         """How many leading tokens the sequences of a request dropped for recompute have in common,
         each one's last token left out (it must be computed by each, for its logits); None: one
-        sequence, none in common, or recurrent states (a state cannot be forked mid-prefill)."""
-        if len(seqs) < 2 or self.kv.has_states:
+        sequence, none in common, or recurrent states that cannot continue a prefill (the others
+        would continue theirs from the forked state)."""
+        if len(seqs) < 2 or (self.kv.has_states and not self.split_prompts):
             return None
         first, common = seqs[0].token_ids, min(seq.num_tokens for seq in seqs) - 1
         for seq in seqs[1:]:  # the prompt is common: compare what they generated
