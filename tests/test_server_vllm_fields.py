@@ -345,3 +345,26 @@ def test_return_token_ids_gives_a_chat_answer_its_prompt_token_ids(client, serve
     plain = post(served, CHAT, {**body, "return_token_ids": False})
     bodies = chunks_of(plain) if stream else [plain.json()]
     assert all("prompt_token_ids" not in b for b in bodies)
+
+
+# ---------------------------------------------------------------------------- line breaks inside texts
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_unicode_line_breaks_in_a_streamed_text_keep_each_event_on_one_line(client, served, path):
+    """U+2028, U+0085 and U+2029 in a streamed text (echoed here) go out as JSON escapes: raw, they
+    are line breaks to ``str.splitlines()``, so a reader such as httpx's ``iter_lines()`` cut the
+    event and got broken JSON (a soak found it: a sampled text held U+2028)."""
+    breaks = "a\u2028b\x85c\u2029d"
+    if path == CHAT:
+        body = {"messages": [*MESSAGES, {"role": "assistant", "content": breaks}], "add_generation_prompt": False,
+                "continue_final_message": True}
+    else:
+        body = {"prompt": breaks}
+    server, _ = served
+    with httpx.stream("POST", server.url + path, json={"model": MODEL, "max_tokens": 2, "temperature": 0,
+                                                       "echo": True, "stream": True, **body}, timeout=60) as resp:
+        lines = list(resp.iter_lines())
+    events = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ") and "[DONE]" not in line]
+    assert all(not line or line.startswith("data: ") for line in lines), lines
+    text = "".join(c["choices"][0]["delta"].get("content") or "" if path == CHAT else c["choices"][0]["text"]
+                   for c in events)
+    assert text.startswith(breaks) and lines[-2] == "data: [DONE]"

@@ -234,6 +234,14 @@ def envelope(kind: str, response_id: str, model: str, choices: list[dict], usage
     return body
 
 
+# Line breaks to Python's str.splitlines() (and so to httpx's iter_lines()), not to JSON or SSE:
+# left raw in a chunk's text they split its line, and the reader gets broken JSON.
+_LINE_BREAKS_ESCAPED = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(data: dict | str) -> str:
-    """One server-sent event."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    """One server-sent event (a text's U+0085, U+2028 and U+2029 as JSON escapes)."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    if "\x85" in text or "\u2028" in text or "\u2029" in text:  # (rare: three scans cost less than a translate)
+        text = text.translate(_LINE_BREAKS_ESCAPED)
+    return f"data: {text}\n\n"
