@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Soak ``hf-paged serve`` (the built-in demo model) under a random mix of request features from
-many concurrent clients, on a KV budget small enough to preempt all the time.
+"""Soak ``hf-paged serve`` (the built-in demo model, or ``--model PATH`` among the serve options)
+under a random mix of request features from many concurrent clients, on a KV budget small enough
+to preempt all the time.
 
     python benchmarks/server_soak.py [--requests 600] [--clients 32] [--seed 2] [-- SERVE OPTIONS]
 
@@ -263,8 +264,8 @@ def constrained_text_ok(kind: str, text: str) -> bool:
             and len(value["name"]) <= 8 and type(value["age"]) is int and 0 <= value["age"] <= 120)
 
 
-def fits_shared(case: Case, kv_tokens: int, block_size: int = 16) -> bool:
-    """Whether the request surely fits the KV cache (blocks of 16) with its sequences sharing the prompt (the
+def fits_shared(case: Case, kv_tokens: int, block_size: int) -> bool:
+    """Whether the request surely fits ``kv_tokens`` of KV cache with its sequences sharing the prompt (the
     byte tokenizer: a token per byte; a chat template adds under 64): a refusal is then wrong."""
     body = case.body
     if "messages" in body:
@@ -276,7 +277,7 @@ def fits_shared(case: Case, kv_tokens: int, block_size: int = 16) -> bool:
     return blocks * block_size <= kv_tokens
 
 
-async def soak(url: str, cases: list[Case], clients: int, kv_tokens: int) -> tuple[list, list, dict]:
+async def soak(url: str, cases: list[Case], clients: int, kv_tokens: int, block_size: int) -> tuple[list, list, dict]:
     problems, greedy, counts = [], [], {"answered": 0, "left early": 0, "too large for the KV cache": 0}
     queue = list(enumerate(cases))
 
@@ -294,7 +295,8 @@ async def soak(url: str, cases: list[Case], clients: int, kv_tokens: int) -> tup
                     counts["left early"] += 1
                 elif isinstance(answer, tuple):
                     status, text = answer
-                    if status == 400 and any(why in text for why in UNFIT) and not fits_shared(case, kv_tokens):
+                    unfit = any(why in text for why in UNFIT)
+                    if status == 400 and unfit and not fits_shared(case, kv_tokens, block_size):
                         counts["too large for the KV cache"] += 1
                     else:
                         problems.append(f"{tag}: {status} {text[:300]}")
@@ -323,12 +325,19 @@ def idle_problems(url: str) -> list[str]:
     return found
 
 
-def greedy_problems(greedy: list[tuple[Case, list[int]]]) -> list[str]:
+def greedy_problems(greedy: list[tuple[Case, list[int]]], model_path: str | None) -> list[str]:
     """Greedy answers against an in-process engine on the same model (near ties allowed)."""
     from hf_paged import LLM, SamplingParams
     from hf_paged.demo import byte_tokenizer, demo_model
 
-    llm, found = LLM(demo_model(), byte_tokenizer()), []
+    if model_path is None:
+        model, tokenizer = demo_model(), byte_tokenizer()
+    else:
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    llm, found = LLM(model, tokenizer), []
     for case, got in greedy:
         body = case.body
         params = SamplingParams(temperature=0, max_tokens=body["max_tokens"], stop=body.get("stop") or [],
@@ -351,6 +360,15 @@ def greedy_problems(greedy: list[tuple[Case, list[int]]]) -> list[str]:
     return found
 
 
+def serve_options(options: list[str]) -> argparse.Namespace:
+    """What the soak needs to know of the server's options: its model, block size and block budget."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--model")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int)
+    return parser.parse_known_args(options)[0]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=600)
@@ -359,6 +377,7 @@ def main() -> int:
     parser.add_argument("serve_options", nargs="*", help="after --: options of hf-paged serve")
     args = parser.parse_args()
     rng, options = random.Random(args.seed), args.serve_options or SERVE_DEFAULTS
+    served = serve_options(options)
     priorities = "--scheduling-policy=priority" in options or "priority" in options[1:] and \
         options[options.index("priority") - 1] == "--scheduling-policy"
     cases = [draw(random.Random(rng.getrandbits(32)), priorities) for _ in range(args.requests)]
@@ -368,12 +387,11 @@ def main() -> int:
     log = Path(tempfile.gettempdir()) / "hf_paged_server_soak.log"
     print(f"server log: {log}")
     with LocalServer(cmd, port, name="hf-paged serve", log_path=log) as server:
-        blocks = re.search(r"^hf_paged_kv_blocks_total\S* (\S+)", httpx.get(server.url + "/metrics").text, re.M)
-        kv_tokens = int(float(blocks.group(1))) * 16 if blocks else 0  # (summed over layer groups: the demo has one)
-        problems, greedy, counts = asyncio.run(soak(server.url, cases, args.clients, kv_tokens))
+        kv_tokens = served.num_blocks * served.block_size if served.num_blocks else 0  # (per layer group)
+        problems, greedy, counts = asyncio.run(soak(server.url, cases, args.clients, kv_tokens, served.block_size))
         print(f"{args.requests} requests from {args.clients} clients in {time.monotonic() - start:.0f} s: {counts}")
         problems += idle_problems(server.url)
-    problems += greedy_problems(greedy)
+    problems += greedy_problems(greedy, served.model)
     print(f"{len(problems)} problems")
     for problem in problems:
         print(" -", problem)
