@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 
 from hf_paged import LLMEngine, SamplingParams
 from hf_paged.demo import byte_tokenizer
-from hf_paged.serve.protocol import ChatCompletionRequest, CompletionRequest
+from hf_paged.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, Limits, resolve_max_tokens
 from tests.helpers.serving import (ENGINE_PLACES, MODEL, assert_all_free, break_forwards, free_port, mend_forwards,
                                    serving, single_threaded_torch, tiny_model, wait_idle, wait_until_healthy)
 
@@ -236,6 +236,38 @@ def test_max_completion_tokens_wins_and_too_long_is_context_length_exceeded(serv
     assert (near["param"], near["code"]) == ("max_completion_tokens", "context_length_exceeded"), near
     long = post(server, COMPLETIONS, completion(prompt="x" * 5000)).json()["error"]
     assert (long["param"], long["code"]) == ("prompt", "context_length_exceeded"), long
+
+
+def test_n_samples_that_together_outgrow_the_kv_cache_are_refused_before_they_run(server):
+    """Samples share the prompt's blocks, not what each generates: n=4 samples of max_tokens=1100
+    exceed a KV cache of 4,096 tokens (256 blocks of 16) though one sequence of 1,100 tokens fits.
+    Refused up front, streamed or not, as context_length_exceeded naming max_tokens (they were
+    taken, and the engine refused them once they outgrew the cache: a stream failed after its 200);
+    what fits together is served; beams (which share what they generated) are not counted."""
+    for path, body in [(COMPLETIONS, completion(n=4, max_tokens=1100, temperature=1.0)),
+                       (CHAT, chat(n=4, max_tokens=1100, temperature=1.0, stream=True))]:
+        resp = post(server, path, body)
+        error = resp.json()["error"]
+        assert resp.status_code == 400 and (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
+        assert "plus n=4 samples of max_tokens=1100 exceed the KV cache (4096 tokens; the samples share the prompt)" \
+            in error["message"], error
+    fits = post(server, COMPLETIONS, completion(n=4, max_tokens=4, temperature=1.0, seed=1))
+    assert fits.status_code == 200 and len(fits.json()["choices"]) == 4
+    beams = post(server, COMPLETIONS, completion(n=1, best_of=2, use_beam_search=True, max_tokens=1100))
+    assert beams.status_code == 200, beams.text
+
+
+def test_the_kv_room_of_n_samples_bounds_the_default_max_tokens_and_prompt_truncation():
+    """Units: chat's unset max_tokens is what each of n samples fits beside the shared prompt, and
+    ``truncate_prompt_tokens=-1`` keeps what leaves room for every sample's max_tokens."""
+    limits = Limits(context=4096, kv_tokens=4096)
+    assert resolve_max_tokens(None, None, 96, limits, "messages") == 4000
+    assert resolve_max_tokens(None, None, 96, limits, "messages", samples=4) == 1000
+    with pytest.raises(APIError, match=r"leaves no room in the KV cache \(4096 tokens\) for n=4 samples"):
+        resolve_max_tokens(None, None, 4094, limits, "messages", samples=4)
+    ids = list(range(200))
+    request = CompletionRequest(model=MODEL, prompt=ids, truncate_prompt_tokens=-1, max_tokens=10, n=2)
+    assert request.truncated(ids, Limits(context=100, kv_tokens=50)) == ids[-30:]
 
 
 def test_a_client_that_leaves_mid_body_is_no_server_error(server):

@@ -439,7 +439,7 @@ class _OpenAIServing:
         # unset: 16 (as vLLM: not the model's max_new_tokens), at most what fits after each prompt
         asked = 1 if req.prompt_only() else req.max_tokens  # the token drawn for nothing is left out of the answer
         max_tokens = [resolve_max_tokens(asked, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), self.limits,
-                                         "prompt") for ids in encoded]
+                                         "prompt", samples=req.samples) for ids in encoded]
         job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", req, texts, ticket, echoed_ids=decoded)
         params = {n: req.sampling_params(n) for n in set(max_tokens)}
         await self._compile_constraint(req, params[max_tokens[0]])
@@ -453,7 +453,7 @@ class _OpenAIServing:
                                         req.template_kwargs())
         ids = req.truncated(ids, self.limits, self.defaults.get("max_tokens"))
         max_tokens = resolve_max_tokens(req.max_tokens, self.defaults.get("max_tokens"), len(ids), self.limits,
-                                        "messages", req.max_tokens_param)
+                                        "messages", req.max_tokens_param, req.samples)
         echoed = req.echoed_text()
         job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req, [echoed] if echoed else [], ticket,
                    tools=req.tool_mode != "none",

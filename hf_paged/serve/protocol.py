@@ -325,14 +325,15 @@ class _GenerationRequest(StrictModel):
     def truncated(self, ids: list[int], limits: Limits, default_max_tokens: int | None = None) -> list[int]:
         """The prompt's token ids after ``truncate_prompt_tokens`` (vLLM's): its last ``k`` (or, with
         ``truncation_side: "right"``, its first). -1 keeps what fits in the model's context (and a
-        fixed KV budget) beside the ``max_tokens`` the request gets: its own, else
+        fixed KV budget, with each sample's) beside the ``max_tokens`` the request gets: its own, else
         ``default_max_tokens``, else one token (vLLM keeps ``max_model_len - 1`` and then cuts
         ``max_tokens`` to fit; this server refuses a ``max_tokens`` that does not fit instead)."""
         keep = self.truncate_prompt_tokens
         if keep == -1:
-            room = [x for x in (limits.context, limits.kv_tokens) if x is not None]
-            wanted = self.max_tokens if self.max_tokens is not None else default_max_tokens
-            keep = min(room) - max(wanted or 1, 1) if room else None
+            wanted = max(self.max_tokens if self.max_tokens is not None else default_max_tokens or 1, 1)
+            room = [total - width * wanted for total, width in ((limits.context, 1), (limits.kv_tokens, self.samples))
+                    if total is not None]
+            keep = min(room) if room else None
         if keep is None or len(ids) <= keep:
             return ids
         keep = max(keep, 1)
@@ -486,6 +487,12 @@ class _GenerationRequest(StrictModel):
         """Whether the answer is the prompt alone (completions' ``echo`` with ``max_tokens=0``: the
         engine still draws one token, which the answer leaves out)."""
         return False
+
+    @property
+    def samples(self) -> int:
+        """Sequences that each generate up to ``max_tokens`` of their own in the KV cache (the ``n``
+        samples; beams are not counted: they share what they generated so far)."""
+        return 1 if self.use_beam_search else self.n or 1
 
     def fill_defaults(self, defaults: dict[str, float | int]) -> None:
         """Sampling fields the request leaves unset take ``defaults`` (the model's recommended values:
@@ -777,21 +784,29 @@ class ChatCompletionRequest(ChatTemplateFields, _GenerationRequest):
 
 
 def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, limits: Limits,
-                       prompt_param: str, max_tokens_param: str = "max_tokens") -> int:
-    """The request's ``max_tokens``, checked against the model's positions and the KV budget.
-    Unset, it is ``default`` or as many as fit (chat's default), at most what fits. A requested
-    one too long is OpenAI's ``context_length_exceeded`` (what clients test for to trim a
-    conversation), whichever of the two limits it is."""
-    room = [x - prompt_len for x in (limits.context, limits.kv_tokens) if x is not None]
-    where = "the model's context" if limits.context is not None and room and room[0] == min(room) else "the KV cache"
-    if room and min(room) < 1:
-        raise APIError(400, f"the prompt ({prompt_len} tokens) leaves no room in {where} "
-                            f"({prompt_len + min(room)} tokens)", param=prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
+                       prompt_param: str, max_tokens_param: str = "max_tokens", samples: int = 1) -> int:
+    """The request's ``max_tokens``, checked against the model's positions and a fixed KV budget,
+    which its ``samples`` sequences (``n``: they share the prompt's blocks, not what each of them
+    generates) fill together. Unset, it is ``default`` or as many as fit (chat's default), at most
+    what fits. A requested one too long is OpenAI's ``context_length_exceeded`` (what clients test
+    for to trim a conversation), whichever of the two limits it is."""
+    rooms = [((total - prompt_len) // width, total, width, where)
+             for total, width, where in ((limits.context, 1, "the model's context"),
+                                         (limits.kv_tokens, samples, "the KV cache")) if total is not None]
+    room, total, width, where = min(rooms, key=lambda r: r[0]) if rooms else (None, None, 1, "")  # (a tie: context)
+    if room is not None and room < 1:
+        shared = f" for n={width} samples" if width > 1 else ""
+        raise APIError(400, f"the prompt ({prompt_len} tokens) leaves no room in {where} ({total} tokens){shared}",
+                       param=prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
     if requested is None:
-        return min([limits.max_tokens if default is None else default, limits.max_tokens, *room])
-    if room and requested > min(room):
-        raise APIError(400, f"{prompt_len} prompt tokens plus {max_tokens_param}={requested} exceed {where} "
-                            f"({prompt_len + min(room)} tokens)", param=max_tokens_param, code=CONTEXT_LENGTH_EXCEEDED)
+        wanted = min(limits.max_tokens if default is None else default, limits.max_tokens)
+        return wanted if room is None else min(wanted, room)
+    if room is not None and requested > room:
+        what, shared = f"{max_tokens_param}={requested}", ""
+        if width > 1:
+            what, shared = f"n={width} samples of {what}", "; the samples share the prompt"
+        raise APIError(400, f"{prompt_len} prompt tokens plus {what} exceed {where} ({total} tokens{shared})",
+                       param=max_tokens_param, code=CONTEXT_LENGTH_EXCEEDED)
     return requested
 
 
