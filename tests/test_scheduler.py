@@ -13,7 +13,9 @@ import random
 
 import pytest
 
-from hf_paged.engine.kv_cache_manager import KVCacheManager
+from hf_paged.engine.kv_cache_manager import FULL_ATTENTION, KVCacheManager
+from hf_paged.kinds import FullAttentionSpec, SlidingWindowSpec
+from hf_paged.layer_groups import LayerGroup
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.scheduler_output import SchedulerOutput, StateMoves
@@ -353,15 +355,19 @@ def test_finish_request_frees_a_request_wherever_it_is():
 
 def _random_run(seed: int) -> str | None:
     """One random workload on a random small pool (block size, budget, sequence limit, preemption
-    mode, prefix cache, policy; in a third of the runs recurrent-state slots too, prefills split or
-    whole), samples forked at their first token with their own next tokens, played to the end.
+    mode, prefix cache, policy; sliding windows on some layers or all; in a third of the runs
+    recurrent-state slots too, prefills split or whole), samples forked at their first token with their own next tokens, played to the end.
     Each state slot is followed as the tokens it has absorbed (copies and swaps applied as storage
     runs them): a sequence must continue from a state of exactly its tokens before the chunk.
     Returns what went wrong, or None."""
     rng = random.Random(seed)
     bs, num_blocks, mode = rng.choice([2, 4, 8]), rng.randint(6, 40), rng.choice(["recompute", "swap"])
     states, split = rng.random() < 0.3, rng.random() < 0.7
-    kv = KVCacheManager(bs, num_blocks, enable_prefix_caching=rng.random() < 0.5,
+    window = rng.choice([None, None, 3, 8, 16])
+    groups = ([LayerGroup(SlidingWindowSpec(window), (0,))] if window and rng.random() < 0.5 else
+              [LayerGroup(FullAttentionSpec(), (0,)), LayerGroup(SlidingWindowSpec(window), (1,))] if window else
+              FULL_ATTENTION)
+    kv = KVCacheManager(bs, num_blocks, enable_prefix_caching=rng.random() < 0.5, groups=groups,
                         swap_space_blocks=rng.randint(0, 40) if mode == "swap" else 0,
                         num_state_slots=rng.randint(4, 12) if states else 0,
                         swap_state_slots=rng.randint(0, 8) if states and mode == "swap" else 0)

@@ -468,3 +468,28 @@ def test_engine_beam_search_through_sliding_groups_equals_transformers(arch):
                              do_sample=False, eos_token_id=None)
         assert [c.token_ids for c in out.outputs] == [row[len(prompt):].tolist() for row in ref]
     _check_no_leak(engine)
+
+
+def test_a_model_whose_layers_all_slide_serves_prompts_longer_than_its_pool():
+    """Mistral's layers all slide (window 12): computing 8 tokens a step, a sequence holds at most
+    the window's blocks and a chunk's (6 of 4 tokens), so a pool of 6 serves prompts of 40-60
+    tokens and 20 more, one at a time, as stock generates them; the server is told no length
+    bound comes from the cache. With 5 blocks the prompts are refused as exceeding the cache.
+    (Before, every prompt longer than the pool was refused, 6 blocks or 600 tokens of window.)"""
+    from hf_paged.serve.engine_process import EngineFacts
+    from tests.test_engine import _check_no_leak, compare
+
+    model = build("mistral")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (40, 50, 60)]
+    params = hf_paged.SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
+    engine = hf_paged.LLMEngine(model, block_size=4, num_blocks=6, max_num_batched_tokens=8)
+    exact, ties = compare(engine.generate(prompts, params, use_tqdm=False), _references(model, prompts, 20))
+    assert exact + len(ties) == len(prompts) and EngineFacts.of(engine).kv_tokens is None
+    _check_no_leak(engine)
+    small = hf_paged.LLMEngine(model, block_size=4, num_blocks=5, max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match="exceeds the whole KV cache"):
+        small.add_request(prompts[0], params)
+    assert EngineFacts.of(small).kv_tokens == 20
+    mixed = hf_paged.LLMEngine(build("gemma3"), block_size=4, num_blocks=6, max_num_batched_tokens=8)
+    assert EngineFacts.of(mixed).kv_tokens == 24  # a full group: every token's block

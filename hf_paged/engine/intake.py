@@ -21,9 +21,11 @@ from hf_paged.engine.sequence import Request
 
 class RequestIntake:
     def __init__(self, tokenizer, *, vocab_size: int, max_positions: int | None, eos_token_ids: list[int],
-                 kv: KVCacheManager, device: torch.device, max_num_seqs: int, max_logprobs: int | None = None):
+                 kv: KVCacheManager, device: torch.device, max_num_seqs: int, max_logprobs: int | None = None,
+                 prefill_chunk: int | None = None):
         self.tokenizer, self.vocab_size, self.max_positions = tokenizer, vocab_size, max_positions
         self.eos_token_ids, self.kv, self.device = eos_token_ids, kv, device
+        self.prefill_chunk = prefill_chunk  # the scheduler's (a window's blocks and a chunk's fit a prompt)
         self.max_num_seqs, self.max_logprobs = max_num_seqs, max_logprobs
 
     def check_params(self, params: SamplingParams) -> None:
@@ -123,7 +125,7 @@ class RequestIntake:
             raise ValueError(f"token ids outside the vocabulary (size {self.vocab_size}): {bad[:5]}")
         if self.max_positions and len(ids) >= self.max_positions:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the model's {self.max_positions} positions")
-        if not self.kv.growable and self.kv.blocks_for(len(ids) + 1) > self.kv.num_blocks:
+        if not self.kv.fits_alone([len(ids) + 1], chunk=self.prefill_chunk):
             raise ValueError(f"prompt of {len(ids)} tokens exceeds the whole KV cache "
                              f"({self.kv.num_blocks} blocks of {self.kv.block_size})")
         if params.max_new_tokens is None:

@@ -90,6 +90,36 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def _most_blocks(self, group: LayerGroup, num_tokens: int, chunk: int | None) -> int:
+        """Most blocks of ``group`` one sequence of ``num_tokens`` holds at once, computing at most
+        ``chunk`` tokens a step (None: all at once): a group with a window only the window's blocks
+        before the chunk and the chunk's (one more where they start inside a block)."""
+        blocks = self.blocks_for(num_tokens)
+        if group.window is None:
+            return blocks
+        return min(blocks, self.blocks_for(group.window - 1 + (chunk or num_tokens)) + 1)
+
+    def fits_alone(self, lengths: Seq[int], shared: int = 0, chunk: int | None = None) -> bool:
+        """Whether sequences of these lengths (in tokens) fit the pools with nothing else in them:
+        a full group holds all their blocks (those of their first ``shared`` tokens once, when
+        full), a group with a window only what :meth:`_most_blocks` says. Growing pools fit."""
+        if self.growable:
+            return True
+        once = (len(lengths) - 1) * (shared // self.block_size)
+        return all(
+            sum(self._most_blocks(group, n, chunk) for n in lengths) - (0 if group.window else once) <= size
+            for group, size in zip(self.groups, self.pool_sizes))
+
+    def max_tokens_alone(self, chunk: int | None) -> int | None:
+        """The most tokens one sequence can hold alone (None: no bound, the pools grow or every
+        group has a window whose blocks, and a chunk's, fit)."""
+        if self.growable:
+            return None
+        bounds = [size * self.block_size for group, size in zip(self.groups, self.pool_sizes)
+                  if group.window is None or chunk is None
+                  or self.blocks_for(group.window - 1 + chunk) + 1 > size]
+        return min(bounds) if bounds else None
+
     def holds(self, seq: Sequence) -> bool:
         return seq.seq_id in self._device
 

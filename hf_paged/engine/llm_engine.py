@@ -197,7 +197,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_positions, self.structured)
         self.intake = RequestIntake(tokenizer, vocab_size=self.config.vocab_size, max_positions=self.max_positions,
                                     eos_token_ids=self.eos_token_ids, kv=self.kv, device=model.device,
-                                    max_num_seqs=max_num_seqs,
+                                    max_num_seqs=max_num_seqs, prefill_chunk=self.scheduler.prefill_chunk,
                                     max_logprobs=None if max_logprobs == -1 else max_logprobs)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()

@@ -305,14 +305,14 @@ class Scheduler:
                                                f"engine has {self.kv.num_state_slots} recurrent-state slots"))
                 continue
             read_cache = not request.skip_reading_prefix_cache
-            needed_alone = self._blocks_alone(request.live_seqs, request.rejoin_at)
+            fits_alone = self._fits_alone(request.live_seqs, request.rejoin_at)
             seqs = self._allocate(request, read_cache)
             work = self._work(request, budget)
             if read_cache and any(self.kv.waits_for_inflight(seq) for seq in seqs):
                 self._unadmit(request, seqs)
                 break
             if not work or not self.kv.can_append(work, reserve=self._rejoin_reserve(request)):
-                if not self.running and not self.swapped and needed_alone > self.kv.num_blocks:
+                if not self.running and not self.swapped and not fits_alone:
                     self.waiting.popleft()
                     plan.rejected.append((request, "the request needs more KV blocks than the cache has"))
                     self._release(seqs)
@@ -358,23 +358,29 @@ class Scheduler:
                 seq.num_computed_tokens = self.kv.allocate_prefix(seq, read=read_cache)
         return seqs
 
-    def _blocks_alone(self, seqs: list[Sequence], common: int | None) -> int:
-        """Blocks a request's sequences need for their known tokens and one more each, alone in
-        the cache, sharing the full blocks of their first ``common`` tokens."""
-        needed = sum(self.kv.blocks_for(seq.num_tokens + 1) for seq in seqs)
-        return needed - (len(seqs) - 1) * ((common or 0) // self.kv.block_size)
+    @property
+    def prefill_chunk(self) -> int | None:
+        """The most tokens a sequence computes in one step (None: a prompt is computed whole)."""
+        return self.max_num_batched_tokens if self.split_prompts else None
+
+    def _fits_alone(self, seqs: list[Sequence], common: int | None) -> bool:
+        """Whether a request's sequences, their known tokens and one more each, fit the cache alone,
+        sharing the full blocks of their first ``common`` tokens (windows hold less: a model whose
+        layers all slide was refused prompts longer than the cache its windows needed)."""
+        return self.kv.fits_alone([seq.num_tokens + 1 for seq in seqs], common or 0, self.prefill_chunk)
 
     def _fits_recomputed(self, request: Request) -> bool:
         """Whether a request of several sequences would fit the cache alone once recomputed (its
         sequences then share their common part: :meth:`_preempt`)."""
         seqs = request.live_seqs
-        return len(seqs) > 1 and self._blocks_alone(seqs, self._common_part(seqs)) <= self.kv.num_blocks
+        return len(seqs) > 1 and self._fits_alone(seqs, self._common_part(seqs))
 
     def _rejoin_reserve(self, request: Request) -> int:
         """Blocks a rejoining request admitted with its first sequence alone needs once the others
         fork (their own tokens, a copy of the shared partial block each, the first's own tokens):
-        admitted without them free, it would be preempted again as soon as they fork."""
-        if request.rejoin_at is None:
+        admitted without them free, it would be preempted again as soon as they fork. None when
+        nothing else runs: it then fits (or is refused), and windows need less than this counts."""
+        if request.rejoin_at is None or not (self.running or self.swapped):
             return 0
         leader, *others = request.live_seqs
         shared = request.rejoin_at // self.kv.block_size
