@@ -378,8 +378,8 @@ class Scheduler:
     def _rejoin_reserve(self, request: Request) -> int:
         """Blocks a rejoining request admitted with its first sequence alone needs once the others
         fork (their own tokens, a copy of the shared partial block each, the first's own tokens):
-        admitted without them free, it would be preempted again as soon as they fork. None when
-        nothing else runs: it then fits (or is refused), and windows need less than this counts."""
+        admitted without them free, it would be preempted again as soon as they fork. Nothing when
+        nothing else runs: it then fits alone (or is refused), and windows need less than this counts."""
         if request.rejoin_at is None or not (self.running or self.swapped):
             return 0
         leader, *others = request.live_seqs
