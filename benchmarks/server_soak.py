@@ -6,7 +6,8 @@ to preempt all the time.
     python benchmarks/server_soak.py [--requests 600] [--clients 32] [--seed 2] [-- SERVE OPTIONS]
 
 Serve options default to ``--num-blocks 96 --max-num-seqs 16 --scheduling-policy priority``.
-Every request is valid (completions and chat; streamed or not, some left mid-stream; n, seeds,
+Every request is valid (completions, chat, a tenth to the Responses API, whose streamed text
+deltas must join to its final text; streamed or not, some left mid-stream; n, seeds,
 top-p/k, min-p, penalties, stop strings and ids, log-probs, echo, prompt log-probs, logit bias,
 JSON / schema / regex / choice constraints, tools, beam search, priorities, vLLM's extras), so
 every answer must be a 200 or a 400 that says the request does not fit the KV cache. Checked
@@ -82,8 +83,30 @@ def words(rng: random.Random) -> str:
     return head + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 60)))
 
 
+def draw_response(rng: random.Random) -> Case:
+    """A request to the Responses API: instructions, a JSON schema or a forced tool call sometimes."""
+    case = Case("/v1/responses", {"input": words(rng), "max_output_tokens": rng.choice([1, 5, 16, 64, 200]),
+                                  "temperature": rng.choice([0, 0.7, 1.0])})
+    body = case.body
+    if rng.random() < 0.3:
+        body["instructions"] = "Be brief."
+    if rng.random() < 0.15:
+        case.constraint = "json_schema"
+        body.update(max_output_tokens=200, text={"format": {"type": "json_schema", "name": "person", "schema": SCHEMA}})
+    elif rng.random() < 0.15:
+        case.tool_choice = {"type": "function", "name": "add"}
+        body.update(max_output_tokens=200, tool_choice=case.tool_choice,
+                    tools=[{"type": "function", **t["function"]} for t in TOOLS])
+    if rng.random() < 0.5:
+        body["stream"] = True
+        case.leave_early = rng.random() < 0.1
+    return case
+
+
 def draw(rng: random.Random, priorities: bool = True) -> Case:
     """One random valid request (``priorities``: the server schedules by priority)."""
+    if rng.random() < 0.1:
+        return draw_response(rng)
     chat = rng.random() < 0.5
     if chat:
         messages = [{"role": "user", "content": words(rng)}]
@@ -168,6 +191,8 @@ def draw(rng: random.Random, priorities: bool = True) -> Case:
 
 async def send(client: httpx.AsyncClient, url: str, case: Case) -> Answer | tuple[int, str] | None:
     """The answer, (status, body) for a non-200, or None for a stream left early."""
+    if case.path == "/v1/responses":
+        return await send_response(client, url, case)
     if not case.body.get("stream"):
         resp = await client.post(url + case.path, json=case.body)
         if resp.status_code != 200:
@@ -217,7 +242,54 @@ async def send(client: httpx.AsyncClient, url: str, case: Case) -> Answer | tupl
     return answer
 
 
+def response_answer(response: dict) -> Answer:
+    """A Response object as an answer of one choice (its text, calls, finish and usage)."""
+    answer = Answer(usage=response["usage"])
+    answer.texts[0] = "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                              for part in item["content"])
+    answer.calls[0] = [{"function": {"name": item["name"], "arguments": item["arguments"]}}
+                       for item in response["output"] if item["type"] == "function_call"]
+    answer.finish[0] = {"completed": "tool_calls" if answer.calls[0] else "stop",
+                        "incomplete": "length"}.get(response["status"], response["status"])
+    return answer
+
+
+async def send_response(client: httpx.AsyncClient, url: str, case: Case) -> Answer | tuple[int, str] | None:
+    """A Responses request; streamed, the text deltas must join to the final response's text."""
+    if not case.body.get("stream"):
+        resp = await client.post(url + case.path, json=case.body)
+        return response_answer(resp.json()) if resp.status_code == 200 else (resp.status_code, resp.text)
+    deltas, events, final = [], 0, None
+    async with client.stream("POST", url + case.path, json=case.body) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            return resp.status_code, resp.text
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[len("data: "):])
+            events += 1
+            if event["type"] == "error":
+                return 200, json.dumps(event)
+            if event["type"] == "response.output_text.delta":
+                deltas.append(event["delta"])
+            if event["type"] in ("response.completed", "response.incomplete", "response.failed"):
+                final = event["response"]
+            if case.leave_early and events >= 4:
+                return None
+    if final is None:
+        answer = Answer()
+        answer.finish[-1] = "no final event"
+        return answer
+    answer = response_answer(final)
+    if "".join(deltas) != answer.texts[0]:
+        answer.finish[-1] = f"deltas {''.join(deltas)!r} against the final text {answer.texts[0]!r}"
+    return answer
+
+
 def problems_of(case: Case, answer: Answer) -> list[str]:
+    if case.path == "/v1/responses":
+        return response_problems(case, answer)
     body, found = case.body, []
     want = body.get("n", 1) * (len(body["prompt"]) if isinstance(body.get("prompt"), list) and body["prompt"]
                                and isinstance(body["prompt"][0], list) else 1)
@@ -249,6 +321,28 @@ def problems_of(case: Case, answer: Answer) -> list[str]:
     return found
 
 
+def response_problems(case: Case, answer: Answer) -> list[str]:
+    """A Response: one finish (completed or incomplete), usage as many tokens as asked when cut,
+    a schema's text parses, a forced call is there with JSON arguments."""
+    found, finish, usage = [], answer.finish, answer.usage or {}
+    if list(finish) != [0] or finish[0] not in ("stop", "length", "tool_calls"):
+        found.append(f"response finish {finish}")
+    if finish.get(0) == "length" and usage.get("output_tokens") != case.body["max_output_tokens"]:
+        found.append(f"incomplete after {usage.get('output_tokens')} of {case.body['max_output_tokens']} tokens")
+    if case.constraint and finish.get(0) == "stop" and not constrained_text_ok(case.constraint, answer.texts[0]):
+        found.append(f"json_schema text {answer.texts[0]!r}")
+    if case.tool_choice and finish.get(0) != "length":
+        calls = answer.calls.get(0, [])
+        if [c["function"]["name"] for c in calls] != ["add"]:
+            found.append(f"tool_choice {case.tool_choice} gave calls {calls}")
+        for call in calls:
+            try:
+                json.loads(call["function"]["arguments"])
+            except ValueError:
+                found.append(f"arguments {call['function']['arguments']!r} are not JSON")
+    return found
+
+
 def constrained_text_ok(kind: str, text: str) -> bool:
     if kind == "regex":
         return re.fullmatch(REGEX, text) is not None
@@ -266,14 +360,19 @@ def constrained_text_ok(kind: str, text: str) -> bool:
 
 def fits_shared(case: Case, kv_tokens: int, block_size: int) -> bool:
     """Whether the request surely fits ``kv_tokens`` of KV cache with its sequences sharing the prompt (the
-    byte tokenizer: a token per byte; a chat template adds under 64): a refusal is then wrong."""
+    byte tokenizer: a token per byte; a chat template adds under 64, and its tools' JSON twice at
+    most): a refusal is then wrong."""
     body = case.body
-    if "messages" in body:
+    if "input" in body:
+        prompt = len(body["input"].encode()) + 80
+    elif "messages" in body:
         prompt = sum(len(m["content"].encode()) for m in body["messages"]) + 64
     else:
         prompt = len(body["prompt"]) if isinstance(body["prompt"], list) else len(body["prompt"].encode()) + 1
     width = max(body.get("n", 1), body.get("best_of", 1))
-    blocks = -(-prompt // block_size) + width * (-(-body["max_tokens"] // block_size) + 1)
+    prompt += 2 * len(json.dumps(body.get("tools", [])).encode())
+    max_tokens = body.get("max_tokens", body.get("max_output_tokens"))
+    blocks = -(-prompt // block_size) + width * (-(-max_tokens // block_size) + 1)
     return blocks * block_size <= kv_tokens
 
 
