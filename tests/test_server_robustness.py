@@ -258,16 +258,23 @@ def test_n_samples_that_together_outgrow_the_kv_cache_are_refused_before_they_ru
 
 
 def test_the_kv_room_of_n_samples_bounds_the_default_max_tokens_and_prompt_truncation():
-    """Units: chat's unset max_tokens is what each of n samples fits beside the shared prompt, and
-    ``truncate_prompt_tokens=-1`` keeps what leaves room for every sample's max_tokens."""
+    """Units: chat's unset max_tokens is what each of n samples fits beside the shared prompt (its
+    full blocks shared, the partial last one copied by each), and ``truncate_prompt_tokens=-1``
+    keeps what leaves room for every sample's max_tokens."""
     limits = Limits(context=4096, kv_tokens=4096)
     assert resolve_max_tokens(None, None, 96, limits, "messages") == 4000
     assert resolve_max_tokens(None, None, 96, limits, "messages", samples=4) == 1000
     with pytest.raises(APIError, match=r"leaves no room in the KV cache \(4096 tokens\) for n=4 samples"):
         resolve_max_tokens(None, None, 4094, limits, "messages", samples=4)
+    blocks = Limits(kv_tokens=96 * 8, kv_block_size=8)  # 635 prompt tokens: 79 full blocks and 3 tokens
+    assert resolve_max_tokens(None, None, 635, blocks, "prompt") == 768 - 635  # one sequence: the tokens left
+    assert resolve_max_tokens(None, None, 635, blocks, "prompt", samples=2) == 8 * 8 - 3  # (96 - 79) // 2 blocks
+    with pytest.raises(APIError, match="n=2 samples of max_tokens=64 exceed"):  # (once served, then refused)
+        resolve_max_tokens(64, None, 635, blocks, "prompt", samples=2)
     ids = list(range(200))
     request = CompletionRequest(model=MODEL, prompt=ids, truncate_prompt_tokens=-1, max_tokens=10, n=2)
     assert request.truncated(ids, Limits(context=100, kv_tokens=50)) == ids[-30:]
+    assert request.truncated(ids, Limits(context=100, kv_tokens=48, kv_block_size=8)) == ids[-22:]
 
 
 def test_a_client_that_leaves_mid_body_is_no_server_error(server):

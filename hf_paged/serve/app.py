@@ -132,7 +132,7 @@ def build_app(engine: LLMEngine | EngineProcess, settings: ServerSettings = Serv
     limits = Limits(max_n=min(settings.max_n, facts.max_num_seqs), max_tokens=settings.max_tokens,
                     max_logprobs=facts.vocab_size if settings.max_logprobs == -1 else settings.max_logprobs,
                     vocab_size=facts.vocab_size, context=facts.max_positions, kv_tokens=facts.kv_tokens,
-                    scheduling_policy=facts.scheduling_policy)
+                    kv_block_size=facts.kv_block_size, scheduling_policy=facts.scheduling_policy)
     drain = Drain(lambda: loop.end_all(shutting_down()), settings.shutdown_timeout_s)
     defaults = _checked_defaults(facts.sampling_defaults) if settings.generation_config == "auto" else {}
     serving = _OpenAIServing(loop, copy.deepcopy(engine.tokenizer), settings, limits, drain, defaults)

@@ -53,6 +53,7 @@ class EngineFacts:
     max_num_seqs: int  # the widest request (n, beams) a step can hold
     sampling_defaults: dict  # request defaults from the model's generation config (params.generation_defaults)
     scheduling_policy: str = "fcfs"  # whether requests' priority is honoured ("priority")
+    kv_block_size: int = 16
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineFacts:
@@ -60,7 +61,7 @@ class EngineFacts:
         return cls(engine.config.vocab_size, engine.max_positions,
                    kv.max_tokens_alone(engine.scheduler.prefill_chunk), list(engine.eos_token_ids),
                    engine.scheduler.max_num_seqs, generation_defaults(getattr(engine.model, "generation_config", None)),
-                   engine.scheduler.policy)
+                   engine.scheduler.policy, kv.block_size)
 
 
 START_METHODS = ("spawn", "forkserver")

@@ -101,6 +101,7 @@ class Limits:
     vocab_size: int | None = None
     context: int | None = None  # the model's positions
     kv_tokens: int | None = None  # a fixed KV budget, in tokens of one sequence (None: the pool grows)
+    kv_block_size: int = 1  # its blocks' size (samples share the prompt's full blocks, not its partial last one)
     scheduling_policy: str = "fcfs"  # the engine's: "priority" honours a request's priority
 
 
@@ -334,6 +335,8 @@ class _GenerationRequest(StrictModel):
             room = [total - width * wanted for total, width in ((limits.context, 1), (limits.kv_tokens, self.samples))
                     if total is not None]
             keep = min(room) if room else None
+            while limits.kv_tokens is not None and keep > 1 and kv_room(limits, keep, self.samples) < wanted:
+                keep -= 1  # (the samples' partial blocks: fewer than a block per sample)
         if keep is None or len(ids) <= keep:
             return ids
         keep = max(keep, 1)
@@ -783,6 +786,14 @@ class ChatCompletionRequest(ChatTemplateFields, _GenerationRequest):
         return last.text() if self.echo and last.role == self.response_role() else ""
 
 
+def kv_room(limits: Limits, prompt_len: int, samples: int = 1) -> int:
+    """Tokens each of ``samples`` sequences can generate beside a prompt of ``prompt_len`` in the
+    fixed KV budget (``limits.kv_tokens``): they share the prompt's full blocks; each copies the
+    partial last one on its first write and fills blocks of its own (one sequence: the tokens left)."""
+    size = limits.kv_block_size
+    return (limits.kv_tokens // size - prompt_len // size) // samples * size - prompt_len % size
+
+
 def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, limits: Limits,
                        prompt_param: str, max_tokens_param: str = "max_tokens", samples: int = 1) -> int:
     """The request's ``max_tokens``, checked against the model's positions and a fixed KV budget,
@@ -790,9 +801,11 @@ def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: i
     generates) fill together. Unset, it is ``default`` or as many as fit (chat's default), at most
     what fits. A requested one too long is OpenAI's ``context_length_exceeded`` (what clients test
     for to trim a conversation), whichever of the two limits it is."""
-    rooms = [((total - prompt_len) // width, total, width, where)
-             for total, width, where in ((limits.context, 1, "the model's context"),
-                                         (limits.kv_tokens, samples, "the KV cache")) if total is not None]
+    rooms = []  # (tokens each sequence may generate, the limit's tokens, sequences, the limit)
+    if limits.context is not None:
+        rooms.append((limits.context - prompt_len, limits.context, 1, "the model's context"))
+    if limits.kv_tokens is not None:
+        rooms.append((kv_room(limits, prompt_len, samples), limits.kv_tokens, samples, "the KV cache"))
     room, total, width, where = min(rooms, key=lambda r: r[0]) if rooms else (None, None, 1, "")  # (a tie: context)
     if room is not None and room < 1:
         shared = f" for n={width} samples" if width > 1 else ""
