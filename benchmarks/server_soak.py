@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import re
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,6 +191,20 @@ def draw(rng: random.Random, priorities: bool = True) -> Case:
     return case
 
 
+async def stream_events(client: httpx.AsyncClient, url: str, case: Case) -> AsyncIterator[dict | str | tuple]:
+    """A streamed request's events: each data line's JSON (``"[DONE]"`` as is), or (status, body)
+    alone for an answer other than 200. Closing it early closes the connection (the server aborts)."""
+    async with client.stream("POST", url + case.path, json=case.body) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            yield resp.status_code, resp.text
+            return
+        async for line in resp.aiter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                yield data if data == "[DONE]" else json.loads(data)
+
+
 async def send(client: httpx.AsyncClient, url: str, case: Case) -> Answer | tuple[int, str] | None:
     """The answer, (status, body) for a non-200, or None for a stream left early."""
     if case.path == "/v1/responses":
@@ -206,17 +222,13 @@ async def send(client: httpx.AsyncClient, url: str, case: Case) -> Answer | tupl
             answer.calls[i] = (c.get("message") or {}).get("tool_calls") or []
         return answer
     answer, chunks, done = Answer(), 0, False
-    async with client.stream("POST", url + case.path, json=case.body) as resp:
-        if resp.status_code != 200:
-            await resp.aread()
-            return resp.status_code, resp.text
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
+    async with contextlib.aclosing(stream_events(client, url, case)) as events:
+        async for chunk in events:
+            if isinstance(chunk, tuple):
+                return chunk
+            if chunk == "[DONE]":
                 done = True
                 break
-            chunk = json.loads(line[len("data: "):])
             if "error" in chunk:
                 return 200, json.dumps(chunk)
             for c in chunk["choices"]:
@@ -259,23 +271,19 @@ async def send_response(client: httpx.AsyncClient, url: str, case: Case) -> Answ
     if not case.body.get("stream"):
         resp = await client.post(url + case.path, json=case.body)
         return response_answer(resp.json()) if resp.status_code == 200 else (resp.status_code, resp.text)
-    deltas, events, final = [], 0, None
-    async with client.stream("POST", url + case.path, json=case.body) as resp:
-        if resp.status_code != 200:
-            await resp.aread()
-            return resp.status_code, resp.text
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            event = json.loads(line[len("data: "):])
-            events += 1
+    deltas, count, final = [], 0, None
+    async with contextlib.aclosing(stream_events(client, url, case)) as events:
+        async for event in events:
+            if isinstance(event, tuple):
+                return event
+            count += 1
             if event["type"] == "error":
                 return 200, json.dumps(event)
             if event["type"] == "response.output_text.delta":
                 deltas.append(event["delta"])
             if event["type"] in ("response.completed", "response.incomplete", "response.failed"):
                 final = event["response"]
-            if case.leave_early and events >= 4:
+            if case.leave_early and count >= 4:
                 return None
     if final is None:
         answer = Answer()
@@ -306,15 +314,7 @@ def problems_of(case: Case, answer: Answer) -> list[str]:
         if case.constraint and finish == "stop" and not constrained_text_ok(case.constraint, text):
             found.append(f"choice {i}: {case.constraint} text {text!r}")
         if case.tool_choice not in (None, "auto") and finish != "length":
-            calls = answer.calls.get(i, [])
-            names = {call["function"]["name"] for call in calls}
-            if not calls or (isinstance(case.tool_choice, dict) and names != {"add"}):
-                found.append(f"choice {i}: tool_choice {case.tool_choice} gave calls {calls}")
-            for call in calls:
-                try:
-                    json.loads(call["function"]["arguments"])
-                except ValueError:
-                    found.append(f"choice {i}: arguments {call['function']['arguments']!r} are not JSON")
+            found.extend(f"choice {i}: {p}" for p in calls_problems(case.tool_choice, answer.calls.get(i, [])))
     if answer.usage is not None and not case.beam:
         if answer.usage["completion_tokens"] != sum(len(ids) for ids in answer.token_ids.values()):
             found.append(f"usage {answer.usage} against the tokens returned")
@@ -332,14 +332,21 @@ def response_problems(case: Case, answer: Answer) -> list[str]:
     if case.constraint and finish.get(0) == "stop" and not constrained_text_ok(case.constraint, answer.texts[0]):
         found.append(f"json_schema text {answer.texts[0]!r}")
     if case.tool_choice and finish.get(0) != "length":
-        calls = answer.calls.get(0, [])
-        if [c["function"]["name"] for c in calls] != ["add"]:
-            found.append(f"tool_choice {case.tool_choice} gave calls {calls}")
-        for call in calls:
-            try:
-                json.loads(call["function"]["arguments"])
-            except ValueError:
-                found.append(f"arguments {call['function']['arguments']!r} are not JSON")
+        found += calls_problems(case.tool_choice, answer.calls.get(0, []))
+    return found
+
+
+def calls_problems(tool_choice: object, calls: list[dict]) -> list[str]:
+    """The calls a forced ``tool_choice`` asked for are there (a named tool's alone), each with
+    arguments that parse as JSON."""
+    found = []
+    if not calls or (isinstance(tool_choice, dict) and {call["function"]["name"] for call in calls} != {"add"}):
+        found.append(f"tool_choice {tool_choice} gave calls {calls}")
+    for call in calls:
+        try:
+            json.loads(call["function"]["arguments"])
+        except ValueError:
+            found.append(f"arguments {call['function']['arguments']!r} are not JSON")
     return found
 
 

@@ -7,7 +7,7 @@ import torch
 
 from hf_paged import LLMEngine, SamplingParams
 from hf_paged.engine.sequence import Status
-from tests.helpers.tiny_models import VOCAB, build
+from tests.helpers.tiny_models import VOCAB, build, run_beside_an_older_request
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
@@ -405,14 +405,10 @@ def test_sequences_recomputed_after_preemption_share_their_prompt_again(model, p
 
     def run(num_blocks):
         engine = LLMEngine(model, block_size=4, num_blocks=num_blocks, enable_prefix_caching=prefix_caching)
-        engine.add_request(older, SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True))
-        request_id = engine.add_request(prompt, params)
-        finals = {}
-        while engine.has_unfinished_requests():
-            finals.update((o.request_id, o) for o in engine.step() if o.finished)
+        result = run_beside_an_older_request(
+            engine, older, SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True), prompt, params)
         _check_no_leak(engine)
-        out = finals[request_id]
-        return out.error, [c.token_ids for c in out.outputs], engine.stats()["preemptions_recompute"]
+        return result
 
     _, ample, _ = run(300)
     error, tight, preemptions = run(30)

@@ -21,7 +21,7 @@ from hf_paged import kinds, state_layers
 from hf_paged.engine.kv_cache_manager import KVCacheManager
 from hf_paged.state_slots import StateSlotManager
 from tests.helpers.hybrid_models import HYBRIDS, build_hybrid
-from tests.helpers.tiny_models import build, single_threaded_torch
+from tests.helpers.tiny_models import build, run_beside_an_older_request, single_threaded_torch
 
 pytestmark = pytest.mark.skipif(not state_layers.STATE_API, reason="transformers lacks the state-layer cache API")
 
@@ -215,14 +215,10 @@ def test_sequences_recomputed_after_preemption_share_their_prompt_and_state_agai
 
     def run(num_blocks):
         engine = hf_paged.LLMEngine(model, block_size=BLOCK, num_blocks=num_blocks, max_num_batched_tokens=64)
-        engine.add_request(older, hf_paged.SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True))
-        request_id = engine.add_request(prompt, params)
-        finals = {}
-        while engine.has_unfinished_requests():
-            finals.update((o.request_id, o) for o in engine.step() if o.finished)
+        result = run_beside_an_older_request(
+            engine, older, hf_paged.SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True), prompt, params)
         _all_free(engine)
-        out = finals[request_id]
-        return out.error, [c.token_ids for c in out.outputs], engine.stats()["preemptions_recompute"]
+        return result
 
     _, ample, _ = run(200)
     error, tight, preemptions = run(num_blocks)

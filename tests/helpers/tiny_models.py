@@ -172,3 +172,17 @@ def assert_engine_idle(engine) -> None:
     assert not engine.has_unfinished_requests()
     assert engine.kv.num_used_blocks() == 0, "blocks leaked"
     assert not engine.structured.active and not engine.structured.has_waiting()
+
+
+def run_beside_an_older_request(engine, older: list[int], older_params, prompt: list[int],
+                                params) -> tuple[str | None, list[list[int]], int]:
+    """``older`` and then ``prompt`` into ``engine``, stepped to the end: the newer request's error,
+    its sequences' tokens and the engine's recompute preemptions (tests of a request preempted by
+    an older one and recomputed)."""
+    engine.add_request(older, older_params)
+    request_id = engine.add_request(prompt, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    out = finals[request_id]
+    return out.error, [c.token_ids for c in out.outputs], engine.stats()["preemptions_recompute"]
