@@ -49,19 +49,19 @@ class EngineFacts:
     vocab_size: int
     max_positions: int | None
     kv_tokens: int | None  # tokens one sequence can hold in the KV cache; None: no bound (it grows, or windows)
+    kv_block_size: int
     eos_token_ids: list[int]
     max_num_seqs: int  # the widest request (n, beams) a step can hold
     sampling_defaults: dict  # request defaults from the model's generation config (params.generation_defaults)
     scheduling_policy: str = "fcfs"  # whether requests' priority is honoured ("priority")
-    kv_block_size: int = 16
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineFacts:
         kv = engine.kv
         return cls(engine.config.vocab_size, engine.max_positions,
-                   kv.max_tokens_alone(engine.scheduler.prefill_chunk), list(engine.eos_token_ids),
+                   kv.max_tokens_alone(engine.scheduler.prefill_chunk), kv.block_size, list(engine.eos_token_ids),
                    engine.scheduler.max_num_seqs, generation_defaults(getattr(engine.model, "generation_config", None)),
-                   engine.scheduler.policy, kv.block_size)
+                   engine.scheduler.policy)
 
 
 START_METHODS = ("spawn", "forkserver")
