@@ -14,13 +14,13 @@ import random
 import pytest
 
 from hf_paged.engine.kv_cache_manager import FULL_ATTENTION, KVCacheManager
-from hf_paged.kinds import FullAttentionSpec, SlidingWindowSpec
-from hf_paged.layer_groups import LayerGroup
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.scheduler_output import SchedulerOutput, StateMoves
 from hf_paged.engine.sequence import Request, Status
 from hf_paged.engine.step_result import FinishRequest, ForkSequence, FreeSequence, StepResult
+from hf_paged.kinds import FullAttentionSpec, SlidingWindowSpec
+from hf_paged.layer_groups import LayerGroup
 
 BS = 4  # tokens per block
 _prompt_starts = itertools.count(1000, 1000)
@@ -356,10 +356,10 @@ def test_finish_request_frees_a_request_wherever_it_is():
 def _random_run(seed: int) -> str | None:
     """One random workload on a random small pool (block size, budget, sequence limit, preemption
     mode, prefix cache, policy; sliding windows on some layers or all; in a third of the runs
-    recurrent-state slots too, prefills split or whole), samples forked at their first token with their own next tokens, played to the end.
-    Each state slot is followed as the tokens it has absorbed (copies and swaps applied as storage
-    runs them): a sequence must continue from a state of exactly its tokens before the chunk.
-    Returns what went wrong, or None."""
+    recurrent-state slots too, prefills split or whole), samples forked at their first token with
+    their own next tokens, played to the end. Each state slot is followed as the tokens it has
+    absorbed (copies and swaps applied as storage runs them): a sequence must continue from a state
+    of exactly its tokens before the chunk. Returns what went wrong, or None."""
     rng = random.Random(seed)
     bs, num_blocks, mode = rng.choice([2, 4, 8]), rng.randint(6, 40), rng.choice(["recompute", "swap"])
     states, split = rng.random() < 0.3, rng.random() < 0.7
