@@ -9,7 +9,8 @@ Serve options default to ``--num-blocks 96 --max-num-seqs 16 --scheduling-policy
 Every request is valid (completions, chat, a tenth to the Responses API, whose streamed text
 deltas must join to its final text; streamed or not, some left mid-stream; n, seeds,
 top-p/k, min-p, penalties, stop strings and ids, log-probs, echo, prompt log-probs, logit bias,
-JSON / schema / regex / choice constraints, tools, beam search, priorities, vLLM's extras), so
+JSON / schema / regex / choice constraints, tools, beam search, priorities, vLLM's extras;
+some clients give up on a whole answer after 0.3 s), so
 every answer must be a 200 or a 400 that says the request does not fit the KV cache. Checked
 per answer: as many choices as asked, streams end with ``[DONE]`` and open each chat choice with
 one role chunk, a ``length`` finish has ``max_tokens`` tokens, usage counts the tokens returned,
@@ -66,7 +67,7 @@ class Case:
     constraint: str | None = None  # json_object, json_schema, regex, choice
     tool_choice: object = None
     beam: bool = False
-    leave_early: bool = False  # a stream the client stops reading after 3 chunks
+    leave_early: bool = False  # a stream the client stops reading after 3 chunks, or a whole answer after 0.3 s
     plain_greedy: bool = False  # greedy and nothing else that changes tokens: compared with the engine
 
 
@@ -102,6 +103,8 @@ def draw_response(rng: random.Random) -> Case:
     if rng.random() < 0.5:
         body["stream"] = True
         case.leave_early = rng.random() < 0.1
+    elif rng.random() < 0.06:
+        case.leave_early = True
     return case
 
 
@@ -186,6 +189,8 @@ def draw(rng: random.Random, priorities: bool = True) -> Case:
         if rng.random() < 0.5:
             body["stream_options"] = {"include_usage": True}
         case.leave_early = rng.random() < 0.12
+    elif rng.random() < 0.06:  # (drawn last: every other field is what this seed drew before)
+        case.leave_early = True
     case.plain_greedy = (greedy and not changes_tokens and not case.constraint and not case.tool_choice
                          and not case.beam and not body.get("echo") and "logprobs" not in body)
     return case
@@ -205,12 +210,25 @@ async def stream_events(client: httpx.AsyncClient, url: str, case: Case) -> Asyn
                 yield data if data == "[DONE]" else json.loads(data)
 
 
+async def post_whole(client: httpx.AsyncClient, url: str, case: Case) -> httpx.Response | None:
+    """A request answered whole; None when its client gave up waiting (the server must abort it)."""
+    try:
+        return await client.post(url + case.path, json=case.body,
+                                 timeout=0.3 if case.leave_early else httpx.USE_CLIENT_DEFAULT)
+    except httpx.TimeoutException:
+        if case.leave_early:
+            return None
+        raise
+
+
 async def send(client: httpx.AsyncClient, url: str, case: Case) -> Answer | tuple[int, str] | None:
     """The answer, (status, body) for a non-200, or None for a stream left early."""
     if case.path == "/v1/responses":
         return await send_response(client, url, case)
     if not case.body.get("stream"):
-        resp = await client.post(url + case.path, json=case.body)
+        resp = await post_whole(client, url, case)
+        if resp is None:
+            return None
         if resp.status_code != 200:
             return resp.status_code, resp.text
         out, answer = resp.json(), Answer()
@@ -269,7 +287,9 @@ def response_answer(response: dict) -> Answer:
 async def send_response(client: httpx.AsyncClient, url: str, case: Case) -> Answer | tuple[int, str] | None:
     """A Responses request; streamed, the text deltas must join to the final response's text."""
     if not case.body.get("stream"):
-        resp = await client.post(url + case.path, json=case.body)
+        resp = await post_whole(client, url, case)
+        if resp is None:
+            return None
         return response_answer(resp.json()) if resp.status_code == 200 else (resp.status_code, resp.text)
     deltas, count, final = [], 0, None
     async with contextlib.aclosing(stream_events(client, url, case)) as events:
