@@ -90,14 +90,17 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def _window_blocks(self, group: LayerGroup, chunk: int) -> int | None:
+        """Most blocks of a group with a window one sequence holds while it computes ``chunk`` tokens:
+        the window's before them and theirs (one more where they start inside a block); None for a
+        group without a window (it holds every token's)."""
+        return None if group.window is None else self.blocks_for(group.window - 1 + chunk) + 1
+
     def _most_blocks(self, group: LayerGroup, num_tokens: int, chunk: int | None) -> int:
         """Most blocks of ``group`` one sequence of ``num_tokens`` holds at once, computing at most
-        ``chunk`` tokens a step (None: all at once): a group with a window only the window's blocks
-        before the chunk and the chunk's (one more where they start inside a block)."""
-        blocks = self.blocks_for(num_tokens)
-        if group.window is None:
-            return blocks
-        return min(blocks, self.blocks_for(group.window - 1 + (chunk or num_tokens)) + 1)
+        ``chunk`` tokens a step (None: all at once)."""
+        cap = self._window_blocks(group, chunk or num_tokens)
+        return self.blocks_for(num_tokens) if cap is None else min(self.blocks_for(num_tokens), cap)
 
     def fits_alone(self, lengths: Seq[int], shared: int = 0, chunk: int | None = None) -> bool:
         """Whether sequences of these lengths (in tokens) fit the pools with nothing else in them:
@@ -115,9 +118,11 @@ class KVCacheManager:
         group has a window whose blocks, and a chunk's, fit)."""
         if self.growable:
             return None
-        bounds = [size * self.block_size for group, size in zip(self.groups, self.pool_sizes)
-                  if group.window is None or chunk is None
-                  or self.blocks_for(group.window - 1 + chunk) + 1 > size]
+        bounds = []
+        for group, size in zip(self.groups, self.pool_sizes):
+            cap = None if chunk is None else self._window_blocks(group, chunk)
+            if cap is None or cap > size:  # every token's blocks, or a window and chunk the pool cannot hold
+                bounds.append(size * self.block_size)
         return min(bounds) if bounds else None
 
     def holds(self, seq: Sequence) -> bool:
