@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hf_paged.bench import SUITE_SECTIONS
 from hf_paged.block_manager import NoFreeBlocksError
 from hf_paged.process_exit import exit_process
 
@@ -274,7 +275,7 @@ def bench(args) -> int:
     model, _ = load(args)
     results = suite.run(model, num_requests=args.num_requests, scale=args.scale, batch_size=args.batch_size,
                         out_dir=args.out, block_size=args.block_size, num_blocks=args.num_blocks or 4096,
-                        quick=args.quick, repeats=1 if args.quick else args.repeats)
+                        quick=args.quick, repeats=1 if args.quick else args.repeats, skip=tuple(args.skip))
     failed = [name for name, why in results.get("sections_not_run", {}).items() if "failed" in why]
     return 1 if failed else 0  # a section skipped for a missing optional package is said, not an error
 
@@ -492,6 +493,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=5, help="offline rounds (median reported)")
     b.add_argument("--section", choices=("all", "hybrid"), default="all",
                    help="all: the suite on --model; hybrid: hybrid models in the engine (hf_paged/bench/hybrid.py)")
+    b.add_argument("--skip", action="append", default=[], choices=SUITE_SECTIONS, metavar="SECTION",
+                   help="leave out a section of the suite (repeatable): " + ", ".join(SUITE_SECTIONS))
     s = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/...)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)

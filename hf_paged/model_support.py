@@ -44,6 +44,7 @@ import inspect
 import re
 import sys
 import textwrap
+import types
 import warnings
 from collections.abc import Iterator
 
@@ -212,15 +213,30 @@ def _functions(cls: type) -> Iterator[tuple[str, ast.FunctionDef]]:
             if name in seen or not inspect.isfunction(fn):
                 continue
             seen.add(name)
-            try:
-                tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-            except (OSError, TypeError, SyntaxError):
-                continue
-            node = tree.body[0]
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            node = _parsed(fn)
+            if node is not None:
                 yield f"{klass.__name__}.{name}", node
 
 
+@functools.lru_cache(maxsize=None)
+def _parsed(fn: types.FunctionType) -> ast.FunctionDef | None:
+    """``fn``'s definition, parsed once (subclasses inherit most methods: half the reads were repeats);
+    None where it cannot matter: a method that neither updates a cache nor touches its layers."""
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+    if "update" not in source and "layers" not in source:
+        return None
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return None
+    node = tree.body[0]
+    return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
+
+@functools.lru_cache(maxsize=None)  # by node identity: each parsed method is read once
 def _edits_cache_layers(fn: ast.AST) -> bool:
     """``cache.layers += ...``, ``cache.layers[i] = ...``, ``cache.layers.append(...)`` (a cache-named object)."""
     def is_layers(node):
@@ -235,6 +251,11 @@ def _edits_cache_layers(fn: ast.AST) -> bool:
             if is_layers(n.func.value):
                 return True
     return False
+
+
+@functools.lru_cache(maxsize=None)  # by node identity, as _edits_cache_layers
+def _writes_cache(fn: ast.AST) -> bool:
+    return any(isinstance(n, ast.Call) and _is_cache_update(n) for n in ast.walk(fn))
 
 
 def _is_cache_update(call: ast.Call) -> bool:
@@ -360,7 +381,7 @@ def source_verdict(cls: type) -> _Verdict:
     for where, fn in _functions(cls):
         if edits is None and _edits_cache_layers(fn):
             edits = where
-        if not any(isinstance(n, ast.Call) and _is_cache_update(n) for n in ast.walk(fn)):
+        if not _writes_cache(fn):
             continue
         writes = True
         problem = problem or _check_function(where, fn)

@@ -103,9 +103,14 @@ def test_sustainable_rate_is_the_last_rate_before_the_curve_turns_up():
 
 
 def test_quick_run_writes_results(model, tmp_path):
+    """Every section but the tensor-parallel one (tests/test_tensor_parallel.py starts ranks), which
+    is recorded as skipped; none fails."""
     results = run(model, num_requests=6, scale=0.05, batch_size=4, out_dir=tmp_path, block_size=8, num_blocks=256,
-                  quick=True, repeats=2, log=lambda *a: None, generate_new_tokens=3)
+                  quick=True, repeats=2, log=lambda *a: None, generate_new_tokens=3, skip=("tensor_parallel",))
     saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["sections_not_run"] == {"tensor_parallel": {"skipped": "not asked for (skip)"}}
+    serving = saved["serving"]
+    assert serving["token_mismatches_server_vs_engine"] == 0 and serving["server_vs_engine_throughput"] > 0
     offline = saved["sharegpt_offline"]
     assert set(offline["systems"]) == {"padded_generate", "paged_generate", "transformers_cb", "engine"}
     assert offline["greedy_mismatches_vs_padded_generate"] == {
@@ -124,6 +129,12 @@ def test_quick_run_writes_results(model, tmp_path):
     assert all(len(r["stock_over_flag_per_round"]) == 2 and r["median"] > 0 for r in flag_vs_stock.values())
     pytest.importorskip("matplotlib")
     assert (tmp_path / "memory.png").stat().st_size > 0
+
+
+def test_an_unknown_section_to_skip_is_named_before_anything_runs(model, tmp_path):
+    with pytest.raises(ValueError, match=r"unknown sections to skip \['servers'\]: the sections are .*'serving'"):
+        run(model, out_dir=tmp_path, skip=("servers",))
+    assert not (tmp_path / "bench.json").exists()
 
 
 def test_transformers_cb_online_is_fed_in_real_time(model):

@@ -296,8 +296,10 @@ def test_unfinished_outputs_are_decoded_by_their_reader_not_by_the_step(model):
 
 
 _FAULT_PROBE = """
-import resource, sys, torch
-from hf_paged.engine import host_malloc
+import importlib.util, resource, sys, torch
+spec = importlib.util.spec_from_file_location("host_malloc", sys.argv[2])  # by path: hf_paged's import costs seconds
+host_malloc = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(host_malloc)
 if sys.argv[1] == "tuned":
     assert host_malloc.tune_malloc()
 sizes = [((i * 7919) % 20 + 1) << 18 for i in range(60)]  # float32 buffers of 1-20 MiB, sizes changing
@@ -320,7 +322,8 @@ def test_tuned_malloc_stops_changing_buffer_sizes_from_faulting_pages_in_again()
         pytest.skip("the C library is not glibc")
     faults = {}
     for mode in ("default", "tuned"):
-        result = subprocess.run([sys.executable, "-c", _FAULT_PROBE, mode], capture_output=True, text=True, timeout=120)
+        result = subprocess.run([sys.executable, "-c", _FAULT_PROBE, mode, host_malloc.__file__], capture_output=True,
+                                text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         faults[mode] = int(result.stdout.split()[-1])
     assert faults["default"] > 1000, f"glibc's defaults did not fault: the check below could not fail ({faults})"

@@ -30,6 +30,7 @@ from tests.helpers.serving import (MODEL, assert_all_free, free_port, same_or_ne
                                    tiny_engine, wait_until_healthy)
 
 ENGINE = {"num_blocks": 128}
+IN_FLIGHT_TOKENS = 200  # a request the server drains on SIGINT/SIGTERM
 
 
 def _pid_alive(pid: int) -> bool:
@@ -188,13 +189,21 @@ def test_hf_paged_serve_starts_its_engine_process_and_leaves_none_behind(how, us
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60) as client:
             assert client.completions.create(model="hf-paged-demo", prompt="Hi", max_tokens=3).usage \
                 .completion_tokens == 3
-            in_flight = threading.Thread(target=lambda: finished.append((client.completions.create(
-                model="hf-paged-demo", prompt="Hello", max_tokens=900, extra_body={"ignore_eos": True}),
-                time.monotonic())))
-            finished: list = []
+            first_token, finished = threading.Event(), []
+
+            def in_flight():  # streamed: the signal comes once its first token is out, mid-request
+                chunks = []
+                for chunk in client.completions.create(
+                        model="hf-paged-demo", prompt="Hello", max_tokens=IN_FLIGHT_TOKENS, stream=True,
+                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+                    chunks.append(chunk)
+                    first_token.set()
+                finished.append((chunks[-1].usage, time.monotonic()))
+
+            in_flight = threading.Thread(target=in_flight)
             if how != "SIGKILL":
                 in_flight.start()
-                time.sleep(0.5)
+                assert first_token.wait(60)
             assert _pid_alive(engine_pid)
             signalled = time.monotonic()
             os.killpg(proc.pid, getattr(signal, how)) if how != "SIGKILL" else proc.kill()
@@ -209,8 +218,8 @@ def test_hf_paged_serve_starts_its_engine_process_and_leaves_none_behind(how, us
     if how != "SIGKILL":
         assert proc.returncode == 0 and "Application shutdown complete" in output, output
         assert "leaked" not in output, output  # the engine process's quick exit still unlinks its semaphores
-        (answer, answered), = finished
-        assert answer.usage.completion_tokens == 900 and answered > signalled  # drained, not cut off
+        (usage, answered), = finished
+        assert usage.completion_tokens == IN_FLIGHT_TOKENS and answered > signalled  # drained, not cut off
 
 
 def test_engine_threads_on_every_core_wait_passively_unless_the_user_chose():

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from hf_paged.bench import generate_speed, memory, prefix_generate, serving, systems, tensor_parallel, workloads
+from hf_paged.bench import (SUITE_SECTIONS, generate_speed, memory, prefix_generate, serving, systems,
+                             tensor_parallel, workloads)
 from hf_paged.bench.optional import INSTALL, missing
 
 # The sections that need an optional dependency (the ``bench`` extra), checked before anything runs.
@@ -32,17 +33,22 @@ def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int =
         rates=(1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0),
         out_dir: str | Path = "benchmarks/out", block_size: int = 16, num_blocks: int = 4096,
         max_num_batched_tokens: int = 512, quick: bool = False, repeats: int = 5, log=print,
-        generate_new_tokens: int = generate_speed.NEW_TOKENS) -> dict:
-    """The whole suite; returns (and writes) the results.
+        generate_new_tokens: int = generate_speed.NEW_TOKENS, skip: tuple[str, ...] = ()) -> dict:
+    """The whole suite; returns (and writes) the results. ``skip``: sections of
+    :data:`hf_paged.bench.SUITE_SECTIONS` not to run.
 
     The headline offline comparison runs every system ``repeats`` times, interleaved (one round of
     all systems, then the next), and reports each system's median run: on a shared machine the
     speed drifts over minutes, and interleaving exposes every system to the same drift.
     """
+    unknown = sorted(set(skip) - set(SUITE_SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown sections to skip {unknown}: the sections are {list(SUITE_SECTIONS)}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     skipped = {name: f"{' and '.join(gone)} not installed: {INSTALL}"
                for name, needs in SECTION_NEEDS.items() if (gone := missing(*needs))}
+    skipped.update((name, "not asked for (skip)") for name in skip)
     for name, why in skipped.items():
         log(f"the {name} section will be skipped: {why}")
     vocab = model.config.get_text_config(decoder=True).vocab_size
@@ -124,7 +130,7 @@ def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int =
         "engine": systems.engine_run(model, alpaca, **engine_kwargs)}.items()}
 
     # Parallel sampling and beam search (the paper's Figure 14 workloads), engine vs padded generate.
-    variants_base = workloads.dataset("alpaca", 4 if quick else 32, scale=1.0, vocab=vocab, seed=2)
+    variants_base = workloads.dataset("alpaca", 2 if quick else 32, scale=1.0, vocab=vocab, seed=2)
     results["decoding_variants"] = []
     for label, wl in ([(f"parallel sampling n={n}", workloads.with_sampling(variants_base, n=n)) for n in (2, 4, 6)]
                       + [(f"beam search width {k}", workloads.with_sampling(variants_base, num_beams=k))
@@ -202,7 +208,7 @@ def run(model, *, num_requests: int = 64, scale: float = 0.25, batch_size: int =
     paper_scale = workloads.dataset("sharegpt", 1000, scale=1.0, vocab=vocab, max_len=2048, seed=1)
     results["kv_utilization"] = memory.kv_utilization(paper_scale, max_len=2048)
     results["kv_utilization_at_benchmark_scale"] = memory.kv_utilization(share, max_len=2048)
-    small = workloads.dataset("alpaca", 8 if quick else 16, scale=1.0, vocab=vocab)
+    small = workloads.dataset("alpaca", 4 if quick else 16, scale=1.0, vocab=vocab)
     results["sharing_savings"] = {
         **{f"parallel sampling n={n}": memory.sharing_savings(model, workloads.with_sampling(small, n=n))
            for n in (2, 4, 6)},

@@ -35,7 +35,6 @@ Why it is built this way:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -55,6 +54,7 @@ from hf_paged.bench.optional import MissingDependency, require
 from hf_paged.bench.vllm_worker import Meter, machine_busy_seconds, versions
 
 VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")
+LOADGEN = Path(__file__).with_name("loadgen.py")  # run by path: no hf_paged import (seconds of CPU) beside a server
 VLLM_VERSION = "0.32.0"
 VLLM_SETUP = f"""\
 vLLM is not available{{why}}: only the hf_paged side runs. To compare against vLLM's CPU build,
@@ -83,7 +83,7 @@ class Sizes:
     requests: int = 64  # ShareGPT-like, offline
     prompt: tuple[int, int] = (16, 512)
     output: tuple[int, int] = (16, 256)
-    long_requests: int = 32  # the ~1,000-token-prompt workload
+    long_requests: int = 32  # the ~1,000-token-prompt workload (0: not run)
     long_prompt: tuple[int, int] = (950, 1050)
     online_requests: int = 128
     concurrency: int = 32
@@ -299,7 +299,8 @@ def hf_offline(spec: dict) -> dict:
     stats = engine.stats()
     resolved = {"block_size": engine.kv.block_size, "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
                 "max_num_seqs": engine.scheduler.max_num_seqs, "num_blocks": stats["blocks_total"],
-                "prefix_caching": stats["prefix_caching"], "torch_threads": torch.get_num_threads()}
+                "prefix_caching": stats["prefix_caching"], "torch_threads": torch.get_num_threads(),
+                "compiled": stats["compiled"]}
     return {"wall_s": meter.wall_s, "cpu_s": meter.cpu_s[0], "other_load_cores": meter.other_load_cores,
             "tokens": tokens, "resolved": resolved,
             "engine": {k: stats[k] for k in ("steps", "preemptions_recompute", "preemptions_swap")},
@@ -383,7 +384,7 @@ def run_online(config: Config, requests: list[dict], warmup: list[dict], opts: O
     with Server(config, opts, ctx) as server:
         spec = {"url": server.url, "server_pid": server.proc.pid, "requests": requests, "warmup": warmup,
                 "concurrency": opts.sizes.concurrency, "sampling": opts.sampling}
-        cmd = [sys.executable, "-m", "hf_paged.bench.vs_vllm", "--loadgen"]
+        cmd = [sys.executable, str(LOADGEN)]
         result = _subprocess_json(cmd, spec, f"loadgen for {config.name}", dict(os.environ), opts, ctx)
     generated = sum(map(len, result["tokens"]))
     return {**result, "generated_tokens": generated, "tokens_per_s": generated / result["wall_s"],
@@ -395,54 +396,6 @@ def _percentiles(name: str, values: list[float]) -> dict:
     ordered = sorted(values)
     pick = lambda q: ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]  # noqa: E731
     return {f"{name}_p50": pick(0.5), f"{name}_p99": pick(0.99)}
-
-
-async def _stream_one(client, request: dict, sampling: dict) -> tuple[list[int], float, float]:
-    """One streamed completion: its tokens, latency and time to the first token."""
-    t0 = time.perf_counter()
-    stream = await client.completions.create(
-        model="bench", prompt=request["prompt"], max_tokens=request["max_tokens"], stream=True, **sampling,
-        extra_body={"ignore_eos": True, "return_token_ids": True})
-    tokens, ttft = [], 0.0
-    async for chunk in stream:
-        new = [t for c in chunk.choices for t in (getattr(c, "token_ids", None) or [])]
-        if new and not tokens:
-            ttft = time.perf_counter() - t0
-        tokens += new
-    return tokens, time.perf_counter() - t0, ttft
-
-
-async def closed_loop(url: str, requests: list[dict], concurrency: int, sampling: dict) -> dict:
-    """``concurrency`` streaming ``openai`` clients, each sending its next request when its last one
-    is answered; wall time from the first request to the last answer."""
-    import httpx
-    import openai
-
-    n = len(requests)
-    todo = list(range(n))[::-1]
-    tokens, latency, ttft = [None] * n, [0.0] * n, [0.0] * n
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1800,
-                                  http_client=openai.DefaultAsyncHttpxClient(limits=limits)) as client:
-        async def worker() -> None:
-            while todo:
-                i = todo.pop()
-                tokens[i], latency[i], ttft[i] = await _stream_one(client, requests[i], sampling)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, n))))
-        wall = time.perf_counter() - start
-    return {"wall_s": wall, "tokens": tokens, "latency_s": latency, "ttft_s": ttft}
-
-
-def loadgen(spec: dict) -> dict:
-    """The load generator process: an untimed warm-up, then the timed closed loop, with the server's
-    process-tree CPU time read around it (and this process's own)."""
-    asyncio.run(closed_loop(spec["url"], spec["warmup"], spec["concurrency"], spec["sampling"]))
-    with Meter(spec["server_pid"], os.getpid()) as meter:
-        result = asyncio.run(closed_loop(spec["url"], spec["requests"], spec["concurrency"], spec["sampling"]))
-    return {**result, "server_cpu_s": meter.cpu_s[0], "loadgen_cpu_s": meter.cpu_s[1],
-            "other_load_cores": meter.other_load_cores, "versions": versions("openai", "httpx")}
 
 
 # ---------------------------------------------------------------------------- rounds and summaries
@@ -568,13 +521,15 @@ def _configs(configs: tuple[Config, ...], opts: Options, ctx: dict) -> list[Conf
 
 
 def offline_section(opts: Options, ctx: dict) -> dict:
-    """The offline comparison on both workloads."""
+    """The offline comparison on each workload (the long-prompt one unless ``Sizes.long_requests`` is 0)."""
     configs = _configs(OFFLINE_CONFIGS, opts, ctx)
     vocab, sizes = ctx["vocab"], opts.sizes
     warmup = sharegpt_requests(sizes.warmup, replace(sizes, output=(sizes.output[0], sizes.output[0])), vocab, seed=99)
     out = {}
-    for name, requests in (("sharegpt", sharegpt_requests(sizes.requests, sizes, vocab)),
-                           ("long_prompts", long_requests(sizes.long_requests, sizes, vocab, seed=7))):
+    by_name = {"sharegpt": sharegpt_requests(sizes.requests, sizes, vocab)}
+    if sizes.long_requests:
+        by_name["long_prompts"] = long_requests(sizes.long_requests, sizes, vocab, seed=7)
+    for name, requests in by_name.items():
         opts.log(f"offline, {name}: {describe(requests)}")
         runs = interleaved(configs, lambda c: run_offline(c, requests, warmup, opts, ctx), opts, f"offline {name}",
                            ctx.get("failures"))
@@ -794,10 +749,10 @@ def _agreement_lines(agree: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] in (["--worker"], ["--loadgen"]):  # a child process of this benchmark
+    if argv[:1] == ["--worker"]:  # a child process of this benchmark
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         spec = json.loads(Path(argv[1]).read_text())
-        result = hf_offline(spec) if argv[0] == "--worker" else loadgen(spec)
+        result = hf_offline(spec)
         Path(argv[2]).write_text(json.dumps(result))
         return 0
     parser = argparse.ArgumentParser(prog="python -m hf_paged.bench.vs_vllm",

@@ -1,0 +1,84 @@
+"""The load generator of ``python -m hf_paged.bench.vs_vllm``'s online section, run by path
+(``python loadgen.py SPEC.json RESULT.json``) with hf_paged's python, beside the server it drives.
+
+Like :mod:`hf_paged.bench.vllm_worker`, it imports no hf_paged: the package brings torch and
+transformers, seconds of the CPU that the server under test is starting on; the ``openai`` client
+is all it needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+
+if __package__:
+    from .vllm_worker import Meter, versions
+else:  # run by path: this folder is first on sys.path
+    from vllm_worker import Meter, versions
+
+
+async def _stream_one(client, request: dict, sampling: dict) -> tuple[list[int], float, float]:
+    """One streamed completion: its tokens, latency and time to the first token."""
+    t0 = time.perf_counter()
+    stream = await client.completions.create(
+        model="bench", prompt=request["prompt"], max_tokens=request["max_tokens"], stream=True, **sampling,
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    tokens, ttft = [], 0.0
+    async for chunk in stream:
+        new = [t for c in chunk.choices for t in (getattr(c, "token_ids", None) or [])]
+        if new and not tokens:
+            ttft = time.perf_counter() - t0
+        tokens += new
+    return tokens, time.perf_counter() - t0, ttft
+
+
+async def closed_loop(url: str, requests: list[dict], concurrency: int, sampling: dict) -> dict:
+    """``concurrency`` streaming ``openai`` clients, each sending its next request when its last one
+    is answered; wall time from the first request to the last answer."""
+    import httpx
+    import openai
+
+    n = len(requests)
+    todo = list(range(n))[::-1]
+    tokens, latency, ttft = [None] * n, [0.0] * n, [0.0] * n
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1800,
+                                  http_client=openai.DefaultAsyncHttpxClient(limits=limits)) as client:
+        async def worker() -> None:
+            while todo:
+                i = todo.pop()
+                tokens[i], latency[i], ttft[i] = await _stream_one(client, requests[i], sampling)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, n))))
+        wall = time.perf_counter() - start
+    return {"wall_s": wall, "tokens": tokens, "latency_s": latency, "ttft_s": ttft}
+
+
+def loadgen(spec: dict) -> dict:
+    """The load generator process: an untimed warm-up, then the timed closed loop, with the server's
+    process-tree CPU time read around it (and this process's own)."""
+    asyncio.run(closed_loop(spec["url"], spec["warmup"], spec["concurrency"], spec["sampling"]))
+    with Meter(spec["server_pid"], os.getpid()) as meter:
+        result = asyncio.run(closed_loop(spec["url"], spec["requests"], spec["concurrency"], spec["sampling"]))
+    return {**result, "server_cpu_s": meter.cpu_s[0], "loadgen_cpu_s": meter.cpu_s[1],
+            "other_load_cores": meter.other_load_cores, "versions": versions("openai", "httpx")}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python loadgen.py SPEC.json RESULT.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    result = loadgen(spec)
+    with open(argv[1], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
