@@ -9,15 +9,14 @@ is all it needs.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
 import time
 
 if __package__:
-    from .vllm_worker import Meter, versions
+    from .vllm_worker import Meter, run_child, versions
 else:  # run by path: this folder is first on sys.path
-    from vllm_worker import Meter, versions
+    from vllm_worker import Meter, run_child, versions
 
 
 async def _stream_one(client, request: dict, sampling: dict) -> tuple[list[int], float, float]:
@@ -69,15 +68,7 @@ def loadgen(spec: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python loadgen.py SPEC.json RESULT.json", file=sys.stderr)
-        return 2
-    with open(argv[0]) as f:
-        spec = json.load(f)
-    result = loadgen(spec)
-    with open(argv[1], "w") as f:
-        json.dump(result, f)
-    return 0
+    return run_child(argv, loadgen, "python loadgen.py")
 
 
 if __name__ == "__main__":

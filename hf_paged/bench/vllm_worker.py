@@ -125,16 +125,22 @@ def run_offline(spec: dict) -> dict:
             "tokens": tokens, "resolved": _resolved(llm), "versions": versions("vllm", "torch", "transformers")}
 
 
-def main(argv: list[str]) -> int:
+def run_child(argv: list[str], run, usage: str) -> int:
+    """A child process of the benchmark: ``argv`` is ``SPEC.json RESULT.json``; ``run(spec)``'s JSON
+    result goes to the second."""
     if len(argv) != 2:
-        print("usage: VLLM_PYTHON vllm_worker.py SPEC.json RESULT.json", file=sys.stderr)
+        print(f"usage: {usage} SPEC.json RESULT.json", file=sys.stderr)
         return 2
     with open(argv[0]) as f:
         spec = json.load(f)
-    result = run_offline(spec)
+    result = run(spec)
     with open(argv[1], "w") as f:
         json.dump(result, f)
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return run_child(argv, run_offline, "VLLM_PYTHON vllm_worker.py")
 
 
 if __name__ == "__main__":
