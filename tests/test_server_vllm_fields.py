@@ -292,7 +292,7 @@ def test_minus_one_keeps_what_the_context_and_the_kv_budget_hold():
 def test_a_chat_stream_opens_each_choice_with_its_role_alone(client, served, echo):
     """As OpenAI and vLLM: a choice's first chunk is ``{"role": ..., "content": ""}`` (no tokens,
     log-probs or finish reason); no later chunk repeats the role; the contents still join to the
-    reply (with ``echo``, the last message's text first)."""
+    reply (with ``echo``, the last message's text first, in a chunk of its own as vLLM's)."""
     messages = [*MESSAGES, {"role": "assistant", "content": "Well"}] if echo else MESSAGES
     template = dict(add_generation_prompt=False, continue_final_message=True) if echo else {}
     body = {"model": MODEL, "messages": messages, "max_tokens": 5, "temperature": 1.0, "seed": 4, "n": 2,
@@ -304,6 +304,9 @@ def test_a_chat_stream_opens_each_choice_with_its_role_alone(client, served, ech
         assert mine[0] == {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                            "finish_reason": None, "stop_reason": None}
         assert all("role" not in c["delta"] for c in mine[1:]) and mine[-1]["finish_reason"] == "length"
+        if echo:
+            assert mine[1] == {"index": index, "delta": {"content": "Well"}, "logprobs": None,
+                               "finish_reason": None, "stop_reason": None}
         content = "".join(c["delta"].get("content") or "" for c in mine)
         assert content == whole["choices"][index]["message"]["content"]
         assert [t for c in mine for t in c.get("token_ids") or []] == whole["choices"][index]["token_ids"]

@@ -683,6 +683,9 @@ class _OpenAIServing:
                     index = i * job.n + c.index
                     if job.kind == "chat" and index not in texts:  # the role first, alone (as OpenAI and vLLM)
                         yield self._role_chunk(job, index, out, created, with_usage, continuous)
+                        if job.prompt_texts:  # echo: the last message's text next, alone (as vLLM)
+                            yield self._role_chunk(job, index, out, created, with_usage, continuous,
+                                                   echo=job.prompt_texts[i])
                     chunk = self._chunk(job, index, c, texts, offsets, i, out)
                     if chunk is not None:
                         so_far = responses.choice_usage(out, c) if continuous else None
@@ -702,15 +705,19 @@ class _OpenAIServing:
         yield responses.sse("[DONE]")
 
     def _role_chunk(self, job: _Job, index: int, out: RequestOutput, created: int, with_usage: bool,
-                    continuous: bool) -> str:
+                    continuous: bool, echo: str | None = None) -> str:
         """A chat choice's first chunk: its role and empty content (with ``return_token_ids``, the
-        prompt's token ids too), sent when its first output comes, before any content."""
-        choice = responses.choice("chat", index, "", None, delta=True, first=True, role=self._role(job))
+        prompt's token ids too), sent when its first output comes, before any content. ``echo``:
+        the chunk after it instead, the echoed text as content (no tokens generated yet)."""
+        if echo is None:
+            choice = responses.choice("chat", index, "", None, delta=True, first=True, role=self._role(job))
+        else:
+            choice = responses.choice("chat", index, echo, None, delta=True)
         so_far = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": 0,
                   "total_tokens": len(out.prompt_token_ids)} if continuous else None
         body = responses.envelope("chat", job.response_id, self.settings.model_name, [choice], so_far, chunk=True,
                                   created=created, null_usage=with_usage)
-        if job.request.return_token_ids:
+        if job.request.return_token_ids and echo is None:
             body["prompt_token_ids"] = list(out.prompt_token_ids)
         return responses.sse(body)
 
@@ -733,7 +740,7 @@ class _OpenAIServing:
             delta, found = parser.feed(delta, final=text_stream.finished)
             calls = [d.body() for d in found]
             finish = "tool_calls" if finish == "stop" and parser.calls else finish
-        if first and job.prompt_texts:
+        if first and job.prompt_texts and job.kind == "completion":  # chat's went in a chunk of its own
             delta = job.prompt_texts[prompt_index] + (delta or "")
         ids, entries = new_ids, c.logprobs[start: start + len(new_ids)] if c.logprobs else None
         if first:
