@@ -204,7 +204,8 @@ class _Verdict:
 
 
 def _functions(cls: type) -> Iterator[tuple[str, ast.FunctionDef]]:
-    """The methods ``cls`` runs (resolved through its MRO), parsed, that transformers defines."""
+    """The methods ``cls`` runs (resolved through its MRO), parsed, that transformers defines and
+    that may write a cache or edit its layers (see :func:`_parsed`)."""
     seen = set()
     for klass in cls.__mro__:
         if klass is object or klass.__module__.startswith(_NOT_MODEL_CODE):

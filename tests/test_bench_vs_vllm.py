@@ -19,6 +19,7 @@ from hf_paged.bench import vllm_worker, vs_vllm
 # these tests check is the harness (tests/test_compiled_body.py checks compiled steps).
 EAGER = {"HF_PAGED_COMPILE": "0"}
 
+
 def test_without_vllm_it_says_how_to_make_the_venv_and_runs_hf_paged(tmp_path):
     logged = []
     opts = vs_vllm.Options(vllm_python=str(tmp_path / "no-such-python"), rounds=1, settings=("equal",),
