@@ -682,9 +682,9 @@ class _OpenAIServing:
                 for c in out.outputs:
                     index = i * job.n + c.index
                     if job.kind == "chat" and index not in texts:  # the role first, alone (as OpenAI and vLLM)
-                        yield self._role_chunk(job, index, out, created, with_usage, continuous)
+                        yield self._opening_chunk(job, index, out, created, with_usage, continuous)
                         if job.prompt_texts:  # echo: the last message's text next, alone (as vLLM)
-                            yield self._role_chunk(job, index, out, created, with_usage, continuous,
+                            yield self._opening_chunk(job, index, out, created, with_usage, continuous,
                                                    echo=job.prompt_texts[i])
                     chunk = self._chunk(job, index, c, texts, offsets, i, out)
                     if chunk is not None:
@@ -704,11 +704,11 @@ class _OpenAIServing:
             job.stream.abort()
         yield responses.sse("[DONE]")
 
-    def _role_chunk(self, job: _Job, index: int, out: RequestOutput, created: int, with_usage: bool,
+    def _opening_chunk(self, job: _Job, index: int, out: RequestOutput, created: int, with_usage: bool,
                     continuous: bool, echo: str | None = None) -> str:
         """A chat choice's first chunk: its role and empty content (with ``return_token_ids``, the
-        prompt's token ids too), sent when its first output comes, before any content. ``echo``:
-        the chunk after it instead, the echoed text as content (no tokens generated yet)."""
+        prompt's token ids too), sent when its first output comes, before any content; with
+        ``echo``, the chunk that follows it: the echoed text as content (no tokens generated yet)."""
         if echo is None:
             choice = responses.choice("chat", index, "", None, delta=True, first=True, role=self._role(job))
         else:
