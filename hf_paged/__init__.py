@@ -8,7 +8,7 @@ from hf_paged.attention import ATTN_IMPLEMENTATION, PagedMask, set_kernel_mode
 from hf_paged.block_manager import BlockManager, BlockManagerError, NoFreeBlocksError, UnknownSequenceError
 from hf_paged.cache import PagedKVCache
 from hf_paged.constraints import StructuredOutputsParams
-from hf_paged.engine import CompletionOutput, LLMEngine, Logprob, RequestOutput, SamplingParams
+from hf_paged.engine import CompletionOutput, LLMEngine, Logprob, RequestOutput, RequestOutputKind, SamplingParams
 from hf_paged.generate import CACHE_IMPLEMENTATION, disable, enable, prefix_cache
 from hf_paged.llm import LLM, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from hf_paged.pipeline import PagedTextGenerationPipeline, pipeline
@@ -28,6 +28,7 @@ __all__ = [
     "LLMEngine",
     "Logprob",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "SnapshotError",
     "StructuredOutputsParams",

@@ -165,25 +165,24 @@ def test_max_logprobs_is_an_engine_option(llm):
 
 
 def test_vllms_other_sampling_fields_are_taken_at_their_defaults(llm):
-    defaults = {"output_kind": RequestOutputKind.CUMULATIVE, "skip_clone": False, "stream_interval": None,
-                "skip_reading_prefix_cache": None, "flat_logprobs": False, "logprob_token_ids": None,
-                "prompt_logprob_token_ids": None, "prompt_logprob_start": None, "extra_args": None,
-                "thinking_token_budget": None, "repetition_detection": None, "watermarking": None,
+    defaults = {"skip_clone": False, "skip_reading_prefix_cache": None, "flat_logprobs": False,
+                "logprob_token_ids": None, "prompt_logprob_token_ids": None, "prompt_logprob_start": None,
+                "extra_args": None, "thinking_token_budget": None, "repetition_detection": None, "watermarking": None,
                 "routed_experts_prompt_start": 0, "trace_decode_token_ids": None, "output_text_buffer_length": 0}
     assert set(defaults) == set(VLLM_DEFAULT_ONLY)
     vllm_style = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, **defaults)
     assert tokens(llm.generate(PROMPTS, vllm_style, use_tqdm=False)) == tokens(llm.generate(PROMPTS, GREEDY,
                                                                                              use_tqdm=False))
-    final_only = dataclasses.replace(GREEDY, output_kind=RequestOutputKind.FINAL_ONLY, stream_interval=1)
-    assert tokens(llm.generate(PROMPTS, final_only, use_tqdm=False)) == tokens(llm.generate(PROMPTS, GREEDY,
+    for kind in RequestOutputKind:  # generate() returns final outputs whatever it says (tests/test_output_kinds.py)
+        kinded = dataclasses.replace(GREEDY, output_kind=kind, stream_interval=2)
+        assert tokens(llm.generate(PROMPTS, kinded, use_tqdm=False)) == tokens(llm.generate(PROMPTS, GREEDY,
                                                                                              use_tqdm=False))
     assert SamplingParams(prompt_logprobs=1, skip_reading_prefix_cache=True).prompt_logprobs == 1  # vLLM's None
     assert SamplingParams(skip_reading_prefix_cache=False, watermarking=False, prompt_logprob_start=0)
     own = SamplingParams(skip_clone=True, stop=["x"])
     assert own.clone() is own and SamplingParams(stop=["x"]).clone().stop is not SamplingParams(stop=["x"]).stop
-    for name, value in (("output_kind", RequestOutputKind.DELTA), ("flat_logprobs", True),
-                        ("skip_reading_prefix_cache", True), ("stream_interval", 4), ("watermarking", True),
-                        ("extra_args", {"k": 1}), ("logprob_token_ids", [5]), ("output_kind", 0)):
+    for name, value in (("flat_logprobs", True), ("skip_reading_prefix_cache", True), ("watermarking", True),
+                        ("extra_args", {"k": 1}), ("logprob_token_ids", [5]), ("routed_experts_prompt_start", 0.0)):
         with pytest.raises(ValueError, match=rf"^SamplingParams\.{name} can only be .* here: \w.*, got "):
             SamplingParams(**{name: value})
     assert_engine_idle(llm.llm_engine)

@@ -109,7 +109,8 @@ def test_vllm_only_fields_say_what_to_do(name, value):
         SamplingParams(**{name: value})
 
 
-@pytest.mark.parametrize("name, value", [("output_kind", 1), ("extra_args", {"x": 1}), ("thinking_token_budget", 8)])
+@pytest.mark.parametrize("name, value", [("flat_logprobs", True), ("extra_args", {"x": 1}),
+                                         ("thinking_token_budget", 8)])
 def test_vllm_fields_at_other_values_say_what_to_do(name, value):
     """Taken at vLLM's default (tests/test_offline_api_parity.py); another value names the field and why."""
     with pytest.raises(ValueError, match=rf"^SamplingParams\.{name} can only be .* here: \w.*, got "):

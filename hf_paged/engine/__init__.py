@@ -13,6 +13,6 @@ processor never call each other.
 
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from hf_paged.engine.params import SamplingParams
+from hf_paged.engine.params import RequestOutputKind, SamplingParams
 
-__all__ = ["CompletionOutput", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = ["CompletionOutput", "LLMEngine", "Logprob", "RequestOutput", "RequestOutputKind", "SamplingParams"]

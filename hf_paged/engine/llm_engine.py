@@ -26,13 +26,13 @@ from transformers import PreTrainedModel
 from hf_paged.block_manager import check_block_options
 from hf_paged.engine import host_malloc
 from hf_paged.engine.cuda_graphs import DecodeGraphs
-from hf_paged.engine.detokenize import TextStream, TokenStream
 from hf_paged.engine.intake import RequestIntake
 from hf_paged.engine.kv_cache_manager import KVCacheManager
 from hf_paged.engine.model_runner import ModelRunner
 from hf_paged.engine.output_processor import OutputProcessor
-from hf_paged.engine.outputs import FAULT, REJECTED, CompletionOutput, RequestOutput
-from hf_paged.engine.params import SamplingParams
+from hf_paged.engine.output_shaper import OutputShaper, shapes_outputs
+from hf_paged.engine.outputs import FAULT, REJECTED, RequestOutput
+from hf_paged.engine.params import RequestOutputKind, SamplingParams
 from hf_paged.engine.scheduler import Scheduler, check_scheduling_policy
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.sequence import Request
@@ -205,6 +205,7 @@ class LLMEngine:
                           "consecutive_failed_steps": 0}
         self._held: list[RequestOutput] = []  # outputs of a step interrupted by a BaseException
         self._unclaimed: dict[str, RequestOutput] = {}  # see _keep_unclaimed
+        self._shapers: dict[str, OutputShaper] = {}  # requests whose step() outputs are not every step's whole
 
     def _derived_budget(self, block_size: int, groups: list[LayerGroup], caps: list[int | None],
                         utilization: float, kv_cache_bytes: int | None, bytes_per_slot: int = 0,
@@ -266,6 +267,8 @@ class LLMEngine:
             request.prompt_logprobs.texts = self.output_processor.token_texts
         ready = self.structured.admit(request)  # False: its grammar compiles off this thread (see step())
         self.requests[request_id] = request
+        if shapes_outputs(request.params):
+            self._shapers[request_id] = OutputShaper(request.params, self.tokenizer, request.prompt_token_ids)
         if ready:
             self.scheduler.add(request)
         return request_id
@@ -285,6 +288,7 @@ class LLMEngine:
         takes them); ids of requests not in flight are ignored."""
         for rid in [request_id] if isinstance(request_id, (str, int)) else request_id:
             request = self.requests.pop(str(rid), None)
+            self._shapers.pop(str(rid), None)
             if request is None:
                 continue
             for seq in request.live_seqs:
@@ -326,10 +330,26 @@ class LLMEngine:
         ``KeyboardInterrupt`` is re-raised after that; its failed outputs come with the next step)."""
         self._check_driver("step")
         if not self._unclaimed:  # the usual case: no list to join
-            return self._step()
-        unclaimed = list(self._unclaimed.values())
-        self._unclaimed.clear()
-        return unclaimed + self._step()
+            outputs = self._step()
+        else:
+            outputs = list(self._unclaimed.values())
+            self._unclaimed.clear()
+            outputs += self._step()
+        return self._shaped(outputs) if self._shapers else outputs
+
+    def _shaped(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """``outputs`` as their requests' ``output_kind`` and ``stream_interval`` ask (see output_shaper.py)."""
+        shaped = []
+        for out in outputs:
+            shaper = self._shapers.get(out.request_id)
+            if shaper is None:
+                shaped.append(out)
+                continue
+            if out.finished:
+                del self._shapers[out.request_id]
+            if (out := shaper.shape(out)) is not None:
+                shaped.append(out)
+        return shaped
 
     def _claim(self, ids: Container[str]) -> list[RequestOutput]:
         """A step for a ``generate()`` or ``stream()`` call: the outputs of its requests (``ids``),
@@ -480,6 +500,7 @@ class LLMEngine:
         for index, (prompt, p, rank) in enumerate(zip(prompts, params, priorities)):
             try:
                 order.append(self.add_request(prompt, p, priority=rank))
+                self._shapers.pop(order[-1], None)  # generate() returns final outputs whatever output_kind says
             except ValueError as err:
                 if raise_on_invalid:
                     self.abort(order)
@@ -613,20 +634,20 @@ class LLMEngine:
         when it could never be served, e.g. a grammar that does not compile); one whose
         consumer stops early (``break``, an exception, closing the iterator) is aborted."""
         request_id = self.add_request(prompt, params)
-        request_params = self.requests[request_id].params if request_id in self.requests else SamplingParams()
-        texts: dict[int, TextStream] = {}
+        self._shapers.pop(request_id, None)  # stream() makes deltas whatever output_kind says
+        request = self.requests[request_id]
+        deltas = OutputShaper(request.params, self.tokenizer, request.prompt_token_ids, kind=RequestOutputKind.DELTA)
         ended = sent = False
         try:
             while not ended:
                 mine = self._claim({request_id})
                 for out in mine:
-                    for c in out.outputs:
-                        delta = self._stream_delta(texts, c, request_params, out.prompt_token_ids)
-                        if delta is not None:
-                            delta["num_cached_tokens"] = out.num_cached_tokens
-                            delta["prompt_logprobs"] = None if sent else out.prompt_logprobs
-                            sent = True
-                            yield delta
+                    delta = deltas.shape(out)
+                    for c in delta.outputs if delta is not None else ():
+                        yield {"index": c.index, "token_ids": c.token_ids, "text": c.text, "finished": c.finished(),
+                               "finish_reason": c.finish_reason, "num_cached_tokens": out.num_cached_tokens,
+                               "prompt_logprobs": None if sent else out.prompt_logprobs}
+                        sent = True
                     if out.finished and out.error:
                         ended = True
                         kind = ValueError if out.error_kind == REJECTED else RuntimeError  # bad input, or a fault
@@ -636,21 +657,6 @@ class LLMEngine:
         finally:
             if not ended:
                 self.abort(request_id)
-
-    def _stream_delta(self, texts: dict, c: CompletionOutput, params: SamplingParams,
-                      prompt_token_ids: list[int]) -> dict | None:
-        """One completion's delta for ``stream()`` (None: nothing new)."""
-        if c.index not in texts:
-            texts[c.index] = (TextStream.of(self.tokenizer, params, prompt_token_ids) if self.tokenizer is not None
-                              else TokenStream())
-        text = texts[c.index]
-        if text.finished:
-            return None
-        delta, new_ids = text.update(c)
-        if not new_ids and not c.finished():
-            return None
-        return {"index": c.index, "token_ids": new_ids, "text": delta, "finished": c.finished(),
-                "finish_reason": c.finish_reason}
 
     # ------------------------------------------------------------------ prefix-cache snapshots
     def reset_prefix_cache(self) -> bool:

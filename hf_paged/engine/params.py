@@ -45,9 +45,11 @@ _UNSET = object()
 
 
 class RequestOutputKind(Enum):
-    """vLLM's ``SamplingParams.output_kind`` values. ``generate()`` returns final outputs whatever it
-    says (as vLLM's ``LLM.generate``, which sets ``FINAL_ONLY``); ``step()`` returns every step's
-    cumulative outputs (``finished`` marks the final one); ``stream()`` gives deltas."""
+    """vLLM's ``SamplingParams.output_kind``: what ``LLMEngine.step()`` hands out of a request.
+    ``CUMULATIVE``: every step it changed, all of it so far; ``DELTA``: only what is new (token ids,
+    text, log-probs; prompt log-probs once); ``FINAL_ONLY``: the finished output alone. As vLLM's
+    ``LLM.generate``, ``generate()`` returns final outputs whatever it says; ``stream()`` gives
+    deltas."""
 
     CUMULATIVE = 0
     DELTA = 1
@@ -125,8 +127,12 @@ class SamplingParams:
       are computed;
     * ``include_stop_str_in_output``, ``skip_special_tokens``, ``spaces_between_special_tokens``:
       bools (the text of outputs; token ids are the same either way);
-    * vLLM's fields for what this engine does its own way (``output_kind``, ``skip_clone``,
-      ``stream_interval``, ``flat_logprobs``, ...): only the values :data:`VLLM_DEFAULT_ONLY` lists;
+    * ``output_kind``: a :class:`RequestOutputKind` (what ``step()`` hands out: every step's whole
+      output, deltas, or the final one); ``DELTA`` not with beam search (beams change until the
+      search ends); ``stream_interval``: None or an int >= 1: ``step()`` outputs (and ``stream()``
+      deltas) come once that many new tokens are in, besides the first and the last (vLLM's);
+    * vLLM's fields for what this engine does its own way (``skip_clone``, ``flat_logprobs``,
+      ...): only the values :data:`VLLM_DEFAULT_ONLY` lists;
     * ``detokenize``: a bool (vLLM's). False: nothing is decoded for the request: every output's
       ``text`` is ``""`` (streamed deltas too) and every ``Logprob.decoded_token`` None, prompt
       log-probs' included; token ids and log-prob values are the same. Not with ``stop``: stop
@@ -165,11 +171,11 @@ class SamplingParams:
     skip_special_tokens: bool = True  # text leaves special tokens out
     spaces_between_special_tokens: bool = True  # ... and, when they are in, spaces them from the rest
     detokenize: bool = True  # False: no text at all (outputs' text "", Logprob.decoded_token None)
+    output_kind: RequestOutputKind = field(default=RequestOutputKind.CUMULATIVE, repr=False)  # step()'s outputs
+    stream_interval: int | None = field(default=None, repr=False)  # new tokens per step() output / stream() delta
     # vLLM's fields for what this engine does its own way: taken at the values that ask for what it does
     # anyway (VLLM_DEFAULT_ONLY: which values, and what to do for another); skip_clone is honoured by clone()
-    output_kind: RequestOutputKind = field(default=RequestOutputKind.CUMULATIVE, repr=False)
     skip_clone: bool = field(default=False, repr=False)
-    stream_interval: int | None = field(default=None, repr=False)
     skip_reading_prefix_cache: bool | None = field(default=None, repr=False)
     flat_logprobs: bool = field(default=False, repr=False)
     logprob_token_ids: list[int] | None = field(default=None, repr=False)
@@ -210,6 +216,7 @@ class SamplingParams:
         self._check_stops()
         self._check_beam_search()
         self._check_constraints()
+        self._check_outputs()
         self._check_vllm_defaults()
 
     def _shown(self, name: str) -> str:
@@ -320,6 +327,15 @@ class SamplingParams:
                 instead = {"stop": "; stop_token_ids end beams", "presence_penalty": "; repetition_penalty applies",
                            "frequency_penalty": "; repetition_penalty applies"}.get(name, "")
                 raise self._bad(name, f"does not apply to beam search (num_beams > 1){instead}")
+
+    def _check_outputs(self) -> None:
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise self._bad("output_kind", "must be a hf_paged.RequestOutputKind: CUMULATIVE, DELTA or FINAL_ONLY")
+        if self.output_kind is RequestOutputKind.DELTA and self.beam_search:
+            raise self._bad("output_kind", "cannot be DELTA in beam search (num_beams > 1): beams change until the "
+                                           "search ends; use CUMULATIVE or FINAL_ONLY")
+        if self.stream_interval is not None and (not _is_int(self.stream_interval) or self.stream_interval < 1):
+            raise self._bad("stream_interval", "must be None or an int >= 1")
 
     def _check_vllm_defaults(self) -> None:
         for name, (accepts, shown, hint) in VLLM_DEFAULT_ONLY.items():
@@ -489,11 +505,7 @@ def _reads_cache_as_vllm(value: Any, params: SamplingParams) -> bool:
 # vLLM SamplingParams fields taken only at the values that ask for what this engine does anyway:
 # name -> (accepts(value, params), those values as a message shows them, what it does here / instead)
 VLLM_DEFAULT_ONLY: dict[str, tuple[Callable[[Any, SamplingParams], bool], str, str]] = {
-    "output_kind": (_only(RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY),
-                    "RequestOutputKind.CUMULATIVE or FINAL_ONLY",
-                    "generate() returns final outputs, step() cumulative ones, stream() deltas"),
     "skip_clone": (_only(False, True), "a bool", "True makes clone() return the object itself"),
-    "stream_interval": (_only(None, 1), "None or 1", "outputs and stream() deltas come every step"),
     "skip_reading_prefix_cache": (_reads_cache_as_vllm, "None (or prompt_logprobs is not None)",
                                   "a request reads the prefix cache unless it asks for prompt_logprobs"),
     "flat_logprobs": (_only(False), "False", "logprobs are lists of {token id: Logprob} (FlatLogprobs is not "

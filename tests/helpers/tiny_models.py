@@ -167,11 +167,12 @@ def image_prompts(lengths: list[int], seed: int = 0, images: bool = True) -> dic
 
 def assert_engine_idle(engine) -> None:
     """Nothing in flight on an ``LLMEngine``: every KV block free, no constrained request or
-    compiling grammar left behind."""
+    compiling grammar left behind, no request's output books (``output_kind`` / ``stream_interval``)."""
     engine.kv.check_invariants()
     assert not engine.has_unfinished_requests()
     assert engine.kv.num_used_blocks() == 0, "blocks leaked"
     assert not engine.structured.active and not engine.structured.has_waiting()
+    assert not engine._shapers, "output books of requests no longer in flight kept"
 
 
 def run_beside_an_older_request(engine, older: list[int], older_params, prompt: list[int],
