@@ -4,6 +4,7 @@
 adds the ``cache_implementation="hf_paged"`` flag to that model's ``generate``.
 """
 
+from hf_paged.async_llm import AsyncLLM, AsyncLLMEngine
 from hf_paged.attention import ATTN_IMPLEMENTATION, PagedMask, set_kernel_mode
 from hf_paged.block_manager import BlockManager, BlockManagerError, NoFreeBlocksError, UnknownSequenceError
 from hf_paged.cache import PagedKVCache
@@ -17,6 +18,8 @@ from hf_paged.prefix_snapshot import SnapshotError
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "AsyncLLM",
+    "AsyncLLMEngine",
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",
