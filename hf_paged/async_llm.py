@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from hf_paged.engine import LLMEngine, RequestOutput, SamplingParams
 from hf_paged.engine.detokenize import text_decoder
+from hf_paged.engine.intake import prompt_tokens
 from hf_paged.engine.output_shaper import OutputShaper
 from hf_paged.engine.outputs import REJECTED, CompletionOutput
 from hf_paged.engine.params import RequestOutputKind
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from hf_paged.serve.engine_loop import RequestStream
+    from hf_paged.serve.engine_process import EngineProcess
 
 
 @dataclass
@@ -54,24 +56,31 @@ class _InFlight:
 class AsyncLLM:
     """See the module docstring. ``AsyncLLM(model, tokenizer, **engine_kwargs)`` builds the engine
     (``LLMEngine``'s keywords: ``block_size``, ``num_blocks``, ``max_num_seqs``, ...);
-    ``AsyncLLM(engine)`` serves one already built (nothing else may step it meanwhile). Call
-    :meth:`shutdown` when done (or drop it): requests still in flight then raise."""
+    ``AsyncLLM(engine)`` serves one already built (nothing else may step it meanwhile).
+    ``AsyncLLM(hf_paged.serve.EngineProcess(build, tokenizer))`` serves an engine in a process of
+    its own, as ``hf-paged serve`` does by default and vLLM's ``AsyncLLM`` always: its steps then
+    never hold this process's interpreter lock, which stays the application's (``build``: a
+    picklable function, e.g. a ``functools.partial`` of a module-level one, that returns the
+    ``LLMEngine``; ``tokenizer``: this side's). Call :meth:`shutdown` when done (or drop it):
+    requests still in flight then raise, and an engine process ends."""
 
-    def __init__(self, model: PreTrainedModel | LLMEngine, tokenizer: Any = None, **engine_kwargs):
-        from hf_paged.serve.engine_loop import EngineLoop  # the server's engine thread (hf_paged.serve loads FastAPI)
+    def __init__(self, model: PreTrainedModel | LLMEngine | EngineProcess, tokenizer: Any = None, **engine_kwargs):
+        from hf_paged.serve.engine_loop import EngineLoop, ProcessEngineLoop  # hf_paged.serve loads FastAPI
+        from hf_paged.serve.engine_process import EngineProcess
 
-        if isinstance(model, LLMEngine):
+        if isinstance(model, (LLMEngine, EngineProcess)):
             if tokenizer is not None or engine_kwargs:
                 raise TypeError("AsyncLLM(engine) takes the engine alone: its tokenizer and options are the engine's")
             self.engine = model
         else:
             self.engine = LLMEngine(model, tokenizer, **engine_kwargs)
-        self._tokenizer = copy.deepcopy(self.engine.tokenizer)  # the callers' side's own
-        self._intake = copy.copy(self.engine.intake)  # its prompt reading, with that copy
-        self._intake.tokenizer = self._tokenizer
-        self._loop = EngineLoop(self.engine)
+        # the callers' side tokenizes and decodes with its own copy (the engine thread uses the engine's)
+        self._tokenizer = copy.deepcopy(self.engine.tokenizer)
+        in_process = isinstance(self.engine, EngineProcess)
+        self._loop = ProcessEngineLoop(self.engine) if in_process else EngineLoop(self.engine)
         self._loop.start()
-        weakref.finalize(self, self._loop.stop, 0)  # an AsyncLLM dropped without shutdown() ends its thread
+        # an AsyncLLM dropped without shutdown() still ends its thread (and engine process)
+        self._finalizer = weakref.finalize(self, self._loop.stop, 5.0)
         self._requests: dict[str, _InFlight] = {}
         self._ids = itertools.count()
 
@@ -87,7 +96,7 @@ class AsyncLLM:
         request_id = self._fresh_id() if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self._intake.tokens(prompt)
+        text, ids = prompt_tokens(self._tokenizer, prompt)
         # the engine hands over whole outputs; what the consumer asked for is cut from them here
         whole = dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE, stream_interval=None)
         stream = self._loop.submit([{"prompt_token_ids": ids, "prompt": text}], whole, request_id, priority=priority)
@@ -174,11 +183,12 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         """``LLMEngine.reset_prefix_cache``, run between steps (False while requests are unfinished)."""
-        return await asyncio.wrap_future(self._loop.call(lambda engine: engine.reset_prefix_cache()))
+        return await asyncio.wrap_future(self._loop.call(LLMEngine.reset_prefix_cache))
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread; requests in flight end with ``RuntimeError`` (the engine is shutting
-        down), their blocks freed."""
+        """Stop the engine thread (and the engine process: see the class docstring); requests in
+        flight end with ``RuntimeError`` (the engine is shutting down), their blocks freed."""
+        self._finalizer.detach()
         self._loop.stop(timeout)
 
 

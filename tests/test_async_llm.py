@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 
 import pytest
 
 from hf_paged import AsyncLLM, AsyncLLMEngine, LLMEngine, RequestOutputKind, SamplingParams
 from hf_paged.demo import byte_tokenizer
-from tests.helpers.serving import tiny_model
+from hf_paged.serve import EngineProcess
+from tests.helpers.serving import tiny_engine, tiny_model
 from tests.helpers.tiny_models import assert_engine_idle
 
 PROMPTS = ["Once upon a time", "The function returns", [40, 41, 42, 43], {"prompt": "Hello"}]
@@ -81,14 +83,20 @@ def test_concurrent_requests_equal_the_offline_engine(llm, reference, params):
         assert seen[-1].prompt_token_ids == want.prompt_token_ids and seen[-1].prompt == want.prompt
 
 
-def test_unfinished_outputs_read_as_the_engines_own(llm, reference):
-    """An unfinished output's text is decoded when read, here with the caller's tokenizer copy."""
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=["zz"])
-    request_id, texts = reference.add_request(PROMPTS[1], params), {}
+def texts_by_length(reference: LLMEngine, prompt, params: SamplingParams) -> dict[int, str]:
+    """The offline engine's text of the request at each of its lengths (decoded on its own thread)."""
+    request_id, texts = reference.add_request(prompt, params), {}
     while reference.has_unfinished_requests():
         texts.update((len(c.token_ids), c.text) for out in reference.step() if out.request_id == request_id
                      for c in out.outputs)
+    return texts
+
+
+def test_unfinished_outputs_read_as_the_engines_own(llm, reference):
+    """An unfinished output's text is decoded when read, here with the caller's tokenizer copy."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=["zz"])
     seen = run(collect(llm, PROMPTS[1], params))
+    texts = texts_by_length(reference, PROMPTS[1], params)
     assert {len(c.token_ids): c.text for out in seen for c in out.outputs} == texts and len(texts) == 12
 
 
@@ -127,18 +135,18 @@ def test_a_consumer_that_leaves_early_aborts_its_request(llm):
     assert run(main()) < 100  # of the 400 it asked for
 
 
-def test_abort_ends_the_generator_with_vllms_abort_output(llm):
+async def abort_after_three_outputs(llm: AsyncLLM) -> list:
     params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    seen = []
+    async for out in llm.generate(PROMPTS[0], params, "stopped"):
+        seen.append(out)
+        if len(seen) == 3:
+            await llm.abort("stopped")
+    return seen
 
-    async def main():
-        seen = []
-        async for out in llm.generate(PROMPTS[0], params, "stopped"):
-            seen.append(out)
-            if len(seen) == 3:
-                await llm.abort("stopped")
-        return seen
 
-    seen = run(main())
+def test_abort_ends_the_generator_with_vllms_abort_output(llm):
+    seen = run(abort_after_three_outputs(llm))
     assert [c.finish_reason for c in seen[-1].outputs] == ["abort"] and seen[-1].finished
     assert sum(len(c.token_ids) for out in seen for c in out.outputs) < 400
 
@@ -217,6 +225,31 @@ def test_an_asyncllm_dropped_without_shutdown_ends_its_thread():
     gc.collect()
     thread.join(10)
     assert not thread.is_alive()
+
+
+def test_an_engine_in_a_process_of_its_own_serves_the_same(reference):
+    """``hf-paged serve``'s engine process under AsyncLLM: outputs arrive pickled, texts decoded here."""
+    build = functools.partial(tiny_engine, {"block_size": 4, "num_blocks": 128}, {}, threads=1)
+    process = EngineProcess(build, byte_tokenizer(), start_method="forkserver")
+    llm = AsyncLLM(process)
+    delta = dataclasses.replace(SAMPLED, output_kind=RequestOutputKind.DELTA)
+
+    async def main():
+        whole, deltas = await asyncio.gather(collect(llm, PROMPTS[0], GREEDY), collect(llm, PROMPTS[1], delta))
+        assert await llm.reset_prefix_cache()
+        return whole, deltas
+
+    try:
+        whole, deltas = run(main())
+        aborted = run(abort_after_three_outputs(llm))
+    finally:
+        llm.shutdown()
+    assert process.process.exitcode == 0 and llm.engine is process and llm.errored
+    assert {len(c.token_ids): c.text for out in whole for c in out.outputs} == texts_by_length(reference, PROMPTS[0],
+                                                                                              GREEDY)
+    assert completions(whole[-1]) == completions(reference.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0])
+    assert joined(deltas) == completions(reference.generate(PROMPTS[1:2], delta, use_tqdm=False)[0])
+    assert [c.finish_reason for c in aborted[-1].outputs] == ["abort"] and len(aborted) < 100
 
 
 def test_an_engine_is_served_as_it_is(reference):

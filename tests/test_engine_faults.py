@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hf_paged import LLMEngine, SamplingParams
 from hf_paged.demo import byte_tokenizer, demo_model
 from hf_paged.engine import sampler
+from hf_paged.engine.intake import prompt_tokens
 from hf_paged.engine.outputs import FAULT, REJECTED
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
@@ -388,7 +389,7 @@ def test_a_stop_string_decode_that_raises_fails_its_request_alone(model, tokeniz
 
     engine = LLMEngine(model, tokenizer, num_blocks=64)
     engine.output_processor.tokenizer = Flaky(tokenizer)
-    out = list(run(engine, [(engine.intake.tokens(p)[1], q) for p, q in requests]).values())
+    out = list(run(engine, [(prompt_tokens(engine.tokenizer, p)[1], q) for p, q in requests]).values())
     assert out[1].error_kind == FAULT and "injected decode fault" in out[1].error
     assert out[1].outputs[0].token_ids == target[:2]
     assert tokens([out[0], out[2]]) == tokens([clean[0], clean[2]])

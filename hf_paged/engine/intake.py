@@ -19,6 +19,45 @@ from hf_paged.engine.sampler import sample_generator
 from hf_paged.engine.sequence import Request
 
 
+def prompt_tokens(tokenizer, prompt) -> tuple[str | None, list[int]]:
+    """``(text, token ids)`` of a string, a list of ids, a 1-D tensor of ids, or vLLM's prompt
+    dicts: ``{"prompt_token_ids": ids}`` (``TokensPrompt``, its optional ``"prompt"`` text kept for
+    the output) and ``{"prompt": text}`` (``TextPrompt``). A string needs ``tokenizer``."""
+    if isinstance(prompt, dict):
+        return _dict_tokens(tokenizer, prompt)
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a string prompt needs a tokenizer (pass tokenizer= to LLMEngine)")
+        return prompt, list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    odd = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+    if odd is not None:
+        raise ValueError(f"a prompt's token ids must be integers, got {type(odd).__name__} {odd!r}")
+    return None, [int(t) for t in prompt]  # numpy integers too
+
+
+def _dict_tokens(tokenizer, prompt: dict) -> tuple[str | None, list[int]]:
+    """The other keys of vLLM's prompt dicts (``multi_modal_data``, ``cache_salt``, ...) ask for
+    what this engine does not do: refused by name, not ignored (None values ask for nothing)."""
+    other = sorted(str(k) for k, v in prompt.items() if k not in ("prompt", "prompt_token_ids") and v is not None)
+    if other:
+        raise ValueError(f"prompt dict key(s) {other} are not supported: a prompt dict is "
+                         "{'prompt_token_ids': [...]} or {'prompt': '...'}")
+    text = prompt.get("prompt")
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"a prompt dict's 'prompt' must be a string, got {type(text).__name__}")
+    if prompt.get("prompt_token_ids") is not None:
+        if isinstance(prompt["prompt_token_ids"], (str, dict)):
+            raise ValueError("a prompt dict's 'prompt_token_ids' must be a list of token ids")
+        return text, prompt_tokens(tokenizer, prompt["prompt_token_ids"])[1]
+    if text is None:
+        raise ValueError("a prompt dict needs 'prompt_token_ids' (vLLM's TokensPrompt) or 'prompt' (TextPrompt)")
+    return prompt_tokens(tokenizer, text)
+
+
 class RequestIntake:
     def __init__(self, tokenizer, *, vocab_size: int, max_positions: int | None, eos_token_ids: list[int],
                  kv: KVCacheManager, device: torch.device, max_num_seqs: int, max_logprobs: int | None = None,
@@ -66,43 +105,6 @@ class RequestIntake:
             raise ValueError("SamplingParams.stop (stop strings) needs a tokenizer (pass tokenizer= to LLMEngine); "
                              "stop_token_ids need none")
 
-    def tokens(self, prompt) -> tuple[str | None, list[int]]:
-        """``(text, token ids)`` of a string, a list of ids, a 1-D tensor of ids, or vLLM's prompt
-        dicts: ``{"prompt_token_ids": ids}`` (``TokensPrompt``, its optional ``"prompt"`` text kept for
-        the output) and ``{"prompt": text}`` (``TextPrompt``)."""
-        if isinstance(prompt, dict):
-            return self._dict_tokens(prompt)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a string prompt needs a tokenizer (pass tokenizer= to LLMEngine)")
-            return prompt, list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        odd = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
-        if odd is not None:
-            raise ValueError(f"a prompt's token ids must be integers, got {type(odd).__name__} {odd!r}")
-        return None, [int(t) for t in prompt]  # numpy integers too
-
-    def _dict_tokens(self, prompt: dict) -> tuple[str | None, list[int]]:
-        """The other keys of vLLM's prompt dicts (``multi_modal_data``, ``cache_salt``, ...) ask for
-        what this engine does not do: refused by name, not ignored (None values ask for nothing)."""
-        other = sorted(str(k) for k, v in prompt.items() if k not in ("prompt", "prompt_token_ids") and v is not None)
-        if other:
-            raise ValueError(f"prompt dict key(s) {other} are not supported: a prompt dict is "
-                             "{'prompt_token_ids': [...]} or {'prompt': '...'}")
-        text = prompt.get("prompt")
-        if text is not None and not isinstance(text, str):
-            raise ValueError(f"a prompt dict's 'prompt' must be a string, got {type(text).__name__}")
-        if prompt.get("prompt_token_ids") is not None:
-            if isinstance(prompt["prompt_token_ids"], (str, dict)):
-                raise ValueError("a prompt dict's 'prompt_token_ids' must be a list of token ids")
-            return text, self.tokens(prompt["prompt_token_ids"])[1]
-        if text is None:
-            raise ValueError("a prompt dict needs 'prompt_token_ids' (vLLM's TokensPrompt) or 'prompt' (TextPrompt)")
-        return self.tokens(text)
-
     def _whole_vocabulary(self, params: SamplingParams) -> SamplingParams:
         """``logprobs=-1`` / ``prompt_logprobs=-1`` as the number they stand for (vLLM's)."""
         whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
@@ -115,7 +117,7 @@ class RequestIntake:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         self.check_params(params)
         params = self._whole_vocabulary(params)
-        text, ids = self.tokens(prompt)
+        text, ids = prompt_tokens(self.tokenizer, prompt)
         if request_id in taken:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not ids:
