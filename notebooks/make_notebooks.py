@@ -155,6 +155,30 @@ for k, v in tps.items():
         '''import matplotlib.pyplot as plt
 plt.figure(figsize=(6, 2.5)); plt.barh(list(tps), list(tps.values())); plt.xlabel("generated tokens / s")
 plt.tight_layout(); plt.show()''',
+        "## Requests from asyncio code: `AsyncLLM`\nvLLM's `AsyncLLM`: one engine steps on a background thread and "
+        "batches whatever the notebook's tasks send (a notebook runs `await` at the top level). One request streams "
+        "its deltas while three others run beside it.",
+        '''import asyncio
+from hf_paged import AsyncLLM, RequestOutputKind, SamplingParams
+
+llm = AsyncLLM(model, tok, block_size=16, num_blocks=512)
+
+async def answer(prompt):
+    async for out in llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0)):
+        pass  # every step's whole output: keep the last
+    return out.outputs[0].text
+
+async def stream(prompt):
+    delta = SamplingParams(max_tokens=48, temperature=0, output_kind=RequestOutputKind.DELTA)
+    async for out in llm.generate(prompt, delta):
+        print(out.outputs[0].text, end="", flush=True)  # only what is new
+    print()
+
+prompts = ["Return the", "Raise an error if", "The default value is"]
+answers, _ = await asyncio.gather(asyncio.gather(*(answer(p) for p in prompts)), stream("Return a new list of"))
+for p, a in zip(prompts, answers):
+    print(f"{p!r} -> {a!r}")
+llm.shutdown()''',
     ],
 }
 
