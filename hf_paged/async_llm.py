@@ -1,6 +1,6 @@
 """vLLM's ``AsyncLLM`` (``AsyncLLMEngine``) over :class:`~hf_paged.engine.LLMEngine`: requests from
 asyncio code (an application's own web handlers, a notebook's ``await``), batched continuously by
-one engine that steps on a background thread.
+one engine that steps on a background thread, or in an engine process of its own.
 
 ``generate(prompt, params, request_id)`` is an async generator of the request's outputs as its
 ``SamplingParams.output_kind`` asks (``CUMULATIVE``: everything so far, each step it changed;
@@ -8,7 +8,7 @@ one engine that steps on a background thread.
 hands over the newest whole output, which is cut here to what the consumer has not seen, so a
 consumer slower than the engine misses nothing (deltas join up). Prompts are tokenized, and texts
 decoded, on the caller's thread with a copy of the tokenizer (a fast tokenizer is not safe to share
-between threads): the engine thread only steps. Leaving the loop early (``break``, an exception,
+between threads): the engine only steps. Leaving the loop early (``break``, an exception,
 the task cancelled) aborts the request and frees its blocks; ``await abort(request_id)`` from
 elsewhere ends its generator with a last output whose unfinished completions say
 ``finish_reason="abort"`` (as vLLM's). A request the engine fails raises ``RuntimeError``
