@@ -99,7 +99,8 @@ class AsyncLLM:
         text, ids = prompt_tokens(self._tokenizer, prompt)
         # the engine hands over whole outputs; what the consumer asked for is cut from them here
         whole = dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE, stream_interval=None)
-        stream = self._loop.submit([{"prompt_token_ids": ids, "prompt": text}], whole, request_id, priority=priority)
+        stream = self._loop.submit([{"prompt_token_ids": ids, "prompt": text}], whole, request_id, priority=priority,
+                                   exact_id=True)
         request = self._requests[request_id] = _InFlight(stream, text, ids, max(params.n, 1))
         shaper = OutputShaper(params, self._tokenizer, ids)
         decode = text_decoder(self._tokenizer, params, ids) if self._tokenizer and params.detokenize else None
@@ -109,7 +110,7 @@ class AsyncLLM:
                 if out.error:
                     kind = ValueError if out.error_kind == REJECTED else RuntimeError
                     raise kind(f"request {request_id} failed: {out.error}")
-                request.last = out = dataclasses.replace(out, request_id=request_id)
+                request.last = out
                 for c in out.outputs if decode is not None else ():
                     if not c.finished():  # decoded when read, on this thread (a finished one was, by the engine)
                         c.set_decoder(decode)

@@ -10,7 +10,7 @@ last). :class:`OutputShaper` keeps what one request has been sent and cuts each 
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 from typing import TYPE_CHECKING, Any
 
 from hf_paged.engine.detokenize import TextStream, TokenStream
@@ -68,7 +68,9 @@ class OutputShaper:
             prompt_logprobs, self._sent_prompt_logprobs = out.prompt_logprobs, True
         if not deltas and prompt_logprobs is None and not out.finished:
             return None
-        return dataclasses.replace(out, outputs=deltas, prompt_logprobs=prompt_logprobs)
+        shaped = copy.copy(out)  # a dataclass: copy.copy is several times faster than dataclasses.replace
+        shaped.outputs, shaped.prompt_logprobs = deltas, prompt_logprobs
+        return shaped
 
     def _due(self, c: CompletionOutput) -> bool:
         """Whether completion ``c`` goes out now: it finished (and was not sent finished yet), or

@@ -192,11 +192,14 @@ class EngineLoop:
         return self.engine.structured.compiler
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], request_id: str,
-               final_only: bool = False, priority: int = 0) -> RequestStream:
-        """Queue one engine request per prompt (ids ``{request_id}-{i}``; ``params`` for all, or one
-        per prompt; all with ``priority``); await ``accepted()``."""
-        stream = RequestStream(self, [f"{request_id}-{i}" for i in range(len(prompts))], final_only, params,
-                               priority)
+               final_only: bool = False, priority: int = 0, exact_id: bool = False) -> RequestStream:
+        """Queue one engine request per prompt (ids ``{request_id}-{i}``, or with ``exact_id`` the one
+        prompt's ``request_id`` itself; ``params`` for all, or one per prompt; all with ``priority``);
+        await ``accepted()``."""
+        if exact_id and len(prompts) != 1:
+            raise ValueError(f"exact_id: one prompt has one id, got {len(prompts)} prompts")
+        request_ids = [request_id] if exact_id else [f"{request_id}-{i}" for i in range(len(prompts))]
+        stream = RequestStream(self, request_ids, final_only, params, priority)
         self._post(("add", stream, prompts, params))
         return stream
 
