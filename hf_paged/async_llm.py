@@ -103,7 +103,8 @@ class AsyncLLM:
                                    exact_id=True)
         request = self._requests[request_id] = _InFlight(stream, text, ids, max(params.n, 1))
         shaper = OutputShaper(params, self._tokenizer, ids)
-        decode = text_decoder(self._tokenizer, params, ids) if self._tokenizer and params.detokenize else None
+        decode = text_decoder(self._tokenizer, params, ids) if self._tokenizer is not None and params.detokenize \
+            else None
         try:
             await stream.accepted()
             async for _, out in stream:
@@ -116,8 +117,8 @@ class AsyncLLM:
                         c.set_decoder(decode)
                 if (shaped := shaper.shape(out)) is not None:
                     yield shaped
-            if request.aborted and (shaped := shaper.shape(self._aborted_output(request_id, request))) is not None:
-                yield shaped
+            if request.aborted:  # finished: there is always something to hand out
+                yield shaper.shape(self._aborted_output(request_id, request))
         finally:
             self._requests.pop(request_id, None)
             if not stream.done:

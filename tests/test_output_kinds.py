@@ -92,16 +92,23 @@ def test_final_only_gives_the_finished_output_alone(engine, interval):
     assert outputs[0].outputs == final(engine, params).outputs
 
 
-def test_deltas_of_a_request_a_generate_call_stepped_past_lose_nothing(engine):
-    """``generate()`` of another prompt steps the engine: the delta request's outputs of those
-    steps wait for the next ``step()``, joined."""
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, output_kind=DELTA, stop=["zz"])
+@pytest.mark.parametrize("kind", [DELTA, CUMULATIVE])
+@pytest.mark.parametrize("tokens, other_tokens", [(12, 5), (3, 10)], ids=["outlives", "finishes-inside"])
+def test_outputs_of_a_request_a_generate_call_stepped_past_lose_nothing(engine, kind, tokens, other_tokens):
+    """``generate()`` of another prompt steps the engine: the request's outputs of those steps wait
+    for the next ``step()`` (deltas joined), and a ``has_unfinished_requests()`` loop collects them
+    even when the request finished inside that call."""
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, output_kind=kind, stop=["zz"])
     request_id = engine.add_request(PROMPT, params)
-    engine.generate(["A longer prompt than the other"], SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
+    engine.generate(["A longer prompt"], SamplingParams(max_tokens=other_tokens, temperature=0), use_tqdm=False)
     outputs = stepped(engine, request_id)
     whole = final(engine, params).outputs[0]
-    assert len(outputs[0].outputs[0].token_ids) > 1  # several steps' tokens in one delta
-    assert joined(outputs, 0)[:2] == (whole.token_ids, whole.text)
+    assert outputs and outputs[-1].finished
+    assert len(outputs[0].outputs[0].token_ids) > 1  # several steps' tokens in one output
+    if kind is DELTA:
+        assert joined(outputs, 0)[:2] == (whole.token_ids, whole.text)
+    else:
+        assert (outputs[-1].outputs[0].token_ids, outputs[-1].outputs[0].text) == (whole.token_ids, whole.text)
 
 
 def test_an_aborted_delta_request_leaves_nothing_behind(engine):
@@ -109,6 +116,11 @@ def test_an_aborted_delta_request_leaves_nothing_behind(engine):
     engine.step()
     engine.abort(request_id)
     assert not engine.step()  # assert_engine_idle checks the request's delta books are gone too
+    finished_inside = engine.add_request(PROMPT, SamplingParams(max_tokens=2))
+    engine.generate([PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert engine.has_unfinished_requests()  # its output waits for step()
+    engine.abort(finished_inside)  # ... or goes with an abort
+    assert not engine.has_unfinished_requests() and not engine.step()
 
 
 def test_stream_sends_every_interval_of_tokens(engine):

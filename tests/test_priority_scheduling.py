@@ -151,10 +151,11 @@ def test_fcfs_refuses_a_priority_it_would_ignore(model):
         engine.add_request([5, 6], GREEDY, priority=2)
     with pytest.raises(ValueError, match="priority must be an int, got True"):
         engine.add_request([5, 6], GREEDY, priority=True)
-    assert engine.add_request([5, 6], GREEDY, priority=0) and engine.generate([[5, 6]], GREEDY, use_tqdm=False)
+    request_id = engine.add_request([5, 6], GREEDY, priority=0)
+    assert engine.generate([[5, 6]], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="scheduling_policy must be 'fcfs' or 'priority', got 'sjf'"):
         LLMEngine(model, num_blocks=16, scheduling_policy="sjf")
-    engine.abort(list(engine.requests))
+    assert [out.request_id for out in engine.step() if out.finished] == [request_id]  # it finished in generate()
     assert engine.kv.num_used_blocks() == 0 and not engine.has_unfinished_requests()
 
 

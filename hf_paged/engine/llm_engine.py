@@ -285,10 +285,12 @@ class LLMEngine:
     @torch.inference_mode()
     def abort(self, request_id: str | Iterable[str]) -> None:
         """Stop requests now and free their blocks: one id or several (as vLLM's ``abort_request``
-        takes them); ids of requests not in flight are ignored."""
+        takes them); ids of requests not in flight are ignored. An aborted request gives no further
+        output (not even one a ``generate()`` call stepped past, left for ``step()``)."""
         for rid in [request_id] if isinstance(request_id, (str, int)) else request_id:
             request = self.requests.pop(str(rid), None)
             self._shapers.pop(str(rid), None)
+            self._unclaimed.pop(str(rid), None)
             if request is None:
                 continue
             for seq in request.live_seqs:
@@ -309,6 +311,12 @@ class LLMEngine:
         return self.tokenizer
 
     def has_unfinished_requests(self) -> bool:
+        """Whether ``step()`` has more to hand out: requests in flight, or the outputs of requests a
+        ``generate()`` or ``stream()`` call stepped past (one that finished there still reaches a
+        ``while engine.has_unfinished_requests(): engine.step()`` loop)."""
+        return self._in_flight() or bool(self._unclaimed)
+
+    def _in_flight(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._held) or self.structured.has_waiting()
 
     @property
@@ -521,7 +529,7 @@ class LLMEngine:
                 if out.finished and out.request_id not in results:
                     results[out.request_id] = out
                     progress.update(1)
-            if not self.has_unfinished_requests() and not any(rid in self._unclaimed for rid in mine):
+            if not self._in_flight() and not any(rid in self._unclaimed for rid in mine):
                 break
         progress.close()
         outputs = [results[rid] for rid in order]
@@ -665,7 +673,7 @@ class LLMEngine:
         while requests are unfinished (their blocks enter the cache as they run); True once the
         cache is empty."""
         self._check_driver("reset_prefix_cache")
-        if self.has_unfinished_requests():
+        if self._in_flight():
             return False
         self.kv.prefix.clear()
         return True
