@@ -31,7 +31,7 @@ from hf_paged.engine import LLMEngine, RequestOutput, SamplingParams
 from hf_paged.engine.detokenize import text_decoder
 from hf_paged.engine.intake import prompt_tokens
 from hf_paged.engine.output_shaper import OutputShaper
-from hf_paged.engine.outputs import REJECTED, CompletionOutput
+from hf_paged.engine.outputs import CompletionOutput, request_failure
 from hf_paged.engine.params import RequestOutputKind
 
 if TYPE_CHECKING:
@@ -109,8 +109,7 @@ class AsyncLLM:
             await stream.accepted()
             async for _, out in stream:
                 if out.error:
-                    kind = ValueError if out.error_kind == REJECTED else RuntimeError
-                    raise kind(f"request {request_id} failed: {out.error}")
+                    raise request_failure(out)
                 request.last = out
                 for c in out.outputs if decode is not None else ():
                     if not c.finished():  # decoded when read, on this thread (a finished one was, by the engine)

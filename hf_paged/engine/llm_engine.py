@@ -31,7 +31,7 @@ from hf_paged.engine.kv_cache_manager import KVCacheManager
 from hf_paged.engine.model_runner import ModelRunner
 from hf_paged.engine.output_processor import OutputProcessor
 from hf_paged.engine.output_shaper import OutputShaper, shapes_outputs
-from hf_paged.engine.outputs import FAULT, REJECTED, RequestOutput
+from hf_paged.engine.outputs import FAULT, REJECTED, RequestOutput, request_failure
 from hf_paged.engine.params import RequestOutputKind, SamplingParams
 from hf_paged.engine.scheduler import Scheduler, check_scheduling_policy
 from hf_paged.engine.scheduler_output import SchedulerOutput
@@ -658,8 +658,7 @@ class LLMEngine:
                         sent = True
                     if out.finished and out.error:
                         ended = True
-                        kind = ValueError if out.error_kind == REJECTED else RuntimeError  # bad input, or a fault
-                        raise kind(f"request {request_id} failed: {out.error}")
+                        raise request_failure(out)
                     ended = ended or out.finished
                 ended = ended or (request_id not in self.requests and not mine)
         finally:

@@ -48,6 +48,14 @@ class Logprob(float):
         return f"Logprob(logprob={float(self)!r}, rank={self.rank}, decoded_token={self.decoded_token!r})"
 
 
+def request_failure(output: RequestOutput) -> Exception:
+    """What a reader of a request's outputs as they come (``stream()``, ``AsyncLLM.generate``)
+    raises when the request failed: ``ValueError`` when it can never be served here, else
+    ``RuntimeError`` (the engine failed while serving it)."""
+    kind = ValueError if output.error_kind == REJECTED else RuntimeError
+    return kind(f"request {output.request_id} failed: {output.error}")
+
+
 def ended_by_token(finish_reason: str | None, stop_reason: str | int | None) -> bool:
     """Whether an output's last token ended it (EOS or a stop token, not a stop string): vLLM
     leaves that token's text out of ``text`` (its id stays in ``token_ids``)."""
