@@ -249,9 +249,9 @@ class TextStream:
     def of(cls, tokenizer: Any, params: SamplingParams,
            prompt_token_ids: Sequence[int] | None = None) -> TextStream | TokenStream:
         """The stream of a request with ``params``: its stop strings and text options, its text
-        decoded after its prompt's. With ``detokenize=False`` a :class:`TokenStream`: its text
-        deltas are "" (vLLM decodes nothing)."""
-        if not params.detokenize:
+        decoded after its prompt's. Without a tokenizer, or with ``detokenize=False``, a
+        :class:`TokenStream`: its text deltas are "" (vLLM decodes nothing)."""
+        if tokenizer is None or not params.detokenize:
             return TokenStream()
         return cls(tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens,
                    spaces_between_special_tokens=params.spaces_between_special_tokens,

@@ -645,17 +645,16 @@ class LLMEngine:
         self._shapers.pop(request_id, None)  # stream() makes deltas whatever output_kind says
         request = self.requests[request_id]
         deltas = OutputShaper(request.params, self.tokenizer, request.prompt_token_ids, kind=RequestOutputKind.DELTA)
-        ended = sent = False
+        ended = False
         try:
             while not ended:
                 mine = self._claim({request_id})
                 for out in mine:
-                    delta = deltas.shape(out)
-                    for c in delta.outputs if delta is not None else ():
+                    delta = deltas.shape(out)  # its prompt log-probs: on the first delta only
+                    for i, c in enumerate(delta.outputs if delta is not None else ()):
                         yield {"index": c.index, "token_ids": c.token_ids, "text": c.text, "finished": c.finished(),
                                "finish_reason": c.finish_reason, "num_cached_tokens": out.num_cached_tokens,
-                               "prompt_logprobs": None if sent else out.prompt_logprobs}
-                        sent = True
+                               "prompt_logprobs": None if i else delta.prompt_logprobs}
                     if out.finished and out.error:
                         ended = True
                         raise request_failure(out)

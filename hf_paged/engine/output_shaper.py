@@ -84,8 +84,7 @@ class OutputShaper:
     def _delta(self, c: CompletionOutput) -> CompletionOutput:
         """What completion ``c`` (due: new tokens, or finished) adds to what it was sent."""
         if c.index not in self._streams:
-            self._streams[c.index] = (TokenStream() if self._tokenizer is None else
-                                      TextStream.of(self._tokenizer, self._params, self._prompt_token_ids))
+            self._streams[c.index] = TextStream.of(self._tokenizer, self._params, self._prompt_token_ids)
         text, new_ids = self._streams[c.index].update(c)
         logprobs = c.logprobs
         if logprobs is not None:
