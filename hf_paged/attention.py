@@ -269,7 +269,7 @@ def packed_attention(step: PackedStep, layer_idx: int, query, key, value, stores
     scale = _scale(kwargs, q.shape[-1])
     triton = kernels.use_triton(q)
     options = dict(_read_options(step, layer_idx, kwargs), backend="triton" if triton else "torch")
-    tables, lens = meta.block_tables, meta.context_lens
+    tables, lens, cu = meta.block_tables, meta.context_lens, meta.cu_seqlens_q
     q = q.to(k_pool.dtype)
     nd = meta.num_decode
     parts = []
@@ -278,17 +278,33 @@ def packed_attention(step: PackedStep, layer_idx: int, query, key, value, stores
     elif nd:
         parts.append(kernels.paged_attention_decode(
             q[:nd].contiguous(), k_pool, v_pool, tables[:nd], lens[:nd], scale, **options))
-    if q.shape[0] > nd and _c_prefill_reads(step, q, k_pool, v_pool, triton, options):
-        parts.append(cpu_prefill.paged_prefill_cpu(q[nd:], k_pool, v_pool, tables[nd:], meta.cu_seqlens_q, lens[nd:],
+    t0, s0 = nd, nd  # the first query row and sequence of the prefill read
+    if meta.num_draft_seqs and _c_decode_reads(step, q, k_pool, v_pool, triton, options):
+        # drafts (speculative decoding) read as decode rows: each token as the step that decodes it would
+        rows = len(meta.draft_lens)
+        parts.append(cpu_decode.paged_decode_cpu(q[nd : nd + rows], k_pool, v_pool, meta.draft_tables,
+                                                 meta.draft_lens, scale, options.get("sliding_window"),
+                                                 options.get("sinks")))
+        t0, s0 = nd + rows, nd + meta.num_draft_seqs
+        cu = cu[meta.num_draft_seqs :] - rows
+    if q.shape[0] > t0 and _c_prefill_reads(step, q, k_pool, v_pool, triton, options):
+        parts.append(cpu_prefill.paged_prefill_cpu(q[t0:], k_pool, v_pool, tables[s0:], cu, lens[s0:],
                                                    scale, options.get("sliding_window"), options.get("sinks")))
-    elif q.shape[0] > nd and stores and not q.is_cuda and not triton and not _has_span_options(options):
-        parts.append(_prefill_by_sdpa(query[0, :, nd:], key[0, :, nd:], value[0, :, nd:], k_pool, v_pool,
-                                      tables[nd:], meta.cu_seqlens_q, lens[nd:], scale, options.get("sliding_window")))
-    elif q.shape[0] > nd:
+    elif q.shape[0] > t0 and stores and not q.is_cuda and not triton and not _has_span_options(options):
+        parts.append(_prefill_by_sdpa(query[0, :, t0:], key[0, :, t0:], value[0, :, t0:], k_pool, v_pool,
+                                      tables[s0:], cu, lens[s0:], scale, options.get("sliding_window")))
+    elif q.shape[0] > t0:
         parts.append(kernels.paged_attention_prefill(
-            q[nd:].contiguous(), k_pool, v_pool, tables[nd:], meta.cu_seqlens_q, lens[nd:], scale, **options))
+            q[t0:].contiguous(), k_pool, v_pool, tables[s0:], cu, lens[s0:], scale, **options))
     out = parts[0] if len(parts) == 1 else torch.cat([p.to(query.dtype) for p in parts])
     return out.to(query.dtype)[None], None
+
+
+def _c_decode_reads(step: PackedStep, q: torch.Tensor, k_pool, v_pool, triton: bool, options: dict) -> bool:
+    """Whether an engine step's decode rows go to the C read over the blocks
+    (:mod:`hf_paged.kernels.cpu_decode`), as :func:`_decode_on_cpu` decides."""
+    return (step.decode_read == "auto" and not q.is_cuda and not triton and not options.get("softcap")
+            and not options.get("chunk_size") and cpu_decode.supports(q, k_pool, v_pool))
 
 
 def _c_prefill_reads(step: PackedStep, q: torch.Tensor, k_pool, v_pool, triton: bool, options: dict) -> bool:
@@ -382,7 +398,7 @@ def _decode_on_cpu(step: PackedStep, layer_idx: int, q, k_pool, v_pool, scale, o
     adds nothing."""
     num_seqs, heads, head_dim = q.shape
     kv_heads, group = k_pool.shape[2], heads // k_pool.shape[2]
-    if step.decode_read == "auto" and not options.get("chunk_size") and cpu_decode.supports(q, k_pool, v_pool):
+    if _c_decode_reads(step, q, k_pool, v_pool, False, options):
         meta = step.metadata_for(layer_idx, q.device)
         return cpu_decode.paged_decode_cpu(q, k_pool, v_pool, meta.block_tables[:num_seqs],
                                            meta.context_lens[:num_seqs], scale, options.get("sliding_window"),

@@ -75,7 +75,11 @@ class AttentionMetadata:
     each sequence's tokens once this forward's are stored; ``cu_seqlens_q`` (int32) delimits the
     queries of the sequences that the varlen prefill reads: every row in ``generate()``, those
     after the first ``num_decode`` (one query token each) in an engine step. ``generate()`` only:
-    ``new_valid`` ``[rows, q_len]`` says which new columns are real tokens.
+    ``new_valid`` ``[rows, q_len]`` says which new columns are real tokens. Engine steps with
+    drafts (speculative decoding): the first ``num_draft_seqs`` sequences after the decoding ones
+    are a last token and its draft, whose queries may be read as decode rows, one per token:
+    ``draft_tables`` ``[draft tokens, max_blocks]`` (each sequence's table once per token) and
+    ``draft_lens`` (each token's context: its own position + 1).
     """
 
     slot_mapping: torch.Tensor
@@ -84,6 +88,9 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor
     num_decode: int = 0
     new_valid: torch.Tensor | None = None
+    num_draft_seqs: int = 0
+    draft_tables: torch.Tensor | None = None
+    draft_lens: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> AttentionMetadata:
         moved = {f.name: getattr(self, f.name).to(device, non_blocking=True) for f in dataclasses.fields(self)

@@ -232,6 +232,13 @@ class KVCacheManager:
         copy-on-write copies that must run before the tokens are written."""
         return [copies for _, copies in self._device.append_many([(seq.seq_id, n) for seq, n in work])]
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """``seq`` keeps the slots of its first ``num_tokens`` tokens; blocks past them go back
+        (speculative decoding: the K/V of draft tokens that were not taken). The blocks kept are
+        registered in the prefix cache only by :meth:`cache_full_blocks`, after this."""
+        self._device.truncate(seq.seq_id, num_tokens)
+        self.prefix.truncate(seq.seq_id, num_tokens)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         self._device.fork(parent.seq_id, child.seq_id)
         self.prefix.fork(parent.seq_id, child.seq_id)

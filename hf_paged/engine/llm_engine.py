@@ -36,6 +36,7 @@ from hf_paged.engine.params import RequestOutputKind, SamplingParams
 from hf_paged.engine.scheduler import Scheduler, check_scheduling_policy
 from hf_paged.engine.scheduler_output import SchedulerOutput
 from hf_paged.engine.sequence import Request
+from hf_paged.engine.speculative import NgramProposer, SpeculativeConfig
 from hf_paged.engine.structured import StructuredOutputManager
 from hf_paged.engine.tensor_parallel import TensorParallelGroup, check_kv_heads, tp_size_of
 from hf_paged import prefix_snapshot
@@ -101,6 +102,13 @@ class LLMEngine:
             (``"length"``), and ``max_tokens=None`` means up to it.
         max_logprobs: vLLM's: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for
             (None or -1: the whole vocabulary; more is refused, naming the field).
+        speculative_config: vLLM's, for its n-gram method: ``{"method": "ngram",
+            "num_speculative_tokens": k, "prompt_lookup_max": M, "prompt_lookup_min": m}``. A decoding
+            sequence whose last ``m`` .. ``M`` tokens occurred before proposes the ``k`` tokens that
+            followed them, and one forward checks them all (:mod:`hf_paged.engine.speculative`):
+            every token is the one decoding without it would give, seeded samples included.
+            ``stats()`` counts ``spec_draft_tokens`` and ``spec_accepted_tokens``. Models with
+            recurrent layers are refused (their state cannot be rolled back).
         max_consecutive_failures: failed steps in a row after which :attr:`healthy` is False (a
             step fails when its forward, block moves or processing raise, or when every logits
             row it computed is non-finite; a step in which only some requests failed, each for
@@ -123,8 +131,10 @@ class LLMEngine:
         num_state_slots: int | None = None, prepack_lm_head: bool | None = None, tune_malloc: bool | None = None,
         compile: bool | None = None, serial_small_steps: bool | None = None, cuda_graphs: bool | None = None,
         max_model_len: int | None = None, max_logprobs: int | None = None, scheduling_policy: str = "fcfs",
+        speculative_config: SpeculativeConfig | dict | None = None,
     ):
         check_scheduling_policy(scheduling_policy)
+        self.speculative_config = SpeculativeConfig.of(speculative_config)
         check_engine_supported(model)  # generate()-only models are refused here, naming why
         check_block_options(block_size, num_blocks)
         check_kv_heads(model.config, tp_size_of(model))
@@ -159,6 +169,9 @@ class LLMEngine:
                 groups, num_blocks = [LayerGroup(NoKVSpec(), ())], None
             if num_state_slots is None:
                 num_state_slots = max_num_seqs
+            if self.speculative_config is not None:
+                raise ValueError(f"speculative_config: {type(model).__name__} has recurrent layers, whose state "
+                                 "cannot be rolled back past draft tokens that were not taken")
         elif num_state_slots is not None:
             raise ValueError(f"num_state_slots is for models with recurrent layers; {type(model).__name__} has none")
         if num_state_slots is not None and (not isinstance(num_state_slots, int) or num_state_slots < 1):
@@ -178,15 +191,17 @@ class LLMEngine:
         self.kv = KVCacheManager(block_size, num_blocks, enable_prefix_caching=enable_prefix_caching is not False,
                                  swap_space_blocks=swap_space_blocks, groups=groups,
                                  num_state_slots=num_state_slots or 0, swap_state_slots=swap_slots)
+        self.max_positions = _model_len(max_positions(self.config), max_model_len)
+        proposer = self.speculative_config and NgramProposer(self.speculative_config, self.max_positions)
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    preemption_mode=preemption_mode, policy=scheduling_policy,
-                                   split_prompts=all(s.continues_chunks for s in self.state_specs if s))
+                                   split_prompts=all(s.continues_chunks for s in self.state_specs if s),
+                                   proposer=proposer)
         swap_storage = PagedKVStorage(block_size, device="cpu", pin_memory=model.device.type == "cuda")
         self.runner = ModelRunner(model, PagedKVStorage(block_size), swap_storage, swap_space_blocks, groups=groups,
                                   states=states, swap_states=swap_states, prepack_lm_head=prepack_lm_head,
                                   compile=compile, serial_small_steps=serial_small_steps)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.max_positions = _model_len(max_positions(self.config), max_model_len)
         if cuda_graphs:
             if num_blocks is None:
                 raise ValueError("cuda_graphs=True needs a KV budget (num_blocks or kv_cache_bytes): graphs keep "
@@ -202,7 +217,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._counters = {"steps": 0, "generated_tokens": 0, "busy_s": 0.0, "failed_steps": 0,
-                          "consecutive_failed_steps": 0}
+                          "consecutive_failed_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         self._held: list[RequestOutput] = []  # outputs of a step interrupted by a BaseException
         self._unclaimed: dict[str, RequestOutput] = {}  # see _keep_unclaimed
         self._shapers: dict[str, OutputShaper] = {}  # requests whose step() outputs are not every step's whole
@@ -398,6 +413,9 @@ class LLMEngine:
             self._counters["steps"] += 1
             self._count_step(failed=result.all_logits_nonfinite)
         self._counters["generated_tokens"] += result.num_generated_tokens
+        if result.num_draft_tokens:
+            self._counters["spec_draft_tokens"] += result.num_draft_tokens
+            self._counters["spec_accepted_tokens"] += result.num_accepted_tokens
         self._counters["busy_s"] += time.perf_counter() - start
         return outputs + [self._output_of(r) for r in result.changed if r.request_id in self.requests or r.is_finished]
 
@@ -776,6 +794,8 @@ class LLMEngine:
             "state_slots_free": kv["state_slots_free"], "swap_state_slots_used": kv["swap_state_slots_used"],
             "state_bytes_per_slot": self.runner.states.bytes_per_slot() if self.runner.states else 0,
             "tensor_parallel_size": self.tp.size if self.tp else 1,
+            "spec_draft_tokens": self._counters["spec_draft_tokens"],
+            "spec_accepted_tokens": self._counters["spec_accepted_tokens"],
             "kv_heads_per_rank": self._kv_heads // (self.tp.size if self.tp else 1),
         }
 

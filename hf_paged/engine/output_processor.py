@@ -129,6 +129,15 @@ class _Outcome:
                           sum(self.generated.values()), frozenset(self.failed), self.all_logits_nonfinite)
 
 
+def _merged(results: list[StepResult], num_draft_tokens: int, num_accepted_tokens: int) -> StepResult:
+    """One step's result from its rounds' (a step with drafts), in round order."""
+    changed = {id(r): r for result in results for r in result.changed}
+    return StepResult(tuple(u for result in results for u in result.updates), tuple(changed.values()),
+                      sum(result.num_generated_tokens for result in results),
+                      frozenset().union(*(result.failed for result in results)), results[0].all_logits_nonfinite,
+                      num_draft_tokens, num_accepted_tokens)
+
+
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: list[int], max_positions: int | None, structured=None):
         self.tokenizer, self.eos_token_ids, self.max_positions = tokenizer, eos_token_ids, max_positions
@@ -137,10 +146,51 @@ class OutputProcessor:
 
     def process(self, step: SchedulerOutput, logits: torch.Tensor | None,
                 requests: Mapping[str, Request]) -> StepResult:
-        """Decide the step's tokens from ``logits`` (rows: the ``needs_logits`` sequences in order).
+        """Decide the step's tokens from ``logits`` (rows: the ``needs_logits`` sequences in order,
+        :attr:`~hf_paged.engine.scheduler_output.ScheduledSequence.num_logits` each).
 
         A fault that belongs to one request fails that request only (see the module docstring).
         Anything else raises, with every request the step touched put back as it was."""
+        if step.has_drafts:
+            return self._process_drafts(step, logits, requests)
+        return self._process(step, logits, requests)
+
+    def _process_drafts(self, step: SchedulerOutput, logits: torch.Tensor,
+                        requests: Mapping[str, Request]) -> StepResult:
+        """A step with drafts (:mod:`hf_paged.engine.speculative`), one position at a time: first
+        every sequence's first row, as in a step without drafts; then, while a sequence's new
+        token equals its draft's, its next row, with the others that go on. Each round is a
+        step of one row per sequence, so every token is chosen as decoding would choose it."""
+        first, row = [], 0
+        for s in step.sequences:
+            first.append(row)
+            row += s.num_logits
+        going = [(s.draft, first[i], requests[s.request_id].sequence(s.seq_id))
+                 for i, s in enumerate(step.sequences) if s.draft]
+        rows = [first[i] for i, s in enumerate(step.sequences) if s.needs_logits]
+        results = [self._process(step, logits.index_select(0, torch.tensor(rows, device=logits.device)), requests)]
+        scheduled = {s.seq_id: s for s in step.sequences}
+        accepted, position = 0, 0
+        while going:
+            going = [(draft, row, seq) for draft, row, seq in going
+                     if position < len(draft) and self._took(seq, draft[position])]
+            accepted += len(going)
+            position += 1
+            if going:
+                rows = torch.tensor([row + position for _, row, _ in going], device=logits.device)
+                round_step = SchedulerOutput(sequences=tuple(scheduled[seq.seq_id] for _, _, seq in going))
+                results.append(self._process(round_step, logits.index_select(0, rows), requests))
+        return _merged(results, sum(len(s.draft) for s in step.sequences), accepted)
+
+    @staticmethod
+    def _took(seq: Sequence, draft_token: int) -> bool:
+        """Whether ``seq`` goes on after a round: the token it was given is the draft's, and that
+        did not finish it (a sequence that finished, or failed, has a reason)."""
+        return seq.finish_reason is None and seq.token_ids[-1] == draft_token
+
+    def _process(self, step: SchedulerOutput, logits: torch.Tensor | None,
+                 requests: Mapping[str, Request]) -> StepResult:
+        """:meth:`process` of a step whose sequences need one row each (or none)."""
         outcome = _Outcome()
         for request_id, reason in step.rejected:
             outcome.fail(requests[request_id], reason, REJECTED)

@@ -28,6 +28,7 @@ from hf_paged.engine.kv_cache_manager import BlockPairs, KVCacheManager
 from hf_paged.engine.scheduler_output import (GroupBlocks, PromptLogprobRows, ScheduledSequence, SchedulerOutput,
                                               StateMoves)
 from hf_paged.engine.sequence import Request, Sequence, Status
+from hf_paged.engine.speculative import NgramProposer
 from hf_paged.engine.step_result import FinishRequest, ForkSequence, FreeSequence, StepResult
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -57,6 +58,7 @@ class _StepPlan:
     state_swap_out: BlockPairs = field(default_factory=list)  # (device slot, CPU slot)
     state_swap_in: BlockPairs = field(default_factory=list)  # (CPU slot, device slot)
     moved: list[Request] = field(default_factory=list)  # requests swapped out or in by this step
+    drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq_id -> its draft (speculative decoding)
 
     def __post_init__(self):
         self.copies, self.swap_out, self.swap_in = ([[] for _ in range(self.num_groups)] for _ in range(3))
@@ -77,11 +79,16 @@ class _StepPlan:
 class Scheduler:
     """``split_prompts`` False (models whose recurrent layers cannot continue a prefill from a
     saved state, :mod:`hf_paged.kinds.recurrent`): a sequence's known tokens are computed in one
-    forward, in a step whose budget they fit (or, longer than the whole budget, over it)."""
+    forward, in a step whose budget they fit (or, longer than the whole budget, over it).
+
+    ``proposer`` (speculative decoding, :mod:`hf_paged.engine.speculative`): decoding sequences of
+    requests without beams compute a draft after their last token where the blocks for it are free
+    and the token budget has room (never at the cost of a preemption); :meth:`update_from_output`
+    rolls their blocks back to the tokens that stood."""
 
     def __init__(
         self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int, preemption_mode: str,
-        split_prompts: bool = True, policy: str = "fcfs",
+        split_prompts: bool = True, policy: str = "fcfs", proposer: NgramProposer | None = None,
     ):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
@@ -92,6 +99,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
         self.split_prompts = split_prompts
+        self.proposer = proposer
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -159,11 +167,13 @@ class Scheduler:
         return max(len(request.live_seqs), request.params.n, request.params.num_beams)
 
     # ------------------------------------------------------------------ the step
-    def _work(self, request: Request, budget: int) -> list[tuple[Sequence, int]]:
+    def _work(self, request: Request, budget: int,
+              drafts: dict[int, tuple[int, ...]] | None = None) -> list[tuple[Sequence, int]]:
         """Tokens to compute for each live sequence: 1 when decoding, else the next chunk.
 
         Sequences that get nothing this step (budget spent, or already computed and waiting for
-        their beam siblings) are left out.
+        their beam siblings) are left out. With ``drafts`` (a dict to fill), decoding sequences of a
+        request without beams also compute the proposer's draft after their last token.
         """
         work = []
         for seq in request.seqs if request.rejoin_at is None else request.live_seqs[:1]:
@@ -176,6 +186,12 @@ class Scheduler:
                 n = min(n, budget)
             elif n > budget and n <= self.max_num_batched_tokens:
                 n = 0  # whole or not at all: a later step has room (one longer than any budget runs over it)
+            if (drafts is not None and n == 1 and budget > 1 and request.forked and request.beam is None
+                    and seq.num_computed_tokens == seq.num_tokens - 1):  # decoding: its last token is due
+                draft = self.proposer.propose(request, seq, budget - 1)
+                if draft:
+                    drafts[seq.seq_id] = draft
+                    n += len(draft)
             if n > 0:
                 work.append((seq, n))
                 budget -= n
@@ -202,23 +218,36 @@ class Scheduler:
         """The common step: the work of every running request fits in the free blocks, so one check
         and one append serve them all (the same slots and copies, in the same order, as one request
         at a time). Returns the budget left, or None (nothing planned) when they do not fit."""
+        drafts = {} if self.proposer is not None and self.proposer.drafts_now(self._num_running_seqs()) else None
+        budget, works, every = self._running_work(drafts)
+        self.kv.release_out_of_window(every)
+        if drafts and not self.kv.can_append(every):  # no room for the drafts: plain decode steps
+            drafts = None
+            budget, works, every = self._running_work(drafts)
+        if not self.kv.can_append(every):
+            return None
+        if drafts:
+            plan.drafts = drafts
+        plan.extend(plan.copies, self.kv.append(every))
+        for request, work in works:
+            plan.add(request, work)
+        return budget
+
+    def _running_work(self, drafts: dict[int, tuple[int, ...]] | None
+                      ) -> tuple[int, list[tuple[Request, list[tuple[Sequence, int]]]], list[tuple[Sequence, int]]]:
+        """The work of every running request in order, within the token budget: (budget left,
+        work per request, every sequence's work)."""
         budget = self.max_num_batched_tokens
         works = []
         every = []
         for request in self.running:
-            work = self._work(request, budget)
+            work = self._work(request, budget, drafts)
             if work:
                 works.append((request, work))
                 every += work
                 for _, n in work:
                     budget -= n
-        self.kv.release_out_of_window(every)
-        if not self.kv.can_append(every):
-            return None
-        plan.extend(plan.copies, self.kv.append(every))
-        for request, work in works:
-            plan.add(request, work)
-        return budget
+        return budget, works, every
 
     def _append_running_preempting(self, plan: _StepPlan) -> tuple[int, bool]:
         """One running request at a time, preempting from the back of the queue until each fits
@@ -437,19 +466,28 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step's two ends
     def _output(self, plan: _StepPlan) -> SchedulerOutput:
-        """Pack the plan in forward order (decode tokens first, longest context first) with every
-        token's id, position and slot; the scheduled tokens count as computed from here on."""
+        """Pack the plan in forward order (decode tokens first, longest context first, then the
+        sequences with drafts, then prefill chunks) with every token's id, position and slot; the
+        scheduled tokens count as computed from here on."""
         decode = sorted((w for w in plan.work if w[2] == 1), key=lambda w: -w[1].num_computed_tokens)
-        ordered = decode + [w for w in plan.work if w[2] > 1]
+        chunks = [w for w in plan.work if w[2] > 1]
+        if plan.drafts:  # the sequences with drafts first
+            chunks.sort(key=lambda w: w[1].seq_id not in plan.drafts)
+        ordered = decode + chunks
         bs, num_groups = self.kv.block_size, len(self.kv.groups)
         sequences, ids, positions, state_slots, prompt_rows = [], [], [], [], []
         slots, tables = [[] for _ in range(num_groups)], [[] for _ in range(num_groups)]
+        drafts = plan.drafts
         for request, seq, n in ordered:
             start = seq.num_computed_tokens
             span = range(start, start + n)
-            sequences.append(ScheduledSequence(request.request_id, seq.seq_id, start, n, start + n == seq.num_tokens))
+            draft = drafts.get(seq.seq_id, ()) if drafts else ()
+            sequences.append(ScheduledSequence(request.request_id, seq.seq_id, start, n,
+                                               start + n - len(draft) == seq.num_tokens, draft))
             state_slots.append(self.kv.state_slot(seq))
             ids += seq.token_ids[start : start + n]
+            if draft:
+                ids += draft
             positions += span
             for g in range(num_groups):
                 table = self.kv.block_table(seq, g)
@@ -486,6 +524,8 @@ class Scheduler:
         the output processor decided, in its order."""
         request_of = self._request_of
         scheduled = self._close_step()
+        if output.has_drafts:
+            self._roll_back_drafts(output, scheduled)
         for seq in output.sequences:
             if seq.request_id not in result.failed:
                 self.kv.cache_full_blocks(scheduled[seq.seq_id])
@@ -502,6 +542,19 @@ class Scheduler:
                     self.finish_request(request)
         self._state_copies = self.kv.settle_state_forks()  # after the frees: a beam step forks, then frees
         self._forked = list(forked.values()) if self._state_copies else []
+
+    def _roll_back_drafts(self, output: SchedulerOutput, scheduled: dict[int, Sequence]) -> None:
+        """Sequences that computed a draft keep the K/V of the tokens that stood: their last known
+        token and the draft tokens the output processor took; the blocks past them go back (they
+        hold K/V of tokens that were not taken)."""
+        for s in output.sequences:
+            if s.draft:
+                seq = scheduled[s.seq_id]
+                stood = min(s.start + s.num_tokens, seq.num_tokens - 1)
+                if stood < seq.num_computed_tokens:
+                    seq.num_computed_tokens = stood
+                    if self.kv.holds(seq):
+                        self.kv.truncate(seq, stood)
 
     def abandon(self, output: SchedulerOutput) -> list[Request]:
         """Close a step that failed before its outcome was known (the forward, a block move or a

@@ -14,13 +14,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ScheduledSequence:
-    """One sequence's share of a step: tokens ``start .. start + num_tokens - 1`` are computed."""
+    """One sequence's share of a step: tokens ``start .. start + num_tokens - 1`` are computed.
+
+    A ``draft`` (speculative decoding, :mod:`hf_paged.engine.speculative`) is the last of those
+    tokens: proposed, not known; the sequence then needs logits at its last known token and at
+    every draft token (``1 + len(draft)`` rows, in order)."""
 
     request_id: str
     seq_id: int
     start: int  # tokens already cached before this step
     num_tokens: int
     needs_logits: bool  # the step reaches the sequence's last known token: a next token is due
+    draft: tuple[int, ...] = ()
+
+    @property
+    def num_logits(self) -> int:
+        """Logits rows the sequence needs from the step."""
+        return len(self.draft) + 1 if self.needs_logits else 0
 
 
 @dataclass(frozen=True)
@@ -76,7 +86,8 @@ class SchedulerOutput:
     """Everything one step runs, in forward order.
 
     ``sequences`` and the per-token fields follow the order of the packed forward: decoding
-    sequences (one token each, longest context first), then prefill chunks. ``groups`` holds
+    sequences (one token each, longest context first), then those with a draft, then prefill
+    chunks. ``groups`` holds
     each layer group's slots, tables and block moves (see :class:`GroupBlocks`), in the order of
     the KV cache manager's groups; the properties below read the first group's.
     """
@@ -142,10 +153,23 @@ class SchedulerOutput:
 
     @functools.cached_property
     def logits_indices(self) -> tuple[int, ...]:
-        """Positions in the packed row whose logits are needed (one per ``needs_logits`` sequence)."""
+        """Positions in the packed row whose logits are needed (one per ``needs_logits`` sequence,
+        and one per draft token: :attr:`ScheduledSequence.num_logits` each, in order)."""
         indices, end = [], 0
         for s in self.sequences:
             end += s.num_tokens
             if s.needs_logits:
+                if s.draft:
+                    indices += range(end - 1 - len(s.draft), end - 1)
                 indices.append(end - 1)
         return tuple(indices)
+
+    @functools.cached_property
+    def has_drafts(self) -> bool:
+        return any(s.draft for s in self.sequences)
+
+    @functools.cached_property
+    def num_drafted(self) -> int:
+        """Sequences with a draft right after the decoding ones (the scheduler puts them there)."""
+        rest = self.sequences[self.num_decode :]
+        return next((i for i, s in enumerate(rest) if not s.draft), len(rest))

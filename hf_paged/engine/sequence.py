@@ -37,6 +37,7 @@ class Sequence:
     generator: Any = None  # a seeded sample's own torch.Generator after the first token (output_processor)
     stop_floor: int = 0  # text written before min_new_tokens: a stop string must end past it
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that finished it
+    ngrams: Any = None  # speculative decoding's index of its n-grams (hf_paged.engine.speculative)
 
     @property
     def num_tokens(self) -> int:

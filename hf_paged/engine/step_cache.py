@@ -6,6 +6,7 @@ function through the :class:`~hf_paged.channel.PackedStep` protocol.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -188,10 +189,19 @@ def step_metadata(step: SchedulerOutput, group: int) -> AttentionMetadata:
     width = max(len(t) for t in blocks.block_tables)
     padded = itertools.chain.from_iterable(t + (BLOCK_TABLE_PAD,) * (width - len(t)) for t in blocks.block_tables)
     prefill_counts = [s.num_tokens for s in step.sequences[step.num_decode :]]
-    return AttentionMetadata(
+    tables = host_tensor(list(padded), torch.int32).view(len(blocks.block_tables), width)
+    meta = AttentionMetadata(
         slot_mapping=host_tensor(blocks.slot_mapping),
-        block_tables=host_tensor(list(padded), torch.int32).view(len(blocks.block_tables), width),
+        block_tables=tables,
         context_lens=host_tensor(step.context_lens, torch.int32),
         cu_seqlens_q=host_tensor([0, *itertools.accumulate(prefill_counts)], torch.int32),
         num_decode=step.num_decode,
     )
+    if not step.has_drafts:
+        return meta
+    drafted = step.sequences[step.num_decode : step.num_decode + step.num_drafted]
+    rows = torch.repeat_interleave(torch.arange(step.num_decode, step.num_decode + len(drafted)),
+                                   torch.tensor([s.num_tokens for s in drafted]))
+    lens = [p + 1 for s in drafted for p in range(s.start, s.start + s.num_tokens)]
+    return dataclasses.replace(meta, num_draft_seqs=len(drafted), draft_tables=tables.index_select(0, rows),
+                               draft_lens=host_tensor(lens, torch.int32))

@@ -47,6 +47,8 @@ class StepResult:
     failed: frozenset[str] = frozenset()
     # every logits row of the step was non-finite: the model itself is failing (a failed step)
     all_logits_nonfinite: bool = False
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens the step computed
+    num_accepted_tokens: int = 0  # and those taken (each equal to the token chosen at its position)
 
     @property
     def finished(self) -> tuple[Request, ...]:

@@ -1,0 +1,236 @@
+"""Speculative decoding by n-gram lookup (``LLMEngine(speculative_config=...)``): every token is the
+one decoding without drafts gives (stock ``generate()``'s for greedy requests; seeded samples and
+their log-probs bit for bit), whatever the drafts, the sampling options, windows, the prefix cache
+or preemption; the blocks of rejected draft tokens go back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hf_paged import LLMEngine, SamplingParams
+from hf_paged.demo import demo_model
+from hf_paged.engine.output_processor import OutputProcessor
+from hf_paged.engine.speculative import NgramProposer, SpeculativeConfig
+from tests.helpers.hybrid_models import build_hybrid
+from tests.helpers.tiny_models import VOCAB, assert_engine_idle, build
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """Its greedy outputs rarely repeat: most drafts are rejected."""
+    return build("llama")
+
+
+@pytest.fixture(scope="module")
+def looping():
+    """A tiny demo-architecture model whose greedy outputs fall into loops: most drafts are taken."""
+    return demo_model(seed=0, num_hidden_layers=2, hidden_size=64, intermediate_size=128, vocab_size=VOCAB)
+
+
+def repetitive_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a short random phrase (what n-gram drafts feed on), then a few random tokens."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(count):
+        phrase = torch.randint(3, VOCAB, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
+        prompts.append((phrase * 40)[: 4 + 5 * i] + torch.randint(3, VOCAB, (3,), generator=g).tolist())
+    return prompts
+
+
+def run(model, prompts, params, **engine_kwargs):
+    """Outputs of a fresh engine, and its stats; every block is free after."""
+    engine = LLMEngine(model, **engine_kwargs)
+    outputs = engine.generate(prompts, params, use_tqdm=False)
+    assert all(out.error is None for out in outputs), [out.error for out in outputs]
+    assert_engine_idle(engine)
+    return outputs, engine.stats()
+
+
+def tokens(outputs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in out.outputs] for out in outputs]
+
+
+def stock_greedy(model, prompts, max_new_tokens: int) -> list[list[list[int]]]:
+    return [[model.generate(input_ids=torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
+                            eos_token_id=None)[0, len(p):].tolist()] for p in prompts]
+
+
+@pytest.mark.parametrize("name", ["looping", "llama"])
+def test_greedy_tokens_equal_stock_generate(name, request):
+    model = request.getfixturevalue(name)
+    prompts = repetitive_prompts(10)
+    params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+    plain, plain_stats = run(model, prompts, params, block_size=4)
+    drafted, stats = run(model, prompts, params, block_size=4, speculative_config=NGRAM)
+    assert tokens(drafted) == stock_greedy(model, prompts, 40) == tokens(plain)
+    assert plain_stats["spec_draft_tokens"] == 0
+    assert stats["generated_tokens"] == plain_stats["generated_tokens"] == 400
+    drafts, taken = stats["spec_draft_tokens"], stats["spec_accepted_tokens"]
+    if name == "looping":  # runs of taken drafts: far fewer steps
+        assert taken > 0.8 * drafts and stats["steps"] < plain_stats["steps"] / 2
+    else:
+        assert drafts > 20 * taken > 0
+
+
+@pytest.mark.parametrize("name", ["looping", "llama"])
+def test_negative_control_rows_after_a_rejected_draft_token_give_other_tokens(name, request, monkeypatch):
+    """The suite can fail: taking the next row's token although the draft token before it was not the
+    one chosen (its row saw a context that never happened) changes the outputs."""
+    model = request.getfixturevalue(name)
+    prompts = repetitive_prompts(10)
+    params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+    monkeypatch.setattr(OutputProcessor, "_took", staticmethod(lambda seq, draft_token: seq.finish_reason is None))
+    drafted, _ = run(model, prompts, params, block_size=4, speculative_config=NGRAM)
+    assert tokens(drafted) != stock_greedy(model, prompts, 40)
+
+
+SAMPLED = [
+    SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.9, seed=5, n=2, logprobs=3),
+    SamplingParams(max_new_tokens=30, temperature=1.0, top_k=8, seed=11),
+    SamplingParams(max_new_tokens=25, temperature=0, repetition_penalty=1.3, presence_penalty=0.5),
+    SamplingParams(max_new_tokens=25, temperature=0.7, frequency_penalty=0.8, seed=3, logprobs=0),
+    SamplingParams(max_new_tokens=20, temperature=0, min_tokens=6, stop_token_ids=[5, 17, 40, 61]),
+    SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True),
+    SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True),
+    SamplingParams(max_new_tokens=20, temperature=0, logit_bias={7: 3.0, 9: -100.0}, allowed_token_ids=None),
+    SamplingParams(max_new_tokens=20, temperature=0.8, seed=9, min_p=0.05, allowed_token_ids=list(range(3, 60))),
+]
+
+
+@pytest.mark.parametrize("params", SAMPLED, ids=lambda p: f"n{p.n}-t{p.temperature}-max{p.max_new_tokens}")
+def test_every_token_and_log_prob_equals_decoding_without_drafts(llama, params):
+    """Seeded samples draw the same numbers in the same order: tokens, finish and stop reasons are
+    equal, log-probs equal but for the last bits (a row's matrix products round by the shape of the
+    step it ran in, drafts or not, as between any two batches)."""
+    prompts = repetitive_prompts(6, seed=1)
+    plain, _ = run(llama, prompts, params, block_size=4)
+    drafted, stats = run(llama, prompts, params, block_size=4, speculative_config=NGRAM)
+    assert tokens(drafted) == tokens(plain)
+    for a, b in zip(plain, drafted):
+        for x, y in zip(a.outputs, b.outputs):
+            assert (x.finish_reason, x.stop_reason) == (y.finish_reason, y.stop_reason)
+            assert (x.cumulative_logprob is None) == (y.cumulative_logprob is None)
+            if x.cumulative_logprob is not None:
+                assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-4)
+            for row_x, row_y in zip(x.logprobs or [], y.logprobs or [], strict=True):
+                assert row_x.keys() == row_y.keys()
+                assert [float(row_x[t]) for t in row_x] == pytest.approx([float(row_y[t]) for t in row_x], abs=1e-4)
+    if params.max_new_tokens > 1:
+        assert stats["spec_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_windows_prefix_cache_and_preemption(arch):
+    """Sliding windows (blocks given back behind them), prefix hits of repeated prompts, and a pool
+    small enough to preempt (recompute, then swap): tokens as without drafts, books kept, nothing
+    leaked."""
+    model = build(arch)
+    prompts = repetitive_prompts(8, seed=2)
+    prompts += [list(p) for p in prompts[:3]]  # prefix hits
+    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    for mode in ("recompute", "swap"):
+        kwargs = dict(block_size=2, num_blocks=48, max_num_batched_tokens=24, preemption_mode=mode,
+                      enable_prefix_caching=True)
+        plain, _ = run(model, prompts, params, **kwargs)
+        drafted, stats = run(model, prompts, params, **kwargs, speculative_config=NGRAM)
+        assert tokens(drafted) == tokens(plain)
+        assert stats["spec_accepted_tokens"] > 0
+        assert stats[f"preemptions_{mode}"] > 0
+
+
+def test_any_draft_gives_the_same_tokens(llama, monkeypatch):
+    """Random drafts of random lengths (mostly wrong), stepped one at a time with the books checked
+    after every step: the outputs are those of decoding without drafts."""
+    rng = random.Random(0)
+
+    def random_draft(self, request, seq, budget):
+        limit = min(budget, self.limit(request, seq), rng.randint(0, 6))
+        if rng.random() < 0.3 and limit > 0:  # now and then a right guess: the decoded continuation
+            return tuple(expected[request.request_id][seq.index][seq.num_output_tokens:][:limit])
+        return tuple(rng.randrange(VOCAB) for _ in range(max(limit, 0)))
+
+    prompts = repetitive_prompts(8, seed=3)
+    params = [SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True),
+              SamplingParams(max_new_tokens=24, temperature=0.8, seed=4, n=2, ignore_eos=True)] * 4
+    plain, _ = run(llama, prompts, params, block_size=4)
+    expected = {str(i): [c.token_ids for c in out.outputs] for i, out in enumerate(plain)}
+    monkeypatch.setattr(NgramProposer, "propose", random_draft)
+    engine = LLMEngine(llama, block_size=4, num_blocks=80, speculative_config=dict(NGRAM, num_speculative_tokens=6))
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(prompt, p, request_id=str(i))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = [c.token_ids for c in out.outputs]
+        engine.kv.check_invariants()
+        for request in engine.scheduler.running:  # no block held past the tokens that stood
+            for seq in filter(engine.kv.holds, request.live_seqs):
+                assert len(engine.kv.block_table(seq)) == engine.kv.blocks_for(seq.num_computed_tokens)
+    assert finished == expected
+    assert engine.stats()["spec_draft_tokens"] > engine.stats()["spec_accepted_tokens"] > 0
+    assert_engine_idle(engine)
+
+
+def test_no_drafts_above_the_batch_size_limit(llama):
+    prompts = repetitive_prompts(6, seed=4)
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    config = dict(NGRAM, disable_by_batch_size=5)
+    _, crowded = run(llama, prompts, params, speculative_config=config)
+    assert crowded["spec_draft_tokens"] == 0
+    _, few = run(llama, prompts[:5], params, speculative_config=config)
+    assert few["spec_draft_tokens"] > 0
+
+
+def test_ngram_proposals():
+    config = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3,
+                                   "prompt_lookup_min": 2})
+    proposer = NgramProposer(config, max_positions=None)
+
+    class Req:
+        params = SamplingParams(max_new_tokens=100)
+
+    from hf_paged.engine.sequence import Sequence
+
+    seq = Sequence([1, 2, 3, 4, 5, 9, 9, 2, 3, 4], num_prompt_tokens=10)
+    assert proposer.propose(Req, seq, budget=8) == (5, 9, 9, 2, 3)  # after the last "2 3 4"
+    assert proposer.propose(Req, seq, budget=2) == (5, 9)
+    seq.token_ids += [7, 7]
+    assert proposer.propose(Req, seq, budget=8) == ()  # "4 7 7" / "7 7" never came before
+    seq.token_ids += [7]
+    assert proposer.propose(Req, seq, budget=8) == (7, 7, 7, 7, 7)  # a repeat shorter than the draft repeats
+    short = Sequence([6, 1, 2, 6, 1], num_prompt_tokens=5)
+    assert proposer.propose(Req, short, budget=8) == (2, 6, 1, 2, 6)
+    Req.params = SamplingParams(max_new_tokens=3)
+    assert proposer.propose(Req, short, budget=8) == (2, 6)  # its last token is the step's own
+    assert NgramProposer(config, max_positions=7).propose(Req, Sequence([6, 1, 2, 6, 1], 5), budget=8) == (2,)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle' is not supported"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an int >= 1"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min=4"),
+    ({"num_speculative_tokens": 2, "model": "draft"}, "unsupported keys ['model']"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be"),
+    ("ngram", "must be a dict"),
+])
+def test_bad_configs_are_refused_naming_what_is_wrong(llama, config, message):
+    with pytest.raises(ValueError, match=rf"speculative_config.*{message}".replace("[", r"\[").replace("]", r"\]")):
+        LLMEngine(llama, speculative_config=config)
+
+
+def test_vllm_defaults_of_the_lookup_window():
+    assert SpeculativeConfig.of({"num_speculative_tokens": 3}) == SpeculativeConfig(3, 5, 5)
+    assert SpeculativeConfig.of({"num_speculative_tokens": 3, "prompt_lookup_max": 4}) == SpeculativeConfig(3, 4, 4)
+    assert SpeculativeConfig.of({"num_speculative_tokens": 3, "prompt_lookup_min": 2}) == SpeculativeConfig(3, 2, 2)
+
+
+def test_models_with_recurrent_layers_are_refused():
+    with pytest.raises(ValueError, match="recurrent layers, whose state cannot be rolled back"):
+        LLMEngine(build_hybrid("lfm2"), speculative_config=NGRAM)
