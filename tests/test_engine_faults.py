@@ -532,3 +532,16 @@ def test_a_stream_raises_when_its_request_fails_and_aborts_when_left_early(model
         break  # a consumer that stops after one token
     assert not engine.has_unfinished_requests()
     check_no_leak(engine)
+
+
+def test_beams_with_min_tokens_and_a_stop_token_id_past_the_vocabulary(model):
+    """Such an id can never be chosen: beams, like samples, have nothing to mask for it (beams once
+    failed with an IndexError while min_tokens held; the property test above found it)."""
+    engine = LLMEngine(model)
+    far = 382485965600234
+    beams = SamplingParams(max_new_tokens=6, num_beams=2, n=2, min_tokens=3, stop_token_ids=[far])
+    plain = dataclasses.replace(beams, stop_token_ids=[])
+    got, expected = engine.generate([[5, 6, 7], [5, 6, 7]], [beams, plain], use_tqdm=False)
+    assert got.error is None
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in expected.outputs]
+    check_no_leak(engine)

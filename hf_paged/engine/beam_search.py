@@ -66,10 +66,12 @@ def apply_min_new_tokens(
     already calls this; it is exposed for callers that want the processed log-probs themselves
     (e.g. to report per-step ``scores`` as transformers does).
     """
-    if generated_len >= min_new_tokens or not eos_token_ids:
+    vocab = log_probs.shape[-1]
+    stops = [t for t in eos_token_ids if t < vocab]  # an id past the vocabulary is never chosen: nothing to mask
+    if generated_len >= min_new_tokens or not stops:
         return log_probs
-    blocked = torch.zeros(log_probs.shape[-1], dtype=torch.bool, device=log_probs.device)
-    blocked[torch.tensor(eos_token_ids, device=log_probs.device)] = True
+    blocked = torch.zeros(vocab, dtype=torch.bool, device=log_probs.device)
+    blocked[torch.tensor(stops, device=log_probs.device)] = True
     return torch.where(blocked, -math.inf, log_probs)
 
 
