@@ -350,6 +350,16 @@ def _chat_template(value: str | None) -> str | None:
         raise CliError(f"--chat-template {value!r}: not a readable file ({err.strerror}) nor a Jinja template") from None
 
 
+def _speculative_config(value: str | None) -> dict | None:
+    """``--speculative-config``: vLLM's JSON object (``{"method": "ngram", "num_speculative_tokens": 4, ...}``)."""
+    if value is None:
+        return None
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as err:
+        raise CliError(f"--speculative-config {value!r}: not JSON ({err})") from None
+
+
 def serving_engine(args) -> LLMEngine:
     """``hf-paged serve``'s engine, built where it will run (this process, or the engine process),
     which prints what it serves."""
@@ -366,7 +376,8 @@ def serving_engine(args) -> LLMEngine:
                            max_consecutive_failures=args.max_consecutive_failures,
                            num_state_slots=args.num_state_slots, compile=False if args.enforce_eager else None,
                            cuda_graphs=args.cuda_graphs, max_model_len=args.max_model_len,
-                           scheduling_policy=args.scheduling_policy)
+                           scheduling_policy=args.scheduling_policy,
+                           speculative_config=_speculative_config(args.speculative_config))
     except ValueError as err:  # an option the model or device rules out
         raise CliError(str(err)) from None
     if engine.tp and not engine.tp.is_driver:
@@ -510,6 +521,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="fcfs: first come, first served (a request's nonzero priority is a 400); priority: requests "
                         "run in order of their priority field (lower first), the last in that order preempted first")
+    s.add_argument("--speculative-config", metavar="JSON",
+                   help='speculative decoding by n-gram lookup, vLLM\'s form: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (every token '
+                        'as without it; pays where outputs repeat their context, at small batches on a CPU)')
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $HF_PAGED_API_KEY)")
     s.add_argument("--served-model-name", help="the model name clients pass (default: --model, or hf-paged-demo)")
     s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413")

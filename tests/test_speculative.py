@@ -15,7 +15,7 @@ from hf_paged.demo import demo_model
 from hf_paged.engine.output_processor import OutputProcessor
 from hf_paged.engine.speculative import NgramProposer, SpeculativeConfig
 from tests.helpers.hybrid_models import build_hybrid
-from tests.helpers.tiny_models import VOCAB, assert_engine_idle, build
+from tests.helpers.tiny_models import VOCAB, assert_engine_idle, build, build_narrow_llama
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -234,3 +234,67 @@ def test_vllm_defaults_of_the_lookup_window():
 def test_models_with_recurrent_layers_are_refused():
     with pytest.raises(ValueError, match="recurrent layers, whose state cannot be rolled back"):
         LLMEngine(build_hybrid("lfm2"), speculative_config=NGRAM)
+
+
+def test_served_requests_with_drafts_answer_as_the_engine_without_them():
+    """``hf-paged serve --speculative-config``'s engine over real HTTP with the openai client: streamed
+    and whole completions and a chat answer with the tokens of an engine without drafts."""
+    import openai
+
+    from hf_paged.demo import byte_tokenizer
+    from tests.helpers.serving import serving, single_threaded_torch, tiny_model, wait_idle
+
+    looping = {"initializer_range": 0.05}  # its greedy answers loop: drafts are taken
+    prompts = ["The cat sat on the mat. The cat sat on", "abcabcabcab", "1, 2, 3, 1, 2, 3, 1"]
+    with single_threaded_torch(), serving({"num_blocks": 256, "speculative_config": NGRAM}, looping) as (server, loop):
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            whole = [client.completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0,
+                                               extra_body={"return_token_ids": True}) for p in prompts]
+            streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+                model="tiny", prompt=prompts[0], max_tokens=24, temperature=0, stream=True))
+            chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[1]}],
+                                                  max_tokens=24, temperature=0, extra_body={"return_token_ids": True})
+        stats = wait_idle(loop)
+    tokenizer = byte_tokenizer()
+    engine = LLMEngine(tiny_model(**looping), tokenizer, num_blocks=256)
+    expected = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
+    assert [c.choices[0].token_ids for c in whole] == [out.outputs[0].token_ids for out in expected]
+    assert [c.choices[0].text for c in whole] == [out.outputs[0].text for out in expected]
+    assert streamed == expected[0].outputs[0].text
+    answer = engine.generate([{"prompt_token_ids": chat.prompt_token_ids}], SamplingParams(max_tokens=24, temperature=0),
+                             use_tqdm=False)[0].outputs[0]
+    assert (chat.choices[0].token_ids, chat.choices[0].message.content) == (answer.token_ids, answer.text)
+    assert stats["spec_accepted_tokens"] > 20
+
+
+def test_the_command_line_takes_vllms_json_form():
+    from hf_paged.__main__ import CliError, parser, serving_engine
+
+    config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'
+    engine = serving_engine(parser().parse_args(["serve", "--speculative-config", config, "--num-blocks", "64"]))
+    assert engine.speculative_config == SpeculativeConfig(3, 2, 2)
+    with pytest.raises(CliError, match="--speculative-config.*not JSON"):
+        serving_engine(parser().parse_args(["serve", "--speculative-config", "{ngram}"]))
+    with pytest.raises(CliError, match="speculative_config: method 'draft_model' is not supported"):
+        serving_engine(parser().parse_args(["serve", "--speculative-config",
+                                            '{"method": "draft_model", "num_speculative_tokens": 3}']))
+
+
+def test_drafts_on_the_triton_kernels(triton_launches):
+    """The GPU route (Triton kernels, interpreted here): drafts are read by the prefill kernel, and
+    the tokens are stock generate()'s."""
+    model = build_narrow_llama()
+    prompts = [p[:20] for p in repetitive_prompts(3, seed=5)]
+    params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    drafted, stats = run(model, prompts, params, block_size=4, speculative_config=NGRAM)
+    assert tokens(drafted) == stock_greedy(model, prompts, 10)
+    assert stats["spec_draft_tokens"] > 0 and triton_launches["paged_attention_prefill"] > 0
+
+
+def test_drafts_through_the_compiled_step(looping):
+    """CPU engines compile their steps by default (the tests run eager): drafts there too."""
+    prompts = repetitive_prompts(4, seed=6)
+    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    drafted, stats = run(looping, prompts, params, block_size=4, speculative_config=NGRAM, compile=True)
+    assert stats["compiled"] and stats["spec_accepted_tokens"] > 30
+    assert tokens(drafted) == stock_greedy(looping, prompts, 30)
