@@ -261,8 +261,8 @@ def test_served_requests_with_drafts_answer_as_the_engine_without_them():
     assert [c.choices[0].token_ids for c in whole] == [out.outputs[0].token_ids for out in expected]
     assert [c.choices[0].text for c in whole] == [out.outputs[0].text for out in expected]
     assert streamed == expected[0].outputs[0].text
-    answer = engine.generate([{"prompt_token_ids": chat.prompt_token_ids}], SamplingParams(max_tokens=24, temperature=0),
-                             use_tqdm=False)[0].outputs[0]
+    answer = engine.generate([{"prompt_token_ids": chat.prompt_token_ids}],
+                             SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0].outputs[0]
     assert (chat.choices[0].token_ids, chat.choices[0].message.content) == (answer.token_ids, answer.text)
     assert stats["spec_accepted_tokens"] > 20
 
@@ -298,3 +298,28 @@ def test_drafts_through_the_compiled_step(looping):
     drafted, stats = run(looping, prompts, params, block_size=4, speculative_config=NGRAM, compile=True)
     assert stats["compiled"] and stats["spec_accepted_tokens"] > 30
     assert tokens(drafted) == stock_greedy(looping, prompts, 30)
+
+
+def test_constrained_requests_take_drafts_a_mask_at_a_time():
+    """A grammar's mask at each position follows the tokens taken before it (the matcher advances
+    every round): JSON-schema and regex outputs, greedy and seeded samples, as without drafts."""
+    from hf_paged.constraints import StructuredOutputsParams
+    from hf_paged.demo import byte_tokenizer
+    from tests.helpers.serving import tiny_model
+
+    model, tokenizer = tiny_model(initializer_range=0.05), byte_tokenizer()
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 12}}, "required": ["a"]}
+    requests = []
+    for constraint in (StructuredOutputsParams(json=schema), StructuredOutputsParams(regex=r"(ab|abc)+x{0,20}")):
+        requests += [SamplingParams(max_tokens=40, temperature=0, structured_outputs=constraint),
+                     SamplingParams(max_tokens=40, temperature=1.0, seed=7, n=2, structured_outputs=constraint)]
+    prompts = ["abcabcabc"] * len(requests)
+    results = []
+    for config in (None, NGRAM):
+        engine = LLMEngine(model, tokenizer, num_blocks=256, speculative_config=config)
+        outputs = engine.generate(prompts, requests, use_tqdm=False)
+        assert all(out.error is None for out in outputs)
+        assert_engine_idle(engine)
+        results.append(([[c.text for c in out.outputs] for out in outputs], tokens(outputs), engine.stats()))
+    assert results[1][:2] == results[0][:2]
+    assert results[1][2]["spec_accepted_tokens"] > 0
