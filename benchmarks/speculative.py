@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository, not benchmarks/ (its kernels.py)
 
-from hf_paged import LLMEngine, SamplingParams
-from hf_paged.demo import demo_model
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from hf_paged import LLMEngine, SamplingParams  # noqa: E402
+from hf_paged.demo import demo_model  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
