@@ -6,7 +6,9 @@ or preemption; the blocks of rejected draft tokens go back."""
 from __future__ import annotations
 
 import random
+import re
 
+import httpx
 import pytest
 import torch
 
@@ -255,6 +257,7 @@ def test_served_requests_with_drafts_answer_as_the_engine_without_them():
             chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[1]}],
                                                   max_tokens=24, temperature=0, extra_body={"return_token_ids": True})
         stats = wait_idle(loop)
+        metrics = httpx.get(server.url + "/metrics").text
     tokenizer = byte_tokenizer()
     engine = LLMEngine(tiny_model(**looping), tokenizer, num_blocks=256)
     expected = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
@@ -265,6 +268,9 @@ def test_served_requests_with_drafts_answer_as_the_engine_without_them():
                              SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0].outputs[0]
     assert (chat.choices[0].token_ids, chat.choices[0].message.content) == (answer.token_ids, answer.text)
     assert stats["spec_accepted_tokens"] > 20
+    for name, key in (("drafts", "spec_drafts"), ("draft_tokens", "spec_draft_tokens"),
+                      ("accepted_tokens", "spec_accepted_tokens")):  # vLLM's series
+        assert re.search(rf'^vllm:spec_decode_num_{name}_total{{model_name="[^"]*"}} {stats[key]}$', metrics, re.M)
 
 
 def test_the_command_line_takes_vllms_json_form():
@@ -323,3 +329,14 @@ def test_constrained_requests_take_drafts_a_mask_at_a_time():
         results.append(([[c.text for c in out.outputs] for out in outputs], tokens(outputs), engine.stats()))
     assert results[1][:2] == results[0][:2]
     assert results[1][2]["spec_accepted_tokens"] > 0
+
+
+def test_vllms_llm_takes_the_config(looping):
+    from hf_paged import LLM
+
+    llm = LLM(looping, speculative_config=NGRAM)
+    prompts = repetitive_prompts(3, seed=7)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert tokens(outputs) == stock_greedy(looping, prompts, 20)
+    assert llm.llm_engine.stats()["spec_accepted_tokens"] > 0

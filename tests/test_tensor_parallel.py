@@ -88,6 +88,12 @@ def test_engine_greedy_and_seeded_sampling_equal_one_process(report, single):
     assert follower["greedy"] == report["greedy"] and follower["sampled"] == report["sampled"]  # rank 0's outputs
 
 
+def test_speculative_decoding_equals_one_process(report, single):
+    """Drafts travel in the step rank 0 broadcasts; every rank rolls its blocks back alike."""
+    assert report["drafted"] == [single["greedy"], single["sampled"]]
+    assert report["draft_tokens"] > 0
+
+
 def test_structured_outputs_and_logit_bias_equal_one_process(report, single):
     """Rank 0 masks and samples; the other ranks only compute: the tokens are one process's."""
     import re

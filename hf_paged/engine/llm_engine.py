@@ -107,7 +107,8 @@ class LLMEngine:
             sequence whose last ``m`` .. ``M`` tokens occurred before proposes the ``k`` tokens that
             followed them, and one forward checks them all (:mod:`hf_paged.engine.speculative`):
             every token is the one decoding without it would give, seeded samples included.
-            ``stats()`` counts ``spec_draft_tokens`` and ``spec_accepted_tokens``. Models with
+            ``stats()`` counts ``spec_drafts`` (sequences' drafts), ``spec_draft_tokens`` and
+            ``spec_accepted_tokens`` (vLLM's ``vllm:spec_decode_*`` series on the server). Models with
             recurrent layers are refused (their state cannot be rolled back).
         max_consecutive_failures: failed steps in a row after which :attr:`healthy` is False (a
             step fails when its forward, block moves or processing raise, or when every logits
@@ -217,7 +218,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._counters = {"steps": 0, "generated_tokens": 0, "busy_s": 0.0, "failed_steps": 0,
-                          "consecutive_failed_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+                          "consecutive_failed_steps": 0, "spec_drafts": 0, "spec_draft_tokens": 0,
+                          "spec_accepted_tokens": 0}
         self._held: list[RequestOutput] = []  # outputs of a step interrupted by a BaseException
         self._unclaimed: dict[str, RequestOutput] = {}  # see _keep_unclaimed
         self._shapers: dict[str, OutputShaper] = {}  # requests whose step() outputs are not every step's whole
@@ -414,6 +416,7 @@ class LLMEngine:
             self._count_step(failed=result.all_logits_nonfinite)
         self._counters["generated_tokens"] += result.num_generated_tokens
         if result.num_draft_tokens:
+            self._counters["spec_drafts"] += result.num_drafts
             self._counters["spec_draft_tokens"] += result.num_draft_tokens
             self._counters["spec_accepted_tokens"] += result.num_accepted_tokens
         self._counters["busy_s"] += time.perf_counter() - start
@@ -794,7 +797,8 @@ class LLMEngine:
             "state_slots_free": kv["state_slots_free"], "swap_state_slots_used": kv["swap_state_slots_used"],
             "state_bytes_per_slot": self.runner.states.bytes_per_slot() if self.runner.states else 0,
             "tensor_parallel_size": self.tp.size if self.tp else 1,
-            "spec_draft_tokens": self._counters["spec_draft_tokens"],
+            "num_speculative_tokens": self.speculative_config.num_speculative_tokens if self.speculative_config else 0,
+            "spec_drafts": self._counters["spec_drafts"], "spec_draft_tokens": self._counters["spec_draft_tokens"],
             "spec_accepted_tokens": self._counters["spec_accepted_tokens"],
             "kv_heads_per_rank": self._kv_heads // (self.tp.size if self.tp else 1),
         }

@@ -129,13 +129,13 @@ class _Outcome:
                           sum(self.generated.values()), frozenset(self.failed), self.all_logits_nonfinite)
 
 
-def _merged(results: list[StepResult], num_draft_tokens: int, num_accepted_tokens: int) -> StepResult:
+def _merged(results: list[StepResult], num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> StepResult:
     """One step's result from its rounds' (a step with drafts), in round order."""
     changed = {id(r): r for result in results for r in result.changed}
     return StepResult(tuple(u for result in results for u in result.updates), tuple(changed.values()),
                       sum(result.num_generated_tokens for result in results),
                       frozenset().union(*(result.failed for result in results)), results[0].all_logits_nonfinite,
-                      num_draft_tokens, num_accepted_tokens)
+                      num_drafts, num_draft_tokens, num_accepted_tokens)
 
 
 class OutputProcessor:
@@ -180,7 +180,8 @@ class OutputProcessor:
                 rows = torch.tensor([row + position for _, row, _ in going], device=logits.device)
                 round_step = SchedulerOutput(sequences=tuple(scheduled[seq.seq_id] for _, _, seq in going))
                 results.append(self._process(round_step, logits.index_select(0, rows), requests))
-        return _merged(results, sum(len(s.draft) for s in step.sequences), accepted)
+        drafts = [len(s.draft) for s in step.sequences if s.draft]
+        return _merged(results, len(drafts), sum(drafts), accepted)
 
     @staticmethod
     def _took(seq: Sequence, draft_token: int) -> bool:

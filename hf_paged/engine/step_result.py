@@ -47,7 +47,8 @@ class StepResult:
     failed: frozenset[str] = frozenset()
     # every logits row of the step was non-finite: the model itself is failing (a failed step)
     all_logits_nonfinite: bool = False
-    num_draft_tokens: int = 0  # speculative decoding: draft tokens the step computed
+    num_drafts: int = 0  # speculative decoding: sequences that computed a draft
+    num_draft_tokens: int = 0  # and their draft tokens
     num_accepted_tokens: int = 0  # and those taken (each equal to the token chosen at its position)
 
     @property

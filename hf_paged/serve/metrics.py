@@ -42,6 +42,9 @@ _ENGINE_METRICS = {
     "tokens_per_second": ("generation_tokens_per_second", "gauge", "Generated tokens per second of engine busy time."),
     "healthy": ("engine_healthy", "gauge", "1 while engine steps succeed, 0 after too many failed in a row."),
     "failed_steps": ("engine_failed_steps_total", "counter", "Engine steps that failed (their requests got errors)."),
+    "spec_drafts": ("spec_drafts_total", "counter", "Speculative decoding: drafts computed (one per sequence and step)."),
+    "spec_draft_tokens": ("spec_draft_tokens_total", "counter", "Speculative decoding: draft tokens computed."),
+    "spec_accepted_tokens": ("spec_accepted_tokens_total", "counter", "Speculative decoding: draft tokens taken."),
 }
 
 
@@ -148,6 +151,11 @@ class ServingMetrics:
                                     stats.get("computed_prompt_tokens", 0) + stats.get("prefix_cache_hit_tokens", 0)),
             "generation_tokens_total": ("Generation tokens processed.", stats.get("generated_tokens", 0)),
         }
+        if stats.get("num_speculative_tokens"):  # as vLLM, only with speculative decoding on
+            counters |= {"spec_decode_num_drafts_total": ("Number of spec decoding drafts.", stats["spec_drafts"]),
+                         "spec_decode_num_draft_tokens_total": ("Number of draft tokens.", stats["spec_draft_tokens"]),
+                         "spec_decode_num_accepted_tokens_total": ("Number of accepted tokens.",
+                                                                   stats["spec_accepted_tokens"])}
         lines = []
         for kind, table in (("gauge", gauges), ("counter", counters)):
             for name, (help_text, value) in table.items():

@@ -43,6 +43,9 @@ def constrained_requests():
             SamplingParams(max_new_tokens=4, temperature=0, logit_bias={40: 100.0})]
 
 
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+
+
 def main(checkpoint: str, bad_checkpoint: str, out_path: str) -> None:
     model = load_model(checkpoint)
     rank = dist.get_rank()
@@ -54,6 +57,10 @@ def main(checkpoint: str, bad_checkpoint: str, out_path: str) -> None:
     report["greedy"] = _token_ids(engine.generate(PROMPTS, greedy, use_tqdm=False))  # every rank calls it
     report["sampled"] = _token_ids(engine.generate(PROMPTS[:2], sampled, use_tqdm=False))
     report["stats"] = {k: v for k, v in engine.stats().items() if k in ("tensor_parallel_size", "kv_heads_per_rank")}
+    drafting = LLMEngine(model, block_size=4, num_blocks=64, speculative_config=SPECULATIVE)  # drafts rank 0 decides
+    report["drafted"] = [_token_ids(drafting.generate(PROMPTS, greedy, use_tqdm=False)),
+                         _token_ids(drafting.generate(PROMPTS[:2], sampled, use_tqdm=False))]
+    report["draft_tokens"] = drafting.stats()["spec_draft_tokens"]
     from hf_paged.demo import byte_tokenizer
 
     constrained = LLMEngine(model, byte_tokenizer(), block_size=4, num_blocks=64)
