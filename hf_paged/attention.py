@@ -279,12 +279,10 @@ def packed_attention(step: PackedStep, layer_idx: int, query, key, value, stores
         parts.append(kernels.paged_attention_decode(
             q[:nd].contiguous(), k_pool, v_pool, tables[:nd], lens[:nd], scale, **options))
     t0, s0 = nd, nd  # the first query row and sequence of the prefill read
-    if meta.num_draft_seqs and _c_decode_reads(step, q, k_pool, v_pool, triton, options):
+    if meta.num_draft_seqs and not q.is_cuda and not triton and not options["softcap"]:
         # drafts (speculative decoding) read as decode rows: each token as the step that decodes it would
         rows = len(meta.draft_lens)
-        parts.append(cpu_decode.paged_decode_cpu(q[nd : nd + rows], k_pool, v_pool, meta.draft_tables,
-                                                 meta.draft_lens, scale, options.get("sliding_window"),
-                                                 options.get("sinks")))
+        parts.append(_decode_on_cpu(step, layer_idx, q[nd : nd + rows], k_pool, v_pool, scale, options, drafts=True))
         t0, s0 = nd + rows, nd + meta.num_draft_seqs
         cu = cu[meta.num_draft_seqs :] - rows
     if q.shape[0] > t0 and _c_prefill_reads(step, q, k_pool, v_pool, triton, options):
@@ -388,8 +386,9 @@ def _latent_context_attention(step: PackedStep, layer_idx: int, query, key, valu
     return out[None], None
 
 
-def _decode_on_cpu(step: PackedStep, layer_idx: int, q, k_pool, v_pool, scale, options: dict):
-    """CPU decode for an engine step. Float32 pools go to the C read over the blocks
+def _decode_on_cpu(step: PackedStep, layer_idx: int, q, k_pool, v_pool, scale, options: dict, drafts: bool = False):
+    """CPU decode for an engine step (``drafts``: the rows of its sequences with drafts, each read as
+    a decode row, ``AttentionMetadata.draft_tables`` / ``draft_lens``). Float32 pools go to the C read over the blocks
     (:mod:`hf_paged.kernels.cpu_decode`: no gathered copy) where it is built and the layer needs
     no chunked attention (``step.decode_read`` "auto"). Otherwise, per group of similar-length
     sequences, one gather of their keys and values (slot indices built once per step, shared by
@@ -400,14 +399,14 @@ def _decode_on_cpu(step: PackedStep, layer_idx: int, q, k_pool, v_pool, scale, o
     kv_heads, group = k_pool.shape[2], heads // k_pool.shape[2]
     if _c_decode_reads(step, q, k_pool, v_pool, False, options):
         meta = step.metadata_for(layer_idx, q.device)
-        return cpu_decode.paged_decode_cpu(q, k_pool, v_pool, meta.block_tables[:num_seqs],
-                                           meta.context_lens[:num_seqs], scale, options.get("sliding_window"),
-                                           options.get("sinks"))
+        tables, lens = (meta.draft_tables, meta.draft_lens) if drafts else (meta.block_tables, meta.context_lens)
+        return cpu_decode.paged_decode_cpu(q, k_pool, v_pool, tables[:num_seqs], lens[:num_seqs], scale,
+                                           options.get("sliding_window"), options.get("sinks"))
     k_rows, v_rows = k_pool.view(-1, kv_heads * head_dim), v_pool.view(-1, kv_heads * head_dim)
     sinks = options.get("sinks")
     parts = []
     for lo, hi, slots, mask in step.decode_groups(layer_idx, options.get("sliding_window"), q.dtype,
-                                                  options.get("chunk_size")):
+                                                  options.get("chunk_size"), drafts):
         flat = slots.reshape(-1)  # index_select of [kv_heads * head_dim] rows: ~4x faster than tensor[slots]
         shape = (hi - lo, slots.shape[1], kv_heads, head_dim)
         keys = k_rows.index_select(0, flat).view(shape).transpose(1, 2)  # [seqs, kv_heads, T, head_dim]

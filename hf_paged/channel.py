@@ -268,7 +268,7 @@ class PackedStep(StashingCache, abc.ABC):
 
     @abc.abstractmethod
     def decode_groups(self, layer_idx: int, window: int | None, dtype: torch.dtype,
-                      chunk_size: int | None = None) -> list[DecodeGroup]:
+                      chunk_size: int | None = None, drafts: bool = False) -> list[DecodeGroup]:
         """The decoding sequences in groups of similar length, each with its slots (in the
         layer's group) and mask (``window``: the layer's sliding window; ``chunk_size``: its
-        chunked local attention)."""
+        chunked local attention; ``drafts``: the rows of the sequences with drafts instead)."""

@@ -5,6 +5,7 @@ or preemption; the blocks of rejected draft tokens go back."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 
@@ -340,3 +341,58 @@ def test_vllms_llm_takes_the_config(looping):
                            SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
     assert tokens(outputs) == stock_greedy(looping, prompts, 20)
     assert llm.llm_engine.stats()["spec_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "deepseek_v3", "llama4_text", "gemma3n_text", "gemma3", "gpt2"])
+def test_every_attention_kind_takes_drafts(name):
+    """Sinks and sliding windows (gpt-oss), latent attention (DeepSeek V3), chunked local attention
+    (Llama 4), layers sharing K/V (Gemma 3n), sliding + full groups (Gemma 3), learned positions
+    (GPT-2): greedy tokens with drafts are stock generate()'s."""
+    from tests.helpers.variant_models import BUILDERS, build_variant
+
+    model = build_variant(name) if name in BUILDERS else build(name)
+    vocab = model.config.get_text_config().vocab_size
+    prompts = [[t % vocab for t in p] for p in repetitive_prompts(5, seed=8)]
+    drafted, stats = run(model, prompts, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True),
+                         block_size=4, speculative_config=NGRAM)
+    assert tokens(drafted) == [[model.generate(input_ids=torch.tensor([p]), max_new_tokens=24, do_sample=False,
+                                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()]
+                               for p in prompts]
+    assert stats["spec_accepted_tokens"] > 0
+
+
+HALF = [(torch.bfloat16, "llama"), (torch.bfloat16, "mistral"), (torch.float16, "llama"), (torch.float16, "mistral")]
+
+
+def half_precision_runs(dtype: torch.dtype, arch: str):
+    """(with drafts, stock generate()) greedy tokens of a half-precision model on a fixed prompt set."""
+    model = build(arch).to(dtype)
+    prompts = repetitive_prompts(8, seed=9)
+    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    drafted, stats = run(model, prompts, params, block_size=4, speculative_config=NGRAM)
+    assert stats["spec_accepted_tokens"] > 0
+    return tokens(drafted), stock_greedy(model, prompts, 30)
+
+
+@pytest.mark.parametrize("dtype, arch", HALF, ids=lambda v: str(v).removeprefix("torch."))
+def test_half_precision_drafts_give_stock_tokens(dtype, arch):
+    """Draft rows are read as decode rows (a group of one length each, as a decode step reads a
+    row), so their rounding is a decode step's: the tokens are stock generate()'s in bfloat16 and
+    float16 too."""
+    drafted, stock = half_precision_runs(dtype, arch)
+    assert drafted == stock
+
+
+def test_negative_control_drafts_through_the_prefill_read_round_otherwise(monkeypatch):
+    """Read as a chunk after a past (the prefill read), a bfloat16 draft row rounds otherwise, and
+    a near-tie goes the other way: the half-precision test can fail."""
+    from hf_paged.engine import step_cache
+
+    original = step_cache.step_metadata
+
+    def without_draft_rows(step, group):
+        return dataclasses.replace(original(step, group), num_draft_seqs=0, draft_tables=None, draft_lens=None)
+
+    monkeypatch.setattr(step_cache, "step_metadata", without_draft_rows)
+    drafted, stock = half_precision_runs(torch.bfloat16, "llama")
+    assert drafted != stock

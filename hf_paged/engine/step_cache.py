@@ -63,7 +63,7 @@ class PackedStepCache(PackedStep):
         return self._moved[key]
 
     def decode_groups(self, layer_idx: int, window: int | None, dtype: torch.dtype,
-                      chunk_size: int | None = None) -> list[DecodeGroup]:
+                      chunk_size: int | None = None, drafts: bool = False) -> list[DecodeGroup]:
         """The decoding sequences (sorted longest first by the scheduler) in groups of similar
         length; padding points at slot 0 and gets -inf in the additive mask (SDPA on CPU is
         faster with a float mask than a bool one). With a sliding ``window`` only the columns
@@ -74,21 +74,25 @@ class PackedStepCache(PackedStep):
         group replace a per-sequence loop, and groups keep short sequences from paying for the
         longest one's padding. In float16 and bfloat16 a group holds sequences of one length only:
         SDPA's rounding there depends on how far a row is padded (masked keys change its blocking),
-        so padding would make a sequence's tokens depend on the batch it ran in."""
-        key = (self._group_of[layer_idx], window, dtype, chunk_size)
+        so padding would make a sequence's tokens depend on the batch it ran in.
+
+        ``drafts``: the rows of the sequences with drafts instead (``AttentionMetadata.draft_lens``),
+        in groups of one length each, as a decode step would read each of them."""
+        key = (self._group_of[layer_idx], window, dtype, chunk_size, drafts)
         if key not in self._decode_groups:
             meta = self._group_metadata(key[0])
-            lens = meta.context_lens[: meta.num_decode].long()
+            lens = (meta.draft_lens if drafts else meta.context_lens[: meta.num_decode]).long()
+            all_tables = meta.draft_tables if drafts else meta.block_tables
             bs = self.storage.block_size
             groups = []
-            exact = dtype in (torch.float16, torch.bfloat16)
+            exact = drafts or dtype in (torch.float16, torch.bfloat16)
             for lo, hi in (equal_runs if exact else split_by_length)(lens.tolist()):
                 longest = int(lens[lo])
                 first = max(0, int(lens[hi - 1]) - window) if window else 0
                 if chunk_size:
                     first = max(first, (int(lens[hi - 1]) - 1) // chunk_size * chunk_size)
                 pos = torch.arange(first, longest)
-                table = meta.block_tables[lo:hi, : -(-longest // bs)].long()
+                table = all_tables[lo:hi, : -(-longest // bs)].long()
                 slots = table.gather(1, (pos // bs).expand(hi - lo, -1)) * bs + pos % bs
                 visible = pos[None, :] < lens[lo:hi, None]
                 if window:
