@@ -396,3 +396,27 @@ def test_negative_control_drafts_through_the_prefill_read_round_otherwise(monkey
     monkeypatch.setattr(step_cache, "step_metadata", without_draft_rows)
     drafted, stock = half_precision_runs(torch.bfloat16, "llama")
     assert drafted != stock
+
+
+def test_deltas_of_steps_that_take_several_tokens_add_up(looping):
+    """A step that takes drafts gives a request several tokens at once: vLLM's DELTA outputs and
+    stream() deltas carry them all, and join into the final output."""
+    from hf_paged import RequestOutputKind
+
+    prompts = repetitive_prompts(3, seed=10)
+    engine = LLMEngine(looping, block_size=4, speculative_config=NGRAM)
+    final = engine.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)
+    delta = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, delta, request_id=f"d{i}")
+    joined, sizes = {}, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            joined.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            sizes.append(len(out.outputs[0].token_ids))
+    assert [joined[f"d{i}"] for i in range(3)] == [out.outputs[0].token_ids for out in final]
+    assert max(sizes) > 1  # steps that took drafts
+    streamed = [t for delta in engine.stream(prompts[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+                for t in delta["token_ids"]]
+    assert streamed == final[0].outputs[0].token_ids
+    assert_engine_idle(engine)
