@@ -279,10 +279,14 @@ def packed_attention(step: PackedStep, layer_idx: int, query, key, value, stores
         parts.append(kernels.paged_attention_decode(
             q[:nd].contiguous(), k_pool, v_pool, tables[:nd], lens[:nd], scale, **options))
     t0, s0 = nd, nd  # the first query row and sequence of the prefill read
-    if meta.num_draft_seqs and not q.is_cuda and not triton and not options["softcap"]:
-        # drafts (speculative decoding) read as decode rows: each token as the step that decodes it would
+    if meta.num_draft_seqs:  # drafts (speculative decoding) read as decode rows, as a step decoding each would
         rows = len(meta.draft_lens)
-        parts.append(_decode_on_cpu(step, layer_idx, q[nd : nd + rows], k_pool, v_pool, scale, options, drafts=True))
+        if not q.is_cuda and not triton and not options["softcap"]:
+            parts.append(_decode_on_cpu(step, layer_idx, q[nd : nd + rows], k_pool, v_pool, scale, options,
+                                        drafts=True))
+        else:
+            parts.append(kernels.paged_attention_decode(q[nd : nd + rows].contiguous(), k_pool, v_pool,
+                                                        meta.draft_tables, meta.draft_lens, scale, **options))
         t0, s0 = nd + rows, nd + meta.num_draft_seqs
         cu = cu[meta.num_draft_seqs :] - rows
     if q.shape[0] > t0 and _c_prefill_reads(step, q, k_pool, v_pool, triton, options):

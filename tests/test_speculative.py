@@ -287,15 +287,26 @@ def test_the_command_line_takes_vllms_json_form():
                                             '{"method": "draft_model", "num_speculative_tokens": 3}']))
 
 
-def test_drafts_on_the_triton_kernels(triton_launches):
-    """The GPU route (Triton kernels, interpreted here): drafts are read by the prefill kernel, and
-    the tokens are stock generate()'s."""
+def test_drafts_on_the_triton_kernels(triton_launches, monkeypatch):
+    """The GPU route (Triton kernels, interpreted here): drafts are read by the decode kernel, a
+    row per token, and the tokens are stock generate()'s."""
+    from hf_paged import kernels
+
     model = build_narrow_llama()
     prompts = [p[:20] for p in repetitive_prompts(3, seed=5)]
     params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    decode_rows = []
+    original = kernels.paged_attention_decode
+
+    def counted(q, *args, **kwargs):
+        decode_rows.append(q.shape[0])
+        return original(q, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "paged_attention_decode", counted)
     drafted, stats = run(model, prompts, params, block_size=4, speculative_config=NGRAM)
     assert tokens(drafted) == stock_greedy(model, prompts, 10)
-    assert stats["spec_draft_tokens"] > 0 and triton_launches["paged_attention_prefill"] > 0
+    assert stats["spec_draft_tokens"] > 0 and triton_launches["paged_attention_decode"] > 0
+    assert max(decode_rows) > len(prompts)  # a draft's rows among them
 
 
 def test_drafts_through_the_compiled_step(looping):
