@@ -87,9 +87,9 @@ class SchedulerOutput:
 
     ``sequences`` and the per-token fields follow the order of the packed forward: decoding
     sequences (one token each, longest context first), then those with a draft, then prefill
-    chunks. ``groups`` holds
-    each layer group's slots, tables and block moves (see :class:`GroupBlocks`), in the order of
-    the KV cache manager's groups; the properties below read the first group's.
+    chunks. ``groups`` holds each layer group's slots, tables and block moves (see
+    :class:`GroupBlocks`), in the order of the KV cache manager's groups; the properties below read
+    the first group's.
     """
 
     sequences: tuple[ScheduledSequence, ...] = ()
