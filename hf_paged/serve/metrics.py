@@ -42,7 +42,7 @@ _ENGINE_METRICS = {
     "tokens_per_second": ("generation_tokens_per_second", "gauge", "Generated tokens per second of engine busy time."),
     "healthy": ("engine_healthy", "gauge", "1 while engine steps succeed, 0 after too many failed in a row."),
     "failed_steps": ("engine_failed_steps_total", "counter", "Engine steps that failed (their requests got errors)."),
-    "spec_drafts": ("spec_drafts_total", "counter", "Speculative decoding: drafts computed (one per sequence and step)."),
+    "spec_drafts": ("spec_drafts_total", "counter", "Speculative decoding: drafts (one per sequence and step)."),
     "spec_draft_tokens": ("spec_draft_tokens_total", "counter", "Speculative decoding: draft tokens computed."),
     "spec_accepted_tokens": ("spec_accepted_tokens_total", "counter", "Speculative decoding: draft tokens taken."),
 }
