@@ -273,20 +273,14 @@ def packed_attention(step: PackedStep, layer_idx: int, query, key, value, stores
     q = q.to(k_pool.dtype)
     nd = meta.num_decode
     parts = []
-    if nd and not q.is_cuda and not triton and not options["softcap"]:
-        parts.append(_decode_on_cpu(step, layer_idx, q[:nd], k_pool, v_pool, scale, options))
-    elif nd:
-        parts.append(kernels.paged_attention_decode(
-            q[:nd].contiguous(), k_pool, v_pool, tables[:nd], lens[:nd], scale, **options))
+    pools = (k_pool, v_pool, scale, options, triton)
+    if nd:
+        parts.append(_decode_rows(step, layer_idx, q[:nd], tables[:nd], lens[:nd], *pools))
     t0, s0 = nd, nd  # the first query row and sequence of the prefill read
     if meta.num_draft_seqs:  # drafts (speculative decoding) read as decode rows, as a step decoding each would
         rows = len(meta.draft_lens)
-        if not q.is_cuda and not triton and not options["softcap"]:
-            parts.append(_decode_on_cpu(step, layer_idx, q[nd : nd + rows], k_pool, v_pool, scale, options,
-                                        drafts=True))
-        else:
-            parts.append(kernels.paged_attention_decode(q[nd : nd + rows].contiguous(), k_pool, v_pool,
-                                                        meta.draft_tables, meta.draft_lens, scale, **options))
+        parts.append(_decode_rows(step, layer_idx, q[nd : nd + rows], meta.draft_tables, meta.draft_lens, *pools,
+                                  drafts=True))
         t0, s0 = nd + rows, nd + meta.num_draft_seqs
         cu = cu[meta.num_draft_seqs :] - rows
     if q.shape[0] > t0 and _c_prefill_reads(step, q, k_pool, v_pool, triton, options):
@@ -300,6 +294,16 @@ def packed_attention(step: PackedStep, layer_idx: int, query, key, value, stores
             q[t0:].contiguous(), k_pool, v_pool, tables[s0:], cu, lens[s0:], scale, **options))
     out = parts[0] if len(parts) == 1 else torch.cat([p.to(query.dtype) for p in parts])
     return out.to(query.dtype)[None], None
+
+
+def _decode_rows(step: PackedStep, layer_idx: int, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                 k_pool, v_pool, scale, options: dict, triton: bool, drafts: bool = False) -> torch.Tensor:
+    """Query rows that each read one context (``tables`` / ``lens``: a row each): the step's
+    decoding sequences, or (``drafts``) the rows of its drafts. On the CPU without softcap
+    :func:`_decode_on_cpu`, else the decode kernel."""
+    if not q.is_cuda and not triton and not options["softcap"]:
+        return _decode_on_cpu(step, layer_idx, q, k_pool, v_pool, scale, options, drafts)
+    return kernels.paged_attention_decode(q.contiguous(), k_pool, v_pool, tables, lens, scale, **options)
 
 
 def _c_decode_reads(step: PackedStep, q: torch.Tensor, k_pool, v_pool, triton: bool, options: dict) -> bool:
