@@ -553,8 +553,7 @@ class Scheduler:
                 stood = min(s.start + s.num_tokens, seq.num_tokens - 1)
                 if stood < seq.num_computed_tokens:
                     seq.num_computed_tokens = stood
-                    if self.kv.holds(seq):
-                        self.kv.truncate(seq, stood)
+                    self.kv.truncate(seq, stood)
 
     def abandon(self, output: SchedulerOutput) -> list[Request]:
         """Close a step that failed before its outcome was known (the forward, a block move or a
