@@ -10,9 +10,10 @@ constructor keywords are taken where they mean something here (``enforce_eager``
 name what they cannot do (a ``tensor_parallel_size`` above 1, a quantized KV cache); others are a
 ``TypeError`` naming ``LLM``. As vLLM's, ``generate`` and ``chat`` raise ``ValueError`` for a prompt
 or parameters the engine refuses, before anything runs; their ``priority`` is honoured under
-``LLM(scheduling_policy="priority")``. Their vLLM keywords for features not built here
-(``lora_request``, ``tokenization_kwargs``, ``mm_processor_kwargs``, ...) are taken at the values
-that ask for nothing; another value is a ``ValueError`` naming the keyword.
+``LLM(scheduling_policy="priority")``, and their ``lora_request`` (one, or one per prompt) under
+``LLM(enable_lora=True)``. Their vLLM keywords for features not built here
+(``tokenization_kwargs``, ``mm_processor_kwargs``, ...) are taken at the values that ask for
+nothing; another value is a ``ValueError`` naming the keyword.
 """
 
 from __future__ import annotations
@@ -165,25 +166,26 @@ class LLM:
         prompt or parameters the engine refuses raise ``ValueError`` naming the prompt's index,
         before anything runs (as vLLM's); a request that fails while it runs comes back with
         ``error`` set. ``priority``: one for all prompts or one each, honoured under
-        ``LLM(scheduling_policy="priority")`` (see :meth:`LLMEngine.add_request`). ``lora_request``,
+        ``LLM(scheduling_policy="priority")`` (see :meth:`LLMEngine.add_request`). ``lora_request``:
+        a ``LoRARequest`` for all prompts or one (or None) each, under ``LLM(enable_lora=True)``.
         ``tokenization_kwargs`` and ``mm_processor_kwargs`` are vLLM's, taken only where they ask
         for nothing (see :func:`check_unbuilt_options`)."""
-        check_unbuilt_options("LLM.generate", lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
+        check_unbuilt_options("LLM.generate", tokenization_kwargs=tokenization_kwargs,
                               mm_processor_kwargs=mm_processor_kwargs)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         return self.llm_engine.generate(prompts, sampling_params, use_tqdm=use_tqdm, raise_on_invalid=True,
-                                        priority=priority)
+                                        priority=priority, lora_request=lora_request)
 
     def beam_search(self, prompts, params: BeamSearchParams, lora_request: Any = None, use_tqdm: bool = False,
                     concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """Beam search over each prompt (strings, token-id lists, or vLLM's prompt dicts), outputs
         in input order. A prompt the engine refuses raises ``ValueError`` naming its index.
-        vLLM's parameters in its order: ``lora_request`` only None; ``concurrency_limit``: at most
-        that many prompts searched at a time (None: all at once; the beams are the same either way)."""
+        vLLM's parameters in its order: ``lora_request`` as :meth:`generate` takes it;
+        ``concurrency_limit``: at most that many prompts searched at a time (None: all at once; the
+        beams are the same either way)."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"LLM.beam_search takes a BeamSearchParams, got {type(params).__name__}")
-        check_unbuilt_options("LLM.beam_search", lora_request=lora_request)
         if concurrency_limit is not None and (not isinstance(concurrency_limit, int)
                                               or isinstance(concurrency_limit, bool) or concurrency_limit < 1):
             raise ValueError(f"LLM.beam_search(concurrency_limit=...) must be None or an int >= 1, "
@@ -192,10 +194,12 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         step = concurrency_limit or max(len(prompts), 1)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         results = []
         try:
             for start in range(0, len(prompts), step):
-                results += self.generate(prompts[start : start + step], params.sampling_params(), use_tqdm=use_tqdm)
+                results += self.generate(prompts[start : start + step], params.sampling_params(), use_tqdm=use_tqdm,
+                                         lora_request=loras[start : start + step])
         except ValueError as err:
             raise ValueError(f"LLM.beam_search: {err}") from None
         tokenizer, beams = self.get_tokenizer(), []
@@ -219,8 +223,7 @@ class LLM:
         which ``"auto"`` is here); ``continue_final_message`` needs ``add_generation_prompt=False``
         (transformers and vLLM refuse the pair); ``priority``, ``lora_request``,
         ``tokenization_kwargs`` and ``mm_processor_kwargs`` as :meth:`generate` takes them."""
-        check_unbuilt_options("LLM.chat", lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
-                              mm_processor_kwargs=mm_processor_kwargs)
+        check_unbuilt_options("LLM.chat", tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs)
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError(f"LLM.chat(chat_template_content_format={chat_template_content_format!r}): message "
                              "content reaches the template as a string (text parts joined by newlines: vLLM's "
@@ -239,7 +242,7 @@ class LLM:
             **(chat_template_kwargs or {}))
             for conversation in conversations]
         ids = [list(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]  # the template has them
-        outputs = self.generate(ids, sampling_params, use_tqdm=use_tqdm, priority=priority)
+        outputs = self.generate(ids, sampling_params, use_tqdm=use_tqdm, priority=priority, lora_request=lora_request)
         for output, text in zip(outputs, texts):
             output.prompt = text
         return outputs
@@ -264,19 +267,15 @@ def _template_message(message: dict, where: str) -> dict:
 def check_unbuilt_options(method: str, **options: Any) -> None:
     """vLLM's per-call keywords for features not built here, taken at the values that ask for
     nothing (None; an empty dict of keyword arguments); any other value raises ``ValueError``
-    naming the keyword and why. vLLM takes a list with one value per prompt for ``lora_request``:
-    so does this."""
+    naming the keyword and why."""
     for name, value in options.items():
-        values = value if isinstance(value, (list, tuple)) and name == "lora_request" else [value]
-        if all(v is None or (name.endswith("_kwargs") and v == {}) for v in values):
+        if value is None or (name.endswith("_kwargs") and value == {}):
             continue
         raise ValueError(f"{method}({name}={value!r}): {UNBUILT_OPTIONS[name]}")
 
 
 # vLLM LLM.generate / chat / beam_search keywords for features not built here: why a value is refused
 UNBUILT_OPTIONS = {
-    "lora_request": "LoRA adapters are not supported; merge the adapter into the model (peft's merge_and_unload) "
-                    "and pass it as model=",
     "tokenization_kwargs": "prompts are tokenized with the tokenizer's defaults; tokenize them yourself and pass "
                            "{'prompt_token_ids': [...]}",
     "mm_processor_kwargs": "multimodal inputs are not supported (the models served here read text)",

@@ -45,10 +45,15 @@ class PrefixIndex:
         self.hit_tokens = 0
 
     # ------------------------------------------------------------------ lookups
-    def keys_of(self, token_ids: Sequence[int], count: int, start: int = 0, parent: Key | None = None) -> list[Key]:
+    def keys_of(self, token_ids: Sequence[int], count: int, start: int = 0, parent: Key | None = None,
+                root: Hashable = None) -> list[Key]:
         """Chained keys of ``count`` full blocks of ``token_ids`` from block ``start`` (``parent``:
-        the key of block ``start - 1``)."""
+        the key of block ``start - 1``). ``root`` stands before the first block: sequences whose
+        K/V differ for the same tokens (another LoRA adapter) chain from another root, so they
+        never share blocks; None is the base model's."""
         keys, bs = [], self.block_size
+        if start == 0 and parent is None:
+            parent = root
         for i in range(start, start + count):
             parent = (hash(parent), tuple(token_ids[i * bs : (i + 1) * bs]))
             keys.append(parent)
@@ -70,10 +75,10 @@ class PrefixIndex:
             tables.append([HOLE] * first + window)
         return tables
 
-    def longest_hit(self, token_ids: Sequence[int], max_blocks: int) -> list[Key]:
+    def longest_hit(self, token_ids: Sequence[int], max_blocks: int, root: Hashable = None) -> list[Key]:
         """Keys of the longest run of leading full blocks (at most ``max_blocks``) that every group
-        can serve."""
-        keys = self.keys_of(token_ids, max(max_blocks, 0))
+        can serve (chained from ``root``: see :meth:`keys_of`)."""
+        keys = self.keys_of(token_ids, max(max_blocks, 0), root=root)
         hit = min((len(m.match_prefix(keys)) for g, m in zip(self.groups, self.blocks.managers) if not g.is_sliding),
                   default=len(keys))
         while hit > 0 and self.tables_for(keys, hit * self.block_size) is None:
@@ -92,15 +97,15 @@ class PrefixIndex:
         """Leading full blocks of the sequence that are in the index."""
         return len(self._keys.get(seq_id, ()))
 
-    def register(self, seq_id: SeqId, token_ids: Sequence[int], computed: int) -> list[Key]:
+    def register(self, seq_id: SeqId, token_ids: Sequence[int], computed: int, root: Hashable = None) -> list[Key]:
         """Index the full blocks among the first ``computed`` tokens of the sequence that are not
-        indexed yet (in every group still holding them; first block registered under a key wins).
-        Returns the new keys."""
+        indexed yet (in every group still holding them; first block registered under a key wins),
+        chained from ``root`` (see :meth:`keys_of`). Returns the new keys."""
         keys = self._keys.setdefault(seq_id, [])
         full = computed // self.block_size
         if full <= len(keys):
             return []
-        parent = keys[-1] if keys else None
+        parent = keys[-1] if keys else root
         new = self.keys_of(token_ids, full - len(keys), len(keys), parent)
         for i, key in enumerate(new, start=len(keys)):
             self._parents.setdefault(key, parent)
@@ -154,7 +159,8 @@ class PrefixIndex:
         """What a snapshot holds: the chain, as ``(tokens, index of the parent entry or -1)`` with
         parents first, and per layer group ``(chain entry, block)`` for each cached block. Keys are
         not saved (they contain Python hashes, which differ between processes): a loader rebuilds
-        them from the tokens with its own hash."""
+        them from the tokens with its own hash. Chains from a ``root`` (a LoRA adapter's blocks)
+        are left out: a loader could not tell which adapter computed them."""
         index: dict[Key, int] = {}
         chain: Chain = []
 

@@ -84,7 +84,7 @@ def test_generate_chat_and_beam_search_take_vllms_keywords_where_they_ask_for_no
 
 
 @pytest.mark.parametrize("method, options, named", [
-    ("generate", dict(lora_request=object()), "lora_request=.*LoRA adapters are not supported"),
+    ("generate", dict(lora_request=object()), "prompt 0: lora_request=.*LoRA is not enabled.*enable_lora=True"),
     ("generate", dict(priority=1), "prompt 0: priority=1 needs scheduling_policy='priority'"),
     ("generate", dict(priority=[0, 2]), "prompt 1: priority=2 needs scheduling_policy='priority'"),
     ("generate", dict(priority=[0]), "2 prompts but 1 priorities"),
@@ -92,8 +92,8 @@ def test_generate_chat_and_beam_search_take_vllms_keywords_where_they_ask_for_no
     ("generate", dict(tokenization_kwargs={"truncation": True}), "tokenization_kwargs=.*tokenize them yourself"),
     ("generate", dict(mm_processor_kwargs={"size": 4}), "mm_processor_kwargs=.*multimodal"),
     ("chat", dict(chat_template_content_format="openai"), "chat_template_content_format='openai'.*'string'"),
-    ("chat", dict(lora_request=object()), "LLM.chat.lora_request="),
-    ("beam_search", dict(lora_request=object()), "LLM.beam_search.lora_request="),
+    ("chat", dict(lora_request=object()), "lora_request=.*LoRA is not enabled"),
+    ("beam_search", dict(lora_request=object()), "LLM.beam_search: .*lora_request=.*LoRA is not enabled"),
     ("beam_search", dict(concurrency_limit=0), "concurrency_limit=.... must be None or an int >= 1, got 0"),
 ])
 def test_vllm_keywords_asking_for_what_is_not_built_are_refused_by_name(llm, method, options, named):

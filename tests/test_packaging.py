@@ -91,7 +91,8 @@ def test_the_build_warns_of_nothing(built):
 
 def test_negative_control_a_package_left_out_of_the_list_is_found(tmp_path):
     wheel, _ = _build_wheel(tmp_path, 'packages = ["hf_paged", "hf_paged.bench", "hf_paged.constraints", '
-                                      '"hf_paged.data", "hf_paged.engine", "hf_paged.kernels", "hf_paged.serve"]')
+                                      '"hf_paged.data", "hf_paged.engine", "hf_paged.kernels", "hf_paged.lora", '
+                                      '"hf_paged.serve"]')
     missing, extra = _missing_and_extra(wheel)
     assert missing and all(name.startswith("hf_paged/kinds/") for name in missing) and not extra
 

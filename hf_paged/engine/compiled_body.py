@@ -203,17 +203,20 @@ class CompiledBody:
             raise RuntimeError(f"a compiled step attended {cursor.next} times for {self.num_layers} layers")
 
     @torch.inference_mode()
-    def warm_up(self, device: torch.device, also_one_thread: bool = False) -> str | None:
+    def warm_up(self, device: torch.device, also_one_thread: bool = False,
+                around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> str | None:
         """Compile both graphs (two tokens or more, one token) by running the whole model on dummy
         tokens, as a step calls it, and (``also_one_thread``) both again for steps run on one thread
         (:mod:`hf_paged.engine.step_threads`: Dynamo's global-state guard records the thread count);
-        returns why that failed (None: compiled)."""
+        returns why that failed (None: compiled). ``around``: what steps of this body run inside
+        (LoRA steps: the layers' forwards that call the adapters' op, traced into the graphs)."""
         threads = [contextlib.nullcontext] + ([step_threads.one_thread] if also_one_thread else [])
         try:
             for context in threads:
                 for tokens in (2, 1):
                     ids = torch.ones(1, tokens, dtype=torch.long, device=device)
-                    with paged_call(self.model, COMPILED_ATTN_IMPLEMENTATION), self.active(None), context():
+                    with (paged_call(self.model, COMPILED_ATTN_IMPLEMENTATION), self.active(None), context(),
+                          around()):
                         self.model(input_ids=ids, position_ids=torch.arange(tokens, device=device)[None],
                                    use_cache=False)
         except Exception as error:  # noqa: BLE001 - any failure to compile leaves the engine eager
@@ -224,12 +227,14 @@ class CompiledBody:
 
 
 def compiled_body(model: PreTrainedModel, specs: list[KVSpec | None], attend: Callable, compile: bool | None,
-                  recurrent: bool = False, also_one_thread: bool = False) -> tuple[CompiledBody | None, str | None]:
+                  recurrent: bool = False, also_one_thread: bool = False,
+                  around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                  ) -> tuple[CompiledBody | None, str | None]:
     """The engine's compiled body, or None and why not. ``compile``: None compiles on CPU where
     :func:`unsupported` allows it (and ``HF_PAGED_COMPILE`` is not ``0``; on other devices the
     default stays eager until compiled steps are measured there); True must compile
     (``ValueError`` naming why it cannot); False never does. ``also_one_thread``: some steps will
-    run on one thread, warmed up too."""
+    run on one thread, warmed up too. ``around``: see :meth:`CompiledBody.warm_up`."""
     if compile is False or (compile is None and not default_on()):
         return None, "off (compile=False)" if compile is False else f"off ({COMPILE_ENV}=0)"
     if compile is None and model.device.type != "cpu":
@@ -240,7 +245,7 @@ def compiled_body(model: PreTrainedModel, specs: list[KVSpec | None], attend: Ca
             raise ValueError(f"compile=True: {reason}")
         return None, reason
     body = CompiledBody(model, attend, len(specs))
-    failure = body.warm_up(model.device, also_one_thread)
+    failure = body.warm_up(model.device, also_one_thread, around)
     if failure is not None:
         if compile:
             raise RuntimeError(f"compile=True: torch.compile failed: {failure}")

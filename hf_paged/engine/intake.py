@@ -110,8 +110,10 @@ class RequestIntake:
         whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
         return dataclasses.replace(params, **whole) if whole else params
 
-    def request(self, request_id: str, prompt, params: SamplingParams | None, taken: Container[str]) -> Request:
-        """A new request; ``taken`` holds the ids of the requests in flight."""
+    def request(self, request_id: str, prompt, params: SamplingParams | None, taken: Container[str],
+                lora_request=None) -> Request:
+        """A new request; ``taken`` holds the ids of the requests in flight; ``lora_request`` its
+        adapter (checked by the engine's LoRA manager)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -132,7 +134,7 @@ class RequestIntake:
                              f"({self.kv.num_blocks} blocks of {self.kv.block_size})")
         if params.max_new_tokens is None:
             params = self._fill_positions(params, len(ids))
-        request = Request(request_id, ids, params, prompt=text)
+        request = Request(request_id, ids, params, prompt=text, lora_request=lora_request)
         if params.seed is not None:
             request.generator = sample_generator(params.seed, 0, self.device)
             if params.n > 1 and not params.beam_search:  # one generator per sample from the first token on

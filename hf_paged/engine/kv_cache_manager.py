@@ -168,7 +168,7 @@ class KVCacheManager:
     # ------------------------------------------------------------------ prefix cache
     def _prompt_keys(self, seq: Sequence) -> list[Hashable]:
         """Keys of the full blocks of a sequence's known tokens but the last (which must be computed)."""
-        return self.prefix.keys_of(seq.token_ids, (seq.num_tokens - 1) // self.block_size)
+        return self.prefix.keys_of(seq.token_ids, (seq.num_tokens - 1) // self.block_size, root=seq.cache_root)
 
     def allocate_prefix(self, seq: Sequence, read: bool = True) -> int:
         """Register ``seq`` with every cached full block of its known tokens (all but the last,
@@ -183,7 +183,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching or not read:
             self._device.add_sequence(seq.seq_id)
             return 0
-        keys = self.prefix.longest_hit(seq.token_ids, (seq.num_tokens - 1) // self.block_size)
+        keys = self.prefix.longest_hit(seq.token_ids, (seq.num_tokens - 1) // self.block_size, seq.cache_root)
         cached = len(keys) * self.block_size
         self.prefix.adopt(seq.seq_id, keys, cached, self.prefix.tables_for(keys, cached))
         return cached
@@ -211,7 +211,7 @@ class KVCacheManager:
         """Register in the prefix cache the full blocks that ``seq`` has now computed (in every
         layer group that still holds them)."""
         if self.enable_prefix_caching:
-            for key in self.prefix.register(seq.seq_id, seq.token_ids, seq.num_computed_tokens):
+            for key in self.prefix.register(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.cache_root):
                 if self._inflight.get(key) == seq.seq_id:
                     del self._inflight[key]
 

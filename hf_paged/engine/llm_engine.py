@@ -43,6 +43,7 @@ from hf_paged import prefix_snapshot
 from hf_paged.prefix_snapshot import SnapshotError
 from hf_paged.kinds import NoKVSpec
 from hf_paged.layer_groups import LayerGroup, layer_groups, sliding_cap, split_budget
+from hf_paged.lora import LoRAManager, LoRARequest
 from hf_paged.model_info import (cache_kwarg, check_engine_supported, eos_token_ids, kv_bytes_per_token, layer_kinds,
                                  max_positions, state_kinds)
 from hf_paged.state_pool import StatePool, probe_state_shapes
@@ -110,6 +111,13 @@ class LLMEngine:
             ``stats()`` counts ``spec_drafts`` (sequences' drafts), ``spec_draft_tokens`` and
             ``spec_accepted_tokens`` (vLLM's ``vllm:spec_decode_*`` series on the server). Models with
             recurrent layers are refused (their state cannot be rolled back).
+        enable_lora: serve PEFT LoRA adapters (:mod:`hf_paged.lora`): each request may name one
+            (``add_request(..., lora_request=LoRARequest(name, id, path))``); requests of different
+            adapters and of the base model share steps, each token getting its own adapter's
+            update. ``max_loras`` (vLLM's, default 1): adapters at most among the running requests
+            (a request whose adapter would be one more waits); ``max_lora_rank`` (16): larger
+            ranks are refused; ``max_cpu_loras`` (default ``max_loras``): adapters kept loaded
+            when no request uses them. Not with tensor parallelism or CUDA graphs.
         max_consecutive_failures: failed steps in a row after which :attr:`healthy` is False (a
             step fails when its forward, block moves or processing raise, or when every logits
             row it computed is non-finite; a step in which only some requests failed, each for
@@ -132,7 +140,8 @@ class LLMEngine:
         num_state_slots: int | None = None, prepack_lm_head: bool | None = None, tune_malloc: bool | None = None,
         compile: bool | None = None, serial_small_steps: bool | None = None, cuda_graphs: bool | None = None,
         max_model_len: int | None = None, max_logprobs: int | None = None, scheduling_policy: str = "fcfs",
-        speculative_config: SpeculativeConfig | dict | None = None,
+        speculative_config: SpeculativeConfig | dict | None = None, enable_lora: bool = False, max_loras: int = 1,
+        max_lora_rank: int = 16, max_cpu_loras: int | None = None,
     ):
         check_scheduling_policy(scheduling_policy)
         self.speculative_config = SpeculativeConfig.of(speculative_config)
@@ -140,6 +149,8 @@ class LLMEngine:
         check_block_options(block_size, num_blocks)
         check_kv_heads(model.config, tp_size_of(model))
         self.tp = TensorParallelGroup.of(model)
+        self.lora = self._lora_manager(model, enable_lora, max_loras, max_lora_rank, max_cpu_loras, cuda_graphs)
+        self._lora_holders: dict[str, int] = {}  # request id -> the adapter it keeps loaded
         self._shard = None  # tensor parallelism: this rank's checked snapshot, waiting for rank 0's placement
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
@@ -197,11 +208,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    preemption_mode=preemption_mode, policy=scheduling_policy,
                                    split_prompts=all(s.continues_chunks for s in self.state_specs if s),
-                                   proposer=proposer)
+                                   proposer=proposer, max_loras=self.lora and self.lora.max_loras)
         swap_storage = PagedKVStorage(block_size, device="cpu", pin_memory=model.device.type == "cuda")
         self.runner = ModelRunner(model, PagedKVStorage(block_size), swap_storage, swap_space_blocks, groups=groups,
                                   states=states, swap_states=swap_states, prepack_lm_head=prepack_lm_head,
-                                  compile=compile, serial_small_steps=serial_small_steps)
+                                  compile=compile, serial_small_steps=serial_small_steps, lora=self.lora)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         if cuda_graphs:
             if num_blocks is None:
@@ -251,6 +262,20 @@ class LLMEngine:
         budget = split_budget(kv_cache_bytes, per_block, caps)
         return (self.tp.agree_min(budget) if self.tp else budget), num_state_slots  # ranks may see different memory
 
+    def _lora_manager(self, model: PreTrainedModel, enable_lora: bool, max_loras: int, max_lora_rank: int,
+                      max_cpu_loras: int | None, cuda_graphs: bool | None) -> LoRAManager | None:
+        """The engine's adapters (None: LoRA off). Refused where steps cannot apply them."""
+        if not isinstance(enable_lora, bool):
+            raise ValueError(f"enable_lora must be a bool, got {enable_lora!r}")
+        if not enable_lora:
+            return None
+        if self.tp:
+            raise ValueError("enable_lora=True: LoRA adapters are not applied under tensor parallelism here")
+        if cuda_graphs:
+            raise ValueError("enable_lora=True with cuda_graphs=True: a graph cannot hold a step's adapters; "
+                             "pass cuda_graphs=False")
+        return LoRAManager(model, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+
     def _refuse_prefix_cache(self, enable_prefix_caching: bool | None) -> bool:
         """Models with recurrent layers run without prefix caching: a cached prefix's blocks hold
         its K/V, not the recurrent state at its end, so a hit could not restart the state there."""
@@ -264,13 +289,20 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> str:
         """Queue a request; returns its id. Bad input raises ``ValueError`` and queues nothing.
         ``prompt``: a string, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``.
         ``priority`` (vLLM's): lower is served first, under ``scheduling_policy="priority"`` only
-        (another value is refused under ``"fcfs"``, which would ignore it)."""
+        (another value is refused under ``"fcfs"``, which would ignore it). ``lora_request``: the
+        PEFT LoRA adapter it runs with (``enable_lora=True``; read on first use, ``ValueError``
+        naming what is wrong with it)."""
         self._check_driver("add_request")
         self._check_priority(priority)
+        if lora_request is not None and self.lora is None:
+            raise ValueError(f"lora_request={lora_request!r} but LoRA is not enabled: start the engine with "
+                             "enable_lora=True")
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         if isinstance(request_id, SamplingParams) or isinstance(params, (str, dict)):  # vLLM's argument order
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}: LLMEngine.add_request "
                              "takes (prompt, params, request_id=None), not vLLM's (request_id, prompt, params)")
@@ -278,8 +310,11 @@ class LLMEngine:
             request_id = str(next(self._ids))
             while request_id in self.requests:
                 request_id = str(next(self._ids))
-        request = self.intake.request(str(request_id), prompt, params, taken=self.requests)
+        request = self.intake.request(str(request_id), prompt, params, taken=self.requests, lora_request=lora_request)
         request_id, request.priority = request.request_id, priority
+        if lora_request is not None:
+            self.lora.acquire(lora_request)
+            self._lora_holders[request_id] = lora_request.lora_int_id
         if request.prompt_logprobs is not None:  # their Logprob.decoded_token, decoded on first read
             request.prompt_logprobs.texts = self.output_processor.token_texts
         ready = self.structured.admit(request)  # False: its grammar compiles off this thread (see step())
@@ -312,13 +347,39 @@ class LLMEngine:
                 continue
             for seq in request.live_seqs:
                 seq.finish_reason = "abort"
-            self.structured.forget(request)
+            self._forget(request)
             self.scheduler.finish_request(request)
 
     # vLLM's LLMEngine names, for scripts written against it
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """vLLM's name of :meth:`abort`."""
         self.abort(request_ids)
+
+    # ------------------------------------------------------------------ LoRA adapters (vLLM's names)
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now (requests naming it later find it loaded); ``ValueError`` as
+        :meth:`add_request` would raise for it."""
+        self._check_lora("add_lora")
+        self.lora.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter; False when it is not loaded (``ValueError`` while requests use it)."""
+        self._check_lora("remove_lora")
+        return self.lora.remove(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep a loaded adapter loaded, whatever ``max_cpu_loras`` says."""
+        self._check_lora("pin_lora")
+        return self.lora.pin(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the loaded adapters."""
+        return self.lora.list() if self.lora is not None else set()
+
+    def _check_lora(self, what: str) -> None:
+        if self.lora is None:
+            raise ValueError(f"{what}: LoRA is not enabled; start the engine with enable_lora=True")
 
     def get_num_unfinished_requests(self) -> int:
         """The requests in flight (waiting, running, swapped, or waiting for their grammar)."""
@@ -410,7 +471,7 @@ class LLMEngine:
         self.scheduler.update_from_output(scheduled, result)
         for request in result.finished:
             self.requests.pop(request.request_id, None)
-            self.structured.forget(request)
+            self._forget(request)
         if scheduled.sequences:
             self._counters["steps"] += 1
             self._count_step(failed=result.all_logits_nonfinite)
@@ -468,11 +529,18 @@ class LLMEngine:
 
     def _fail(self, request: Request, reason: str, kind: str) -> RequestOutput:
         """Fail ``request`` now, free its blocks and forget it; returns its last output."""
-        self.structured.forget(request)
+        self._forget(request)
         request.fail(reason, kind)
         self.scheduler.finish_request(request)
         self.requests.pop(request.request_id, None)
         return self.output_processor.request_output(request, with_text=False)
+
+    def _forget(self, request: Request) -> None:
+        """``request`` leaves the engine: its grammar state goes, and its hold on its adapter."""
+        self.structured.forget(request)
+        lora_int_id = self._lora_holders.pop(request.request_id, None)
+        if lora_int_id is not None:
+            self.lora.release(lora_int_id)
 
     def _output_of(self, request: Request) -> RequestOutput:
         """``request``'s output; when decoding its text raises, the request fails instead."""
@@ -502,13 +570,14 @@ class LLMEngine:
     # ------------------------------------------------------------------ offline and streaming use
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, *, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 raise_on_invalid: bool = False, priority: int | list[int] | None = None) -> list[RequestOutput]:
+                 raise_on_invalid: bool = False, priority: int | list[int] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run all prompts to completion; outputs in input order. A bad prompt or bad parameters
         give that request an output with ``error`` set; the others are served (``raise_on_invalid``:
         a ``ValueError`` naming the prompt's index instead, before anything runs, as vLLM's
         ``LLM.generate``). Under tensor parallelism every rank calls it; the others execute rank 0's
-        steps and return its outputs. ``sampling_params`` is vLLM's name of ``params``; ``priority``:
-        one for all prompts or one each (see :meth:`add_request`)."""
+        steps and return its outputs. ``sampling_params`` is vLLM's name of ``params``; ``priority``
+        and ``lora_request``: one for all prompts or one each (see :meth:`add_request`)."""
         if sampling_params is not None:
             if params is not None:
                 raise TypeError("generate() got both params and sampling_params (vLLM's name of params): pass one")
@@ -524,11 +593,14 @@ class LLMEngine:
         priorities = priority if isinstance(priority, (list, tuple)) else [priority or 0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priorities)} priorities")
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} lora_requests")
         results: dict[str, RequestOutput] = {}
         order = []
-        for index, (prompt, p, rank) in enumerate(zip(prompts, params, priorities)):
+        for index, (prompt, p, rank, lora) in enumerate(zip(prompts, params, priorities, loras)):
             try:
-                order.append(self.add_request(prompt, p, priority=rank))
+                order.append(self.add_request(prompt, p, priority=rank, lora_request=lora))
                 self._shapers.pop(order[-1], None)  # generate() returns final outputs whatever output_kind says
             except ValueError as err:
                 if raise_on_invalid:
@@ -801,6 +873,9 @@ class LLMEngine:
             "spec_drafts": self._counters["spec_drafts"], "spec_draft_tokens": self._counters["spec_draft_tokens"],
             "spec_accepted_tokens": self._counters["spec_accepted_tokens"],
             "kv_heads_per_rank": self._kv_heads // (self.tp.size if self.tp else 1),
+            "lora_enabled": self.lora is not None, "loras_loaded": len(self.lora.adapters) if self.lora else 0,
+            "lora_loads": self.lora.num_loads if self.lora else 0,
+            "lora_compiled": self.runner.compiled_lora is not None,
         }
 
     @property

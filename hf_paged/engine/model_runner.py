@@ -39,6 +39,7 @@ from hf_paged.engine.step_threads import SerialSmallSteps
 from hf_paged.kernels import cpu_decode
 from hf_paged.kinds import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, attention_heads
 from hf_paged.layer_groups import LayerGroup, layer_groups
+from hf_paged.lora import LoRAManager, StepLoRA
 from hf_paged.model_info import cache_kwarg, layer_configs, layer_kinds, takes_logits_to_keep
 from hf_paged.state_pool import StatePool
 from hf_paged.storage import PagedKVStorage
@@ -51,7 +52,7 @@ class ModelRunner:
                  swap_space_blocks: int | list[int] = 0, *, groups: list[LayerGroup] | None = None,
                  states: StatePool | None = None, swap_states: StatePool | None = None,
                  prepack_lm_head: bool | None = None, compile: bool | None = None,
-                 serial_small_steps: bool | None = None):
+                 serial_small_steps: bool | None = None, lora: LoRAManager | None = None):
         self.model, self.storage, self.swap_storage = model, storage, swap_storage
         self.states, self.swap_states = states, swap_states
         self.per_sequence = states is not None
@@ -77,6 +78,13 @@ class ModelRunner:
         self.compiled, self.compiled_note = compiled_body.compiled_body(
             model, self.specs, packed_attention, compile, recurrent=self.per_sequence,
             also_one_thread=self.serial_steps is not None)
+        # LoRA (hf_paged.lora): steps with adapters run a body of their own, compiled with the
+        # linear layers calling the adapters' op (steps without adapters keep the plain one)
+        self.lora, self.compiled_lora, self.compiled_lora_note = lora, None, None
+        if lora is not None and self.compiled is not None:
+            self.compiled_lora, self.compiled_lora_note = compiled_body.compiled_body(
+                model, self.specs, packed_attention, compile, also_one_thread=self.serial_steps is not None,
+                around=lambda: lora.layers.active(None, traced=True))
         self._build_cpu_reads()
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs (LLMEngine(cuda_graphs=True))
         # the last step's scored prompt rows, one (ids, values, ranks) per SchedulerOutput.prompt_logprobs entry
@@ -138,21 +146,26 @@ class ModelRunner:
             state_layers = self.states.layers_for(slots, has_previous=step.sequences[0].start > 0)
             for layer, held in state_layers.items():
                 step_cache.layers[layer] = held
+        lora_step = self.lora.step(step, self.device) if self.lora is not None else None
         logits = self.run_model(forward, step_cache, compiled=self.compiled is not None and not rows,
-                                num_tokens=step.num_scheduled_tokens)
+                                num_tokens=step.num_scheduled_tokens, lora_step=lora_step)
         if state_layers is not None:
             self.states.store(state_layers, slots)
         if step.prompt_logprobs:
             return self._score_prompt_rows(logits, step, rows, keep_index).float()
         return self._kept(logits, step, rows, keep_index).float()
 
-    def run_model(self, forward: dict, step_cache: PackedStepCache, compiled: bool, num_tokens: int) -> torch.Tensor:
+    def run_model(self, forward: dict, step_cache: PackedStepCache, compiled: bool, num_tokens: int,
+                  lora_step: StepLoRA | None = None) -> torch.Tensor:
         """``model(**forward).logits`` with the paged attention reading and writing ``step_cache``'s
-        blocks (through the compiled body when ``compiled``)."""
+        blocks (through the compiled body when ``compiled``), and ``lora_step``'s adapters applied."""
+        body = self.compiled if lora_step is None else self.compiled_lora
+        compiled = compiled and body is not None
         implementation = COMPILED_ATTN_IMPLEMENTATION if compiled else ATTN_IMPLEMENTATION
         serial = self.serial_steps is not None and self.serial_steps.applies(num_tokens)
         with (packed_forward(), paged_call(self.model, implementation),
-              self.compiled.active(step_cache) if compiled else contextlib.nullcontext(),
+              body.active(step_cache) if compiled else contextlib.nullcontext(),
+              self.lora.layers.active(lora_step, traced=compiled) if lora_step else contextlib.nullcontext(),
               onednn_linears(self._onednn_linears, self._prepacked, self.serial_steps.head_threads if serial else None),
               step_threads.one_thread() if serial else contextlib.nullcontext()):
             logits = self.model(**forward).logits

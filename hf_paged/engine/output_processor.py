@@ -520,5 +520,5 @@ class OutputProcessor:
             request.request_id, request.prompt_token_ids, outputs, finished=request.is_finished,
             prompt=request.prompt, error=request.error, error_kind=request.error_kind,
             prompt_logprobs=None if request.prompt_logprobs is None else request.prompt_logprobs.output(),
-            num_cached_tokens=request.num_cached_tokens,
+            num_cached_tokens=request.num_cached_tokens, lora_request=request.lora_request,
         )

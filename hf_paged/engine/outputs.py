@@ -6,7 +6,7 @@ import itertools
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 REJECTED = "rejected"  # RequestOutput.error_kind: the request can never be served by this engine
 FAULT = "fault"  # RequestOutput.error_kind: the engine failed while serving the request
@@ -278,12 +278,12 @@ class RequestOutput:
     error_kind: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int | None = None
+    lora_request: Any = None  # vLLM's: the request's LoRARequest (None: the base model)
     # vLLM's RequestOutput attributes for features not built here, at vLLM's offline value without them
     # (class attributes, not fields: an output is made per request every step). ``metrics``: vLLM's
     # offline LLM collects none either; ``num_cache_creation_tokens``: not counted here (vLLM counts
     # the prompt tokens a request wrote to its prefix cache).
     metrics: ClassVar[None] = None
-    lora_request: ClassVar[None] = None
     encoder_prompt: ClassVar[None] = None  # decoder-only models
     encoder_prompt_token_ids: ClassVar[None] = None
     num_cache_creation_tokens: ClassVar[None] = None

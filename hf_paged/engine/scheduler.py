@@ -89,6 +89,7 @@ class Scheduler:
     def __init__(
         self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int, preemption_mode: str,
         split_prompts: bool = True, policy: str = "fcfs", proposer: NgramProposer | None = None,
+        max_loras: int | None = None,
     ):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
@@ -100,6 +101,7 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.split_prompts = split_prompts
         self.proposer = proposer
+        self.max_loras = max_loras  # vLLM's: the most LoRA adapters the running requests use at once
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -160,6 +162,14 @@ class Scheduler:
         if not self.kv.has_states:
             return False
         return sum(self._width(r) for r in self.running) + self._width(request) > self.kv.num_state_slots
+
+    def _lacks_lora_slot(self, request: Request) -> bool:
+        """Whether ``request``'s adapter would be one more than ``max_loras`` among the running
+        requests' (vLLM's limit on the adapters of one batch)."""
+        if self.max_loras is None or not request.lora_int_id:
+            return False
+        active = {r.lora_int_id for r in self.running if r.lora_int_id}
+        return request.lora_int_id not in active and len(active) >= self.max_loras
 
     @staticmethod
     def _width(request: Request) -> int:
@@ -297,7 +307,8 @@ class Scheduler:
         while self.swapped and budget > 0:
             request = self.swapped[0]
             seqs = request.live_seqs
-            if self._num_running_seqs() + len(seqs) > self.max_num_seqs or self._lacks_state_slots(request):
+            if (self._num_running_seqs() + len(seqs) > self.max_num_seqs or self._lacks_state_slots(request)
+                    or self._lacks_lora_slot(request)):
                 break
             if not self.kv.can_swap_in(seqs, reserve=len(seqs) if self.running else 0):
                 if not self.running and not self.kv.swap_in_fits_at_all(seqs):
@@ -320,10 +331,16 @@ class Scheduler:
         return budget
 
     def _admit(self, plan: _StepPlan, budget: int) -> None:
+        """Admit waiting requests in order while they fit. One whose LoRA adapter would exceed
+        ``max_loras`` is passed over for this step (as vLLM's scheduler does), keeping its place."""
+        passed_over = []
         while self.waiting and budget > 0:
             request = self.waiting[0]
             if not self._before_swapped(request):
                 break
+            if self._lacks_lora_slot(request):
+                passed_over.append(self.waiting.popleft())
+                continue
             if self._num_running_seqs() + self._width(request) > self.max_num_seqs and self.running:
                 break
             if self._lacks_state_slots(request):
@@ -361,6 +378,7 @@ class Scheduler:
             if request.rejoin_at is not None and request not in self._rejoining:
                 self._rejoining.append(request)
             budget -= plan.add(request, work)
+        self.waiting.extendleft(reversed(passed_over))
 
     def _unadmit(self, request: Request, seqs: list[Sequence]) -> None:
         """Admission fell through: the sequences give their blocks back (cached ones stay cached)
@@ -483,7 +501,7 @@ class Scheduler:
             span = range(start, start + n)
             draft = drafts.get(seq.seq_id, ()) if drafts else ()
             sequences.append(ScheduledSequence(request.request_id, seq.seq_id, start, n,
-                                               start + n - len(draft) == seq.num_tokens, draft))
+                                               start + n - len(draft) == seq.num_tokens, draft, seq.lora_int_id))
             state_slots.append(self.kv.state_slot(seq))
             ids += seq.token_ids[start : start + n]
             if draft:

@@ -26,6 +26,7 @@ class ScheduledSequence:
     num_tokens: int
     needs_logits: bool  # the step reaches the sequence's last known token: a next token is due
     draft: tuple[int, ...] = ()
+    lora_int_id: int = 0  # the LoRA adapter its tokens run with (0: the base model)
 
     @property
     def num_logits(self) -> int:
@@ -163,6 +164,10 @@ class SchedulerOutput:
                     indices += range(end - 1 - len(s.draft), end - 1)
                 indices.append(end - 1)
         return tuple(indices)
+
+    @functools.cached_property
+    def has_lora(self) -> bool:
+        return any(s.lora_int_id for s in self.sequences)
 
     @functools.cached_property
     def has_drafts(self) -> bool:

@@ -38,10 +38,16 @@ class Sequence:
     stop_floor: int = 0  # text written before min_new_tokens: a stop string must end past it
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that finished it
     ngrams: Any = None  # speculative decoding's index of its n-grams (hf_paged.engine.speculative)
+    lora_int_id: int = 0  # the LoRA adapter its tokens run with (0: the base model)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def cache_root(self) -> tuple[str, int] | None:
+        """Where its prefix-cache keys chain from: an adapter's K/V differ from the base model's."""
+        return ("lora", self.lora_int_id) if self.lora_int_id else None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -65,7 +71,7 @@ class Sequence:
             token_ids=list(self.token_ids), num_prompt_tokens=self.num_prompt_tokens, index=index,
             num_computed_tokens=self.num_computed_tokens, cumulative_logprob=self.cumulative_logprob,
             logprobs=None if self.logprobs is None else list(self.logprobs), text=self.text,
-            stop_floor=self.stop_floor,
+            stop_floor=self.stop_floor, lora_int_id=self.lora_int_id,
         )
 
 
@@ -101,12 +107,18 @@ class Request:
     # left out). The first computes them alone, then the others fork from it, sharing those blocks
     # again as they did before the preemption (computed apart they could need more blocks than exist)
     rejoin_at: int | None = None
+    lora_request: Any = None  # its LoRA adapter (hf_paged.lora.LoRARequest), None: the base model
 
     def __post_init__(self) -> None:
         if not self.seqs:
-            self.seqs = [Sequence(list(self.prompt_token_ids), len(self.prompt_token_ids))]
+            self.seqs = [Sequence(list(self.prompt_token_ids), len(self.prompt_token_ids),
+                                  lora_int_id=self.lora_int_id)]
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = PromptLogprobs(len(self.prompt_token_ids), self.params.prompt_logprobs)
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def skip_reading_prefix_cache(self) -> bool:

@@ -1,0 +1,165 @@
+"""LoRA inside an engine step: many adapters in one packed forward (S-LoRA / Punica's idea, in torch).
+
+A step's tokens belong to sequences of different requests, each with its own adapter or none.
+During the step every targeted linear layer adds, to its output rows of each adapter's tokens,
+that adapter's update: ``out[rows] += (x[rows] A^T) B^T * scaling``, one gather, two small
+matmuls and one scatter per adapter and layer (:func:`add_lora_rows`); rows of the base model
+are left as the layer computed them. Outside steps the model's modules are stock: the forwards
+are swapped in for the step's duration only (:meth:`LoRALayers.active`), and a step in which no
+request has an adapter runs exactly as without LoRA.
+
+The same arithmetic as peft's unmerged ``LoraLayer`` (``result + lora_B(lora_A(x)) * scaling``,
+half-precision models computing the update in float32 and rounding the sum), so a request's tokens
+are those of ``PeftModel.generate()`` on that adapter. The update is applied to the layer's output
+only, never merged into the weights, so other requests in the batch see the base model.
+
+A compiled decoder body (:mod:`hf_paged.engine.compiled_body`) cannot trace a step's grouping of
+rows: there every linear layer the adapters may target calls one opaque custom op,
+``hf_paged::lora_add_``, which applies the running step's adapters in eager Python.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.pytorch_utils import Conv1D
+
+from hf_paged.lora.adapter import LoRAAdapter, LoRAWeights
+
+_thread = threading.local()
+
+
+def add_lora_rows(x: torch.Tensor, out: torch.Tensor, rows: slice | torch.Tensor, weights: LoRAWeights) -> None:
+    """Add one adapter's update to ``out`` (``[tokens, out_features]``, in place) at ``rows`` of
+    ``x`` (``[tokens, in_features]``): peft's ``out + B(A(x)) * scaling``, in the weights' dtype,
+    rounded to ``out``'s."""
+    if isinstance(rows, slice):
+        xs, base = x[rows], out[rows]
+    else:
+        xs, base = x.index_select(0, rows), out.index_select(0, rows)
+    delta = F.linear(F.linear(xs.to(weights.lora_a.dtype), weights.lora_a), weights.lora_b) * weights.scaling
+    summed = (base + delta).to(out.dtype)
+    if isinstance(rows, slice):
+        out[rows] = summed
+    else:
+        out.index_copy_(0, rows, summed)
+
+
+@dataclass(frozen=True)
+class StepLoRA:
+    """A step's tokens by adapter: ``groups`` pairs each adapter with its rows of the step's
+    tokens (a slice when they are one run, else an index tensor), in the packed forward's order."""
+
+    groups: tuple[tuple[slice | torch.Tensor, LoRAAdapter], ...]
+
+    @classmethod
+    def of(cls, token_counts: list[int], adapter_ids: list[int], adapters: dict[int, LoRAAdapter],
+           device: torch.device) -> StepLoRA | None:
+        """The grouping of a step whose sequences compute ``token_counts`` tokens each, with
+        adapters ``adapter_ids`` (0: the base model); None when no sequence has an adapter."""
+        spans: dict[int, list[tuple[int, int]]] = {}
+        start = 0
+        for count, adapter in zip(token_counts, adapter_ids):
+            if adapter:
+                runs = spans.setdefault(adapter, [])
+                if runs and runs[-1][1] == start:
+                    runs[-1] = (runs[-1][0], start + count)
+                else:
+                    runs.append((start, start + count))
+            start += count
+        if not spans:
+            return None
+        groups = []
+        for adapter, runs in spans.items():
+            if len(runs) == 1:
+                rows = slice(*runs[0])
+            else:
+                rows = torch.cat([torch.arange(lo, hi) for lo, hi in runs]).to(device)
+            groups.append((rows, adapters[adapter]))
+        return cls(tuple(groups))
+
+    def apply(self, name: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Add the update of every adapter that targets module ``name`` to ``out`` (in place)."""
+        flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+        for rows, adapter in self.groups:
+            weights = adapter.modules.get(name)
+            if weights is not None:
+                add_lora_rows(flat_x, flat_out, rows, weights)
+
+    def targets(self) -> set[str]:
+        return {name for _, adapter in self.groups for name in adapter.modules}
+
+
+@torch.library.custom_op("hf_paged::lora_add_", mutates_args=("out",))
+def lora_add_(out: torch.Tensor, x: torch.Tensor, module: int) -> None:
+    """Add the running step's adapter updates of linear layer ``module`` (its index in the
+    compiled model's :class:`LoRALayers`) to ``out``. Outside a step (while compiling) nothing."""
+    active = getattr(_thread, "active", None)
+    if active is not None:
+        layers, step = active
+        step.apply(layers.names[module], x, out)
+
+
+@lora_add_.register_fake
+def _(out, x, module):
+    return None
+
+
+def _targetable(module: torch.nn.Module) -> bool:
+    return isinstance(module, (torch.nn.Linear, Conv1D))
+
+
+class LoRALayers:
+    """The linear layers of ``model`` that adapters may target (the LM head excepted), and their
+    forwards during LoRA steps."""
+
+    def __init__(self, model: torch.nn.Module):
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        found = [(name, m) for name, m in model.named_modules() if _targetable(m) and m is not head]
+        self.names = [name for name, _ in found]
+        self.modules = dict(found)
+        self._index = {name: i for i, name in enumerate(self.names)}
+
+    def _forward(self, name: str, index: int, module: torch.nn.Module, traced: bool):
+        base = types.MethodType(type(module).forward, module)
+        if traced:  # compiled bodies: the opaque op reads the running step
+
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                out = base(x)
+                torch.ops.hf_paged.lora_add_(out, x, index)
+                return out
+        else:
+            step = _thread.active[1]
+
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                out = base(x)
+                step.apply(name, x, out)
+                return out
+
+        return forward
+
+    @contextlib.contextmanager
+    def active(self, step: StepLoRA | None, traced: bool = False):
+        """Inside, the targeted layers add ``step``'s adapter updates: in eager steps only the
+        layers its adapters target get a new forward; ``traced`` (a compiled body running or being
+        compiled) every targetable layer calls the custom op (the graph holds the calls)."""
+        names = self.names if traced else sorted(step.targets())
+        if any("forward" in self.modules[n].__dict__ for n in names):
+            raise RuntimeError("a LoRA step found a linear layer whose forward is already replaced")
+        _thread.active = (self, step) if step is not None else None
+        swapped = []
+        try:
+            for name in names:
+                module = self.modules[name]
+                module.forward = self._forward(name, self._index[name], module, traced)
+                swapped.append(module)
+            yield
+        finally:
+            for module in swapped:
+                del module.forward
+            _thread.active = None
