@@ -5,6 +5,7 @@
     python -m hf_paged generate "Once upon a time" --max-new-tokens 40
     python -m hf_paged bench [--quick]      # side-by-side benchmarks, JSON and plots
     python -m hf_paged serve [--port 8000]  # OpenAI-compatible HTTP server on the engine
+    python -m hf_paged serve --enable-lora --lora-modules NAME=PATH  # LoRA adapters, named as models
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from hf_paged.process_exit import exit_process
 
 if TYPE_CHECKING:
     from hf_paged import LLMEngine
+    from hf_paged.serve.serving_models import LoRAModulePath
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -286,14 +288,16 @@ def serve(args) -> int:
     if args.tensor_parallel_size < 1:
         raise CliError("--tensor-parallel-size must be positive")
     for name in ("port", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_body_bytes", "max_n",
-                 "max_tokens_limit", "max_consecutive_failures"):
-        if getattr(args, name) < (0 if name == "port" else 1):
+                 "max_tokens_limit", "max_consecutive_failures", "max_loras", "max_lora_rank", "max_cpu_loras"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "port" else 1):
             raise CliError(f"--{name.replace('_', '-')} must be positive")
     if args.max_logprobs < -1:
         raise CliError("--max-logprobs must be >= 0, or -1 (the whole vocabulary)")
     if not args.shutdown_timeout >= 0 or not args.stream_timeout > 0:
         raise CliError("--shutdown-timeout must be >= 0 and --stream-timeout > 0")
     engine_threads(args.engine_threads)  # checked here, not in the engine process
+    lora_modules = _lora_modules(args)  # checked before the model loads
     from hf_paged.engine import tensor_parallel
     from hf_paged.serve import ServerSettings, build_app, server
     from hf_paged.serve.engine_process import EngineProcess
@@ -320,13 +324,15 @@ def serve(args) -> int:
         except RuntimeError as err:
             raise CliError(str(err)) from None
         where = f"engine process {engine.process.pid}"
-    settings = ServerSettings(model_name=args.served_model_name or args.model or "hf-paged-demo", api_key=api_key,
+    settings = ServerSettings(model_name=_served_model_name(args), api_key=api_key,
                               max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting, max_n=args.max_n,
                               max_tokens=args.max_tokens_limit, max_logprobs=args.max_logprobs,
                               shutdown_timeout_s=args.shutdown_timeout,
                               stream_timeout_s=args.stream_timeout, generation_config=args.generation_config,
                               chat_template=_chat_template(args.chat_template),
-                              trust_request_chat_template=args.trust_request_chat_template)
+                              trust_request_chat_template=args.trust_request_chat_template,
+                              lora_modules=tuple(lora_modules),
+                              allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     try:
         app = build_app(engine, settings)
         if app.state.sampling_defaults:
@@ -338,6 +344,41 @@ def serve(args) -> int:
         return server.run(app, args.host, args.port, api_key)
     finally:
         engine.close()  # the engine process, or the other tensor-parallel ranks
+
+
+def _served_model_name(args) -> str:
+    """The name clients give as ``model`` for the base model."""
+    return args.served_model_name or args.model or "hf-paged-demo"
+
+
+def _lora_modules(args) -> list[LoRAModulePath]:
+    """``--lora-modules`` in vLLM's forms (``name=path`` or JSON items), checked: a bad item, a name
+    given twice or the served model's, or adapters without ``--enable-lora`` (vLLM fails at start
+    then too) are a ``CliError`` naming the item."""
+    from hf_paged.serve.serving_models import lora_requests, parse_lora_modules
+
+    try:
+        modules = parse_lora_modules(args.lora_modules or [])
+        lora_requests(modules, _served_model_name(args))
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    if modules and not args.enable_lora:
+        raise CliError(f"--lora-modules {' '.join(args.lora_modules)}: the engine serves adapters only with "
+                       "--enable-lora")
+    return modules
+
+
+def _load_lora_modules(engine: LLMEngine, args) -> None:
+    """Read and check every ``--lora-modules`` adapter in the engine at start (as vLLM does), so a
+    bad one stops the server now rather than failing its first request."""
+    from hf_paged.serve.serving_models import lora_requests
+
+    for lora in lora_requests(_lora_modules(args), _served_model_name(args)).values():
+        try:
+            engine.add_lora(lora)
+        except ValueError as err:
+            raise CliError(f"--lora-modules {lora.lora_name}={lora.lora_path}: {err}") from None
+        print(f"hf-paged serve: LoRA adapter '{lora.lora_name}' from {lora.lora_path}", flush=True)
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -377,7 +418,9 @@ def serving_engine(args) -> LLMEngine:
                            num_state_slots=args.num_state_slots, compile=False if args.enforce_eager else None,
                            cuda_graphs=args.cuda_graphs, max_model_len=args.max_model_len,
                            scheduling_policy=args.scheduling_policy,
-                           speculative_config=_speculative_config(args.speculative_config))
+                           speculative_config=_speculative_config(args.speculative_config),
+                           enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                           max_cpu_loras=args.max_cpu_loras)
     except ValueError as err:  # an option the model or device rules out
         raise CliError(str(err)) from None
     if engine.tp and not engine.tp.is_driver:
@@ -393,6 +436,7 @@ def serving_engine(args) -> LLMEngine:
     if cpu_decode.failure():
         print(f"hf-paged serve: the C reads did not build, gather + SDPA reads instead: {cpu_decode.failure()}",
               flush=True)
+    _load_lora_modules(engine, args)
     return engine
 
 
@@ -558,6 +602,19 @@ def parser() -> argparse.ArgumentParser:
                         "or the default GPU budget)")
     s.add_argument("--max-consecutive-failures", type=int, default=3,
                    help="failed engine steps in a row after which /health answers 503 (a clean step resets it)")
+    s.add_argument("--enable-lora", action="store_true",
+                   help="serve PEFT LoRA adapters over the model (vLLM's): a request names one as its model")
+    s.add_argument("--lora-modules", nargs="+", action="extend", metavar="NAME=PATH|JSON",
+                   help='adapters served from the start, vLLM\'s forms: name=path, or \'{"name": ..., "path": ..., '
+                        '"base_model_name": ...}\' (several, or the flag again; needs --enable-lora)')
+    s.add_argument("--max-loras", type=int, default=1,
+                   help="the most adapters among the requests of one step (vLLM's; others wait; default 1)")
+    s.add_argument("--max-lora-rank", type=int, default=16, help="adapters of a larger rank are refused (default 16)")
+    s.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept loaded, least recently used unloaded first (default: --max-loras)")
+    s.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM with "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, which this server reads too)")
     return top
 
 

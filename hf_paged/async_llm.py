@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hf_paged.engine import LLMEngine, RequestOutput, SamplingParams
+from hf_paged.lora import LoRARequest
 from hf_paged.engine.detokenize import text_decoder
 from hf_paged.engine.intake import prompt_tokens
 from hf_paged.engine.output_shaper import OutputShaper
@@ -86,10 +87,12 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt: Any, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Serve ``prompt`` (a string, token ids or vLLM's prompt dicts, as ``LLMEngine.add_request``
         takes) and yield its outputs; see the module docstring. ``request_id``: a fresh one when
-        None; one of a request still in flight is a ``ValueError``."""
+        None; one of a request still in flight is a ``ValueError``. ``lora_request``: its LoRA
+        adapter (an engine built with ``enable_lora=True``)."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
@@ -100,7 +103,7 @@ class AsyncLLM:
         # the engine hands over whole outputs; what the consumer asked for is cut from them here
         whole = dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE, stream_interval=None)
         stream = self._loop.submit([{"prompt_token_ids": ids, "prompt": text}], whole, request_id, priority=priority,
-                                   exact_id=True)
+                                   exact_id=True, lora_request=lora_request)
         request = self._requests[request_id] = _InFlight(stream, text, ids, max(params.n, 1))
         shaper = OutputShaper(params, self._tokenizer, ids)
         decode = text_decoder(self._tokenizer, params, ids) if self._tokenizer is not None and params.detokenize \

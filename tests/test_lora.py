@@ -260,6 +260,23 @@ def test_an_id_names_one_adapter(llama, adapters):
     assert_engine_idle(engine)
 
 
+def test_weights_read_again_under_an_id_never_meet_blocks_cached_with_the_old_ones(llama, adapters):
+    """load_inplace (a retrained adapter), or an id removed and added with another folder: the
+    prefix cache keys each load apart, so the new weights recompute the prompt."""
+    prompt, params = list(range(3, 44)), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    engine = LLMEngine(llama, block_size=4, num_blocks=128, enable_lora=True)
+    first = engine.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("a", 1, adapters["attn"]))[0]
+    again = engine.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("a", 1, adapters["attn"]))[0]
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 40)
+    retrained = LoRARequest("a", 1, adapters["mlp"], load_inplace=True)
+    out = engine.generate([prompt], params, use_tqdm=False, lora_request=retrained)[0]
+    assert out.num_cached_tokens == 0 and list(out.outputs[0].token_ids) == stock_greedy(llama, adapters["mlp"], prompt, 6)
+    engine.remove_lora(1)
+    out = engine.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("a", 1, adapters["all"]))[0]
+    assert out.num_cached_tokens == 0 and list(out.outputs[0].token_ids) == stock_greedy(llama, adapters["all"], prompt, 6)
+    assert_engine_idle(engine)
+
+
 # ---------------------------------------------------------------- refusals
 def write_adapter(path, config: dict, tensors: dict) -> str:
     from safetensors.torch import save_file
@@ -338,3 +355,29 @@ def test_llm_takes_vllms_lora_request(llama, adapters, stock):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 9, "/nonexistent"))
     assert_engine_idle(llm.llm_engine)
 
+
+
+def test_async_llm_takes_a_lora_request(llama, adapters, stock):
+    import asyncio
+
+    from hf_paged import AsyncLLM
+
+    async def main():
+        llm = AsyncLLM(llama, block_size=4, enable_lora=True, max_loras=2)
+        try:
+            async def one(prompt, name):
+                out = None
+                async for out in llm.generate(prompt, GREEDY, lora_request=lora(adapters, name) if name else None):
+                    pass
+                return list(out.outputs[0].token_ids), out.lora_request
+            got = await asyncio.gather(*(one(p, n) for p in PROMPTS[:2] for n in ("attn", "mlp", None)))
+            await asyncio.sleep(0)
+            return got, llm.engine
+        finally:
+            llm.shutdown()
+
+    got, engine = asyncio.run(main())
+    jobs = [(p, n) for p in PROMPTS[:2] for n in ("attn", "mlp", None)]
+    assert [g[0] for g in got] == [stock[tuple(p), n] for p, n in jobs]
+    assert [g[1] and g[1].lora_name for g in got] == [n for _, n in jobs]
+    assert_engine_idle(engine)

@@ -71,9 +71,9 @@ def prompts(served, monkeypatch) -> list[list[int]]:
     _, loop = served
     seen, submit = [], loop.submit
 
-    def recording(prompt_ids, params, request_id, final_only=False, priority=0):
+    def recording(prompt_ids, params, request_id, final_only=False, priority=0, **options):
         seen.extend(prompt_ids)
-        return submit(prompt_ids, params, request_id, final_only, priority)
+        return submit(prompt_ids, params, request_id, final_only, priority, **options)
 
     monkeypatch.setattr(loop, "submit", recording)
     return seen

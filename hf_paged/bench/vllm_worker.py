@@ -108,6 +108,7 @@ def run_offline(spec: dict) -> dict:
     """``LLM.generate`` on the spec's requests after an untimed warm-up call; only the timed call's
     wall and process-tree CPU time are counted."""
     from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
 
     llm = LLM(**spec["engine"])
 
@@ -115,8 +116,9 @@ def run_offline(spec: dict) -> dict:
         prompts = [{"prompt_token_ids": r["prompt"]} for r in requests]
         params = [SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False,
                                  **spec.get("sampling", {"temperature": 0.0})) for r in requests]
+        loras = [LoRARequest(*r["lora"]) if r.get("lora") else None for r in requests]  # [name, id, path]
         with Meter() as meter:
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras if any(loras) else None)
         return [list(o.outputs[0].token_ids) for o in outs], meter
 
     call(spec["warmup"])

@@ -27,6 +27,9 @@ Why it is built this way:
   budget, maximum sequences, threads and KV budget; "defaults" leaves each system's own defaults
   (threads excepted: vLLM's default binds one core, so both get every core). vLLM runs compiled
   (its default) and with ``enforce_eager``.
+* **LoRA** (``--loras N``): the offline section serves N PEFT adapters of rank ``--lora-rank`` on
+  every projection (written here in peft's format), the requests naming them in turn, through
+  both systems' multi-LoRA paths (``enable_lora``, ``max_loras=N``).
 * **Greedy by default**, so that tokens can be compared across systems; ``--temperature`` (and
   ``--top-p``) make both sides sample alike (unseeded, as a server's default traffic), which times
   the samplers too; sampled tokens are not compared, only their counts.
@@ -152,6 +155,8 @@ class Options:
     retries: int = 2  # runs repeated when other processes used more
     quiet_wait_s: float = 300.0  # the longest wait for a quiet machine before a run
     sampling: dict = field(default_factory=lambda: {"temperature": 0.0})  # both systems' sampling options
+    loras: int = 0  # offline: PEFT adapters served, the requests naming them in turn (0: the base model)
+    lora_rank: int = 8
     log: object = print
 
     @property
@@ -186,6 +191,48 @@ def build_checkpoint(path: str | Path, shape: str = "issue", seed: int = 0) -> d
     word_tokenizer(config.vocab_size).save_pretrained(path)
     return {"shape": shape, **SHAPES[shape], "parameters": sum(p.numel() for p in model.parameters()),
             "dtype": "float32", "init": f"random (torch.manual_seed({seed}), initializer_range 0.05)"}
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_adapters(model_dir: str | Path, count: int, rank: int, seed: int = 1) -> list[list]:
+    """Write ``count`` random LoRA adapters for the checkpoint at ``model_dir``, as peft saves them
+    (adapter_config.json, adapter_model.safetensors; rank ``rank`` on every projection); returns
+    each one's ``[name, id, path]`` (both systems' ``LoRARequest`` arguments)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    hidden, inner = config.hidden_size, config.intermediate_size
+    head_dim = hidden // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
+    shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden),
+              "gate_proj": (hidden, inner), "up_proj": (hidden, inner), "down_proj": (inner, hidden)}
+    parts = {m: "self_attn" if m.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp" for m in shapes}
+    generator = torch.Generator().manual_seed(seed)
+    adapters = []
+    for index in range(count):
+        tensors = {}
+        for layer in range(config.num_hidden_layers):
+            for module, (fan_in, fan_out) in shapes.items():
+                key = f"base_model.model.model.layers.{layer}.{parts[module]}.{module}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * fan_in ** -0.5
+                tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.05
+        path = Path(model_dir).parent / f"lora{index}"
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(LORA_TARGETS),
+            "bias": "none", "lora_dropout": 0.0, "base_model_name_or_path": str(model_dir)}))
+        adapters.append([f"lora{index}", index + 1, str(path)])
+    return adapters
+
+
+def with_adapters(requests: list[dict], adapters: list[list]) -> list[dict]:
+    """The requests naming the adapters in turn (unchanged without adapters)."""
+    return [{**r, "lora": adapters[i % len(adapters)]} for i, r in enumerate(requests)] if adapters else requests
 
 
 def _request(rng: random.Random, prompt_len: int, output_len: int, vocab: int) -> dict:
@@ -276,6 +323,7 @@ def hf_offline(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from hf_paged import LLMEngine, SamplingParams
+    from hf_paged.lora import LoRARequest
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
@@ -285,9 +333,10 @@ def hf_offline(spec: dict) -> dict:
     def call(requests: list[dict], profile: str | None = None) -> tuple[list[list[int]], Meter]:
         params = [SamplingParams(max_new_tokens=r["max_tokens"], ignore_eos=True, **spec["sampling"]) for r in requests]
         prompts = [r["prompt"] for r in requests]
+        loras = [LoRARequest(*r["lora"]) if r.get("lora") else None for r in requests]
         with Meter() as meter:
             profiler = _start_profile() if profile else None
-            outs = engine.generate(prompts, params, use_tqdm=False)
+            outs = engine.generate(prompts, params, use_tqdm=False, lora_request=loras)
             if profiler:
                 profiler.disable()
         if profiler:
@@ -326,6 +375,9 @@ def run_offline(config: Config, requests: list[dict], warmup: list[dict], opts: 
                 "engine": hf_engine_kwargs(config, opts.equal, ctx["kv_bytes_per_token"]), "profile": profile}
         cmd = [sys.executable, "-m", "hf_paged.bench.vs_vllm", "--worker"]
     spec.update(requests=requests, warmup=warmup, sampling=opts.sampling)
+    if ctx.get("adapters"):  # both systems' multi-LoRA paths, every adapter in one batch
+        spec["engine"].update(enable_lora=True, max_loras=len(ctx["adapters"]), max_lora_rank=opts.lora_rank)
+        spec.update(requests=with_adapters(requests, ctx["adapters"]), warmup=with_adapters(warmup, ctx["adapters"]))
     result = _subprocess_json(cmd, spec, config.name, system_env(config, opts.equal, opts.hf_env), opts, ctx)
     generated = sum(map(len, result["tokens"]))
     return {**result, "generated_tokens": generated, "tokens_per_s": generated / result["wall_s"],
@@ -646,7 +698,8 @@ def run(opts: Options) -> dict:
         config = AutoConfig.from_pretrained(model_dir)
         ctx = {"model_dir": str(model_dir), "work_dir": str(work_dir), "ids": iter(range(10**6)),
                "vocab": config.vocab_size, "kv_bytes_per_token": kv_bytes_per_token(config, torch.float32),
-               "systems": {"hf_paged", "vllm"} if vllm else {"hf_paged"}, "failures": {}}
+               "systems": {"hf_paged", "vllm"} if vllm else {"hf_paged"}, "failures": {},
+               "adapters": build_adapters(model_dir, opts.loras, opts.lora_rank) if opts.loras else []}
         results = _header(opts, model, vllm)
         for section, fn in (("offline", offline_section), ("online", online_section), ("profile", profile_section)):
             if opts.section == section or (opts.section == "all" and section != "profile"):
@@ -667,6 +720,7 @@ def _header(opts: Options, model: dict, vllm: dict | None) -> dict:
         "model": model, "rounds": opts.rounds, "sizes": asdict(opts.sizes), "equal_settings": asdict(opts.equal),
         "hf_env": opts.hf_env, "hf_serve_args": list(opts.hf_serve_args), "max_other_load_cores": opts.max_other_load,
         "retries": opts.retries, "sampling": opts.sampling,
+        "loras": {"adapters": opts.loras, "rank": opts.lora_rank, "targets": list(LORA_TARGETS)} if opts.loras else None,
         "notes": ["each run in a fresh process; rounds interleaved in alternating order; medians of rounds",
                   "offline: only the generate call is timed (after an untimed warm-up call on other prompts)",
                   "CPU time: the whole process tree (/proc utime + stime), around the same call",
@@ -783,6 +837,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="both systems sample at this temperature (0: greedy, tokens compared)")
     parser.add_argument("--top-p", type=float, default=1.0, help="both systems' top_p (with --temperature > 0)")
+    parser.add_argument("--loras", type=int, default=0,
+                        help="offline section: serve this many LoRA adapters, the requests naming them in turn")
+    parser.add_argument("--lora-rank", type=int, default=8, help="the adapters' rank (with --loras)")
     args = parser.parse_args(argv)
     if args.report:
         print(report(json.loads(Path(args.report).read_text())))
@@ -796,6 +853,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--temperature {args.temperature} --top-p {args.top_p}: a temperature >= 0 and a top_p in "
                      "(0, 1], below 1 only when sampling")
     sampling = {"temperature": args.temperature, **({"top_p": args.top_p} if args.top_p < 1 else {})}
+    if args.loras < 0 or args.lora_rank < 1 or (args.loras and args.section != "offline"):
+        parser.error(f"--loras {args.loras} --lora-rank {args.lora_rank}: adapters >= 0 of a rank >= 1, with "
+                     "--section offline (the servers run the base model)")
     opts = Options(vllm_python=args.vllm_python, section=args.section, rounds=1 if args.quick else args.rounds,
                    max_other_load=None if args.max_other_load < 0 else args.max_other_load,
                    retries=args.retries, quiet_wait_s=args.quiet_wait, settings=settings, hf_env=dict(kv.split("=", 1) for kv in args.hf_env),
@@ -803,7 +863,7 @@ def main(argv: list[str] | None = None) -> int:
                    sizes=SIZES["tiny" if args.tiny else "quick" if args.quick else "full"],
                    shape="tiny" if args.tiny else "issue", out=args.out, work_dir=args.work_dir,
                    equal=Equal(args.block_size, args.max_num_batched_tokens, args.max_num_seqs, args.threads),
-                   sampling=sampling)
+                   sampling=sampling, loras=args.loras, lora_rank=args.lora_rank)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         results = run(opts)

@@ -313,7 +313,7 @@ class LLMEngine:
         request = self.intake.request(str(request_id), prompt, params, taken=self.requests, lora_request=lora_request)
         request_id, request.priority = request.request_id, priority
         if lora_request is not None:
-            self.lora.acquire(lora_request)
+            request.seqs[0].cache_root = self.lora.acquire(lora_request).cache_root
             self._lora_holders[request_id] = lora_request.lora_int_id
         if request.prompt_logprobs is not None:  # their Logprob.decoded_token, decoded on first read
             request.prompt_logprobs.texts = self.output_processor.token_texts

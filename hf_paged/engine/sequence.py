@@ -39,15 +39,13 @@ class Sequence:
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that finished it
     ngrams: Any = None  # speculative decoding's index of its n-grams (hf_paged.engine.speculative)
     lora_int_id: int = 0  # the LoRA adapter its tokens run with (0: the base model)
+    # where its prefix-cache keys chain from: an adapter's K/V differ from the base model's (and
+    # from another load of the same id); None for the base model
+    cache_root: tuple | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def cache_root(self) -> tuple[str, int] | None:
-        """Where its prefix-cache keys chain from: an adapter's K/V differ from the base model's."""
-        return ("lora", self.lora_int_id) if self.lora_int_id else None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -71,7 +69,7 @@ class Sequence:
             token_ids=list(self.token_ids), num_prompt_tokens=self.num_prompt_tokens, index=index,
             num_computed_tokens=self.num_computed_tokens, cumulative_logprob=self.cumulative_logprob,
             logprobs=None if self.logprobs is None else list(self.logprobs), text=self.text,
-            stop_floor=self.stop_floor, lora_int_id=self.lora_int_id,
+            stop_floor=self.stop_floor, lora_int_id=self.lora_int_id, cache_root=self.cache_root,
         )
 
 

@@ -6,9 +6,9 @@ checks an adapter; :mod:`hf_paged.lora.layers` applies a step's adapters inside 
 """
 
 from hf_paged.lora.adapter import LoRAAdapter, LoRAWeights, load_adapter
-from hf_paged.lora.layers import LoRALayers, StepLoRA, add_lora_rows
+from hf_paged.lora.layers import LoRALayers, StepLoRA, add_lora_rows, lora_delta
 from hf_paged.lora.manager import LoRAManager
 from hf_paged.lora.request import LoRARequest
 
 __all__ = ["LoRAAdapter", "LoRALayers", "LoRAManager", "LoRARequest", "LoRAWeights", "StepLoRA", "add_lora_rows",
-           "load_adapter"]
+           "load_adapter", "lora_delta"]

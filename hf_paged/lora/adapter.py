@@ -51,11 +51,19 @@ class LoRAWeights:
 
 @dataclass(frozen=True)
 class LoRAAdapter:
-    """A loaded adapter: its request, its largest rank, and its weights by module name."""
+    """A loaded adapter: its request, its largest rank, its weights by module name, and which load
+    of its id this is (``generation``: weights read again under the same id, e.g. ``load_inplace``
+    or a folder changed while it was evicted, must not meet K/V cached with the old ones)."""
 
     request: LoRARequest
     rank: int
     modules: dict[str, LoRAWeights]
+    generation: int = 0
+
+    @property
+    def cache_root(self) -> tuple[str, int, int]:
+        """Where the prefix-cache keys of its sequences chain from (:meth:`PrefixIndex.keys_of`)."""
+        return ("lora", self.request.lora_int_id, self.generation)
 
     @property
     def nbytes(self) -> int:

@@ -8,6 +8,7 @@ and pinned ones always; beyond that the least recently used go, and are read aga
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING
 
@@ -60,7 +61,7 @@ class LoRAManager:
         if loaded is not None and self._in_use[request.lora_int_id]:
             raise ValueError(f"LoRA adapter {request.lora_int_id} is in use by requests in flight; it cannot be "
                              "loaded again (load_inplace) until they finish")
-        adapter = load_adapter(request, self.model, self.max_lora_rank)
+        adapter = dataclasses.replace(load_adapter(request, self.model, self.max_lora_rank), generation=self.num_loads)
         self.adapters[request.lora_int_id] = adapter
         self.adapters.move_to_end(request.lora_int_id)
         self.num_loads += 1

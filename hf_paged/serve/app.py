@@ -11,7 +11,11 @@ Statuses: 400 bad parameter (named), 401 bad key, 404 unknown model or route, 40
 engine failed this request's step). The POST routes publish their request models in
 ``/openapi.json``. A request's constraint (structured outputs, a forced tool call) is compiled
 before the request is queued, so that a bad one is a 400 even for a stream; chat choices with
-tools are parsed for tool calls (:mod:`.tools`), streamed as tool-call deltas.
+tools are parsed for tool calls (:mod:`.tools`), streamed as tool-call deltas. A request's ``model``
+names the base model or one of the LoRA adapters served over it (:mod:`.serving_models`: which
+adapters, ``/v1/models``, and vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+where ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` or the settings allow them); its engine requests run with
+that adapter and the answer's ``model`` echoes the name.
 """
 
 from __future__ import annotations
@@ -41,14 +45,18 @@ from hf_paged.engine.detokenize import TextStream
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import FAULT, RequestOutput
 from hf_paged.engine.params import SamplingParams
+from hf_paged.lora import LoRARequest
 from hf_paged.serve import responses, responses_api
 from hf_paged.serve.engine_loop import (EngineFailure, EngineLoop, Overloaded, ProcessEngineLoop, RequestStream,
                                         shutting_down)
 from hf_paged.serve.engine_process import EngineFacts, EngineProcess
 from hf_paged.serve import tools as tool_calling
+from hf_paged.serve.metrics import engine_stats
 from hf_paged.serve.protocol import (APIError, ChatCompletionRequest, ChatTemplateFields, CompletionRequest,
-                                     DetokenizeRequest, Limits, TokenizeChatRequest, TokenizeCompletionRequest,
-                                     decode_body, invalid, parse, resolve_max_tokens)
+                                     DetokenizeRequest, Limits, LoadLoRAAdapterRequest, TokenizeChatRequest,
+                                     TokenizeCompletionRequest, UnloadLoRAAdapterRequest, decode_body, invalid, parse,
+                                     resolve_max_tokens)
+from hf_paged.serve.serving_models import LoRAModulePath, OpenAIServingModels, lora_requests, runtime_lora_updating
 from hf_paged.serve.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, Ticket
 from hf_paged.serve.streaming import BoundedStreamingResponse
 from hf_paged.serve.tokenizer_pool import TokenizerPool
@@ -77,10 +85,22 @@ class ServerSettings:
     generation_config: str = "auto"
     chat_template: str | None = None  # Jinja text used instead of the tokenizer's (--chat-template)
     trust_request_chat_template: bool = False  # whether a request may send its own chat_template
+    # LoRA adapters served from the start (--lora-modules; the engine needs enable_lora=True): requests
+    # name them as their model; ids 1, 2, ... in this order
+    lora_modules: tuple[LoRAModulePath, ...] = ()
+    # vLLM's runtime loading routes (/v1/load_lora_adapter, /v1/unload_lora_adapter); also on where the
+    # environment has VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (or true), as vLLM
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         """A value the command line would refuse is refused here too: any other one (a typo, "Auto")
-        would quietly serve as "vllm" and drop the model's defaults."""
+        would quietly serve as "vllm" and drop the model's defaults; adapters named twice, or as the
+        model, could not be told apart."""
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        try:
+            lora_requests(self.lora_modules, self.model_name)
+        except ValueError as err:
+            raise ValueError(f"ServerSettings.lora_modules: {err}") from None
         if self.max_logprobs < -1:
             raise ValueError(f"ServerSettings.max_logprobs must be >= 0, or -1 (the vocabulary), "
                              f"got {self.max_logprobs}")
@@ -100,6 +120,8 @@ class _Job:
     ticket: Ticket
     echoed_ids: list[bool] = field(default_factory=list)  # per echoed prompt: given as token ids (decoded whole)
     stream: RequestStream | None = None
+    model: str = ""  # what the answer's model says: the base model's name or the adapter's
+    lora: LoRARequest | None = None  # the adapter its engine requests run with (None: the base model)
     tools: bool = False  # chat with tools: <tool_call> blocks become tool_calls (serve/tools.py)
     calls_only: bool = False  # tool_choice "required" or named: the output is calls only
     parsers: dict[int, HermesToolParser] | None = None  # streaming with tools: a parser per choice
@@ -135,7 +157,8 @@ def build_app(engine: LLMEngine | EngineProcess, settings: ServerSettings = Serv
                     kv_block_size=facts.kv_block_size, scheduling_policy=facts.scheduling_policy)
     drain = Drain(lambda: loop.end_all(shutting_down()), settings.shutdown_timeout_s)
     defaults = _checked_defaults(facts.sampling_defaults) if settings.generation_config == "auto" else {}
-    serving = _OpenAIServing(loop, copy.deepcopy(engine.tokenizer), settings, limits, drain, defaults)
+    models = OpenAIServingModels(loop, settings.model_name, settings.lora_modules, limits.context, facts.max_loras)
+    serving = _OpenAIServing(loop, copy.deepcopy(engine.tokenizer), settings, limits, drain, defaults, models)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -150,6 +173,7 @@ def build_app(engine: LLMEngine | EngineProcess, settings: ServerSettings = Serv
     app.state.engine_loop = loop
     app.state.drain = drain  # the server's signal handling drives it (server.py)
     app.state.sampling_defaults = serving.defaults
+    app.state.models = models
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     _add_error_handlers(app)
     auth = [Depends(_api_key_check(settings.api_key))]
@@ -168,6 +192,10 @@ def build_app(engine: LLMEngine | EngineProcess, settings: ServerSettings = Serv
               "/v1/responses": (serving.responses, responses_api.ResponsesRequest),
               "/tokenize": (serving.tokenize, (TokenizeCompletionRequest, TokenizeChatRequest)),
               "/detokenize": (serving.detokenize, DetokenizeRequest)}
+    if settings.allow_runtime_lora_updating or runtime_lora_updating():  # vLLM's switch; else 404 as unknown
+        logger.warning("LoRA adapters may be loaded and unloaded at runtime (/v1/load_lora_adapter)")
+        bodies |= {"/v1/load_lora_adapter": (serving.load_lora_adapter, LoadLoRAAdapterRequest),
+                   "/v1/unload_lora_adapter": (serving.unload_lora_adapter, UnloadLoRAAdapterRequest)}
     for path, (handler, _) in bodies.items():
         app.add_api_route(path, handler, methods=["POST"], dependencies=auth)
     _publish_request_bodies(app, {path: model for path, (_, model) in bodies.items()})
@@ -325,8 +353,9 @@ def _checked_defaults(defaults: dict[str, float | int]) -> dict[str, float | int
 # ---------------------------------------------------------------------------- the routes
 class _OpenAIServing:
     def __init__(self, loop: EngineLoop, tokenizer, settings: ServerSettings, limits: Limits, drain: Drain,
-                 defaults: dict[str, float | int]):
+                 defaults: dict[str, float | int], models: OpenAIServingModels):
         self.loop, self.tokenizer, self.settings, self.limits, self.drain = loop, tokenizer, settings, limits, drain
+        self.serving_models = models  # the base model and the LoRA adapters a request's model may name
         self.defaults = defaults  # request defaults from the model's generation config (params.generation_defaults)
         self.tokenizers = TokenizerPool(tokenizer)
         self.token_text = responses.TokenText(tokenizer)
@@ -354,7 +383,7 @@ class _OpenAIServing:
         """Always a scrape: an engine that cannot answer (dead, or stuck for 10 s) is
         ``engine_healthy 0`` beside the server's own series, which is when a scrape matters most."""
         try:
-            stats = await asyncio.wait_for(asyncio.wrap_future(self.loop.call(LLMEngine.stats)), timeout=10)
+            stats = await asyncio.wait_for(asyncio.wrap_future(self.loop.call(engine_stats)), timeout=10)
         except (asyncio.TimeoutError, EngineFailure):
             stats = {"healthy": False}
         return PlainTextResponse(self.loop.metrics.render(stats, self.settings.model_name),
@@ -368,9 +397,7 @@ class _OpenAIServing:
         """Forget every cached prefix block (vLLM's route of the same name; benchmarks call it between
         runs, operators after changing the weights). The engine does it between steps, and only
         when no request is in flight (their blocks would enter the cache again): a 409 otherwise."""
-        problem = self._unavailable()
-        if problem is not None:
-            raise problem
+        self._check_available()
         try:
             done = await asyncio.wait_for(asyncio.wrap_future(self.loop.call(LLMEngine.reset_prefix_cache)), 30)
         except asyncio.TimeoutError:
@@ -380,26 +407,35 @@ class _OpenAIServing:
                            code="requests_in_flight")
         return JSONResponse({"reset": True})
 
-    def _model_card(self) -> dict:
-        return {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "hf_paged",
-                "max_model_len": self.limits.context}
-
     async def models(self) -> dict:
-        return {"object": "list", "data": [self._model_card()]}
+        """The base model, then each LoRA adapter (``root``: its folder, ``parent``: the base model)."""
+        return {"object": "list", "data": self.serving_models.cards()}
 
     async def model(self, model_id: str) -> dict:
-        self._check_model(model_id)
-        return self._model_card()
+        return self.serving_models.card(model_id)
 
-    def _check_model(self, name: str) -> None:
-        if name != self.settings.model_name:
-            raise APIError(404, f"the model '{name}' does not exist (this server has '{self.settings.model_name}')",
-                           param="model", code="model_not_found")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``POST /v1/load_lora_adapter`` (where runtime updates are allowed): the engine reads
+        and checks the adapter now; a plain-text success, as vLLM's."""
+        req = parse(LoadLoRAAdapterRequest, decode_body(await request.body()))
+        self._check_available()
+        return PlainTextResponse(await self.serving_models.load_lora_adapter(req))
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``POST /v1/unload_lora_adapter``: 404 for an adapter not served, 400 while requests
+        in flight use it."""
+        req = parse(UnloadLoRAAdapterRequest, decode_body(await request.body()))
+        self._check_available()
+        return PlainTextResponse(await self.serving_models.unload_lora_adapter(req))
+
+    def _check_available(self) -> None:
+        problem = self._unavailable()
+        if problem is not None:
+            raise problem
 
     async def _parse(self, request: Request, model):
         req = parse(model, decode_body(await request.body()))
-        if req.model is not None:  # left out: the served model (vLLM's)
-            self._check_model(req.model)
+        self.serving_models.lora_request(req.model)  # a 404 for a model not served; left out: the base model (vLLM's)
         req.check(self.limits)
         req.fill_defaults(self.defaults)
         return req
@@ -440,7 +476,9 @@ class _OpenAIServing:
         asked = 1 if req.prompt_only() else req.max_tokens  # the token drawn for nothing is left out of the answer
         max_tokens = [resolve_max_tokens(asked, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), self.limits,
                                          "prompt", samples=req.samples) for ids in encoded]
-        job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", req, texts, ticket, echoed_ids=decoded)
+        lora = self.serving_models.lora_request(req.model)
+        job = _Job("completion", f"cmpl-{uuid.uuid4().hex}", req, texts, ticket, echoed_ids=decoded,
+                   model=self.serving_models.model_name(lora), lora=lora)
         params = {n: req.sampling_params(n) for n in set(max_tokens)}
         await self._compile_constraint(req, params[max_tokens[0]])
         return job, encoded, params[max_tokens[0]] if len(params) == 1 else [params[n] for n in max_tokens]
@@ -455,8 +493,9 @@ class _OpenAIServing:
         max_tokens = resolve_max_tokens(req.max_tokens, self.defaults.get("max_tokens"), len(ids), self.limits,
                                         "messages", req.max_tokens_param, req.samples)
         echoed = req.echoed_text()
+        lora = self.serving_models.lora_request(req.model)
         job = _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req, [echoed] if echoed else [], ticket,
-                   tools=req.tool_mode != "none",
+                   model=self.serving_models.model_name(lora), lora=lora, tools=req.tool_mode != "none",
                    calls_only=req.tool_mode not in ("none", "auto"))
         params = req.sampling_params(max_tokens)
         await self._compile_constraint(req, params)
@@ -470,11 +509,10 @@ class _OpenAIServing:
 
     async def _responses_job(self, request: Request, ticket: Ticket):
         req = responses_api.read_request(decode_body(await request.body()))
-        if req.model is not None:
-            self._check_model(req.model)
-        chat = req.chat_request(self.settings.model_name, self.limits, self.defaults)
+        models = self.serving_models
+        chat = req.chat_request(models.model_name(models.lora_request(req.model)), self.limits, self.defaults)
         job, prompts, params = await self._chat_job(request, ticket, chat)
-        job.view = responses_api.ResponseRenderer(req, params, self.tokenizer, self.settings.model_name,
+        job.view = responses_api.ResponseRenderer(req, params, self.tokenizer, job.model,
                                                   tools=job.tools, calls_only=job.calls_only, failure=_request_failure)
         job.response_id = job.view.id
         return job, prompts, params
@@ -500,8 +538,7 @@ class _OpenAIServing:
         body = decode_body(await request.body())
         chat = isinstance(body, dict) and "messages" in body
         req = parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
-        if req.model is not None:
-            self._check_model(req.model)
+        self.serving_models.lora_request(req.model)  # a 404 for a model not served (adapters share the tokenizer)
         if chat:
             req.check_template_fields()
             try:
@@ -519,8 +556,7 @@ class _OpenAIServing:
 
     async def detokenize(self, request: Request) -> dict:
         req = parse(DetokenizeRequest, decode_body(await request.body()))
-        if req.model is not None:
-            self._check_model(req.model)
+        self.serving_models.lora_request(req.model)  # a 404 for a model not served
         vocab = self.limits.vocab_size
         bad = next((i for i, t in enumerate(req.tokens) if t < 0 or (vocab is not None and t >= vocab)), None)
         if bad is not None:
@@ -566,14 +602,19 @@ class _OpenAIServing:
 
     async def _run(self, job: _Job, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                    request: Request) -> Response:
+        if not self.serving_models.serves(job.lora):  # unloaded while the request was tokenized
+            self.serving_models.lora_request(job.lora.lora_name)  # the 404
         job.stream = self.loop.submit(prompts, params, job.response_id, final_only=not job.request.stream,
-                                      priority=job.request.priority or 0)
+                                      priority=job.request.priority or 0, lora_request=job.lora)
         try:
             await job.stream.accepted()
         except Overloaded as err:
             raise APIError(503, str(err), code="server_overloaded") from None
         except ValueError as err:
-            raise invalid("messages" if job.kind == "chat" else "prompt", str(err)) from None
+            param = "messages" if job.kind == "chat" else "prompt"
+            if job.lora is not None and "LoRA" in str(err):  # its adapter's folder can no longer be read
+                param = "model"
+            raise invalid(param, str(err)) from None
         except EngineFailure as err:
             raise APIError(503, str(err), code=err.code) from None
         except BaseException:  # cancelled while waiting: drop what may have been queued
@@ -629,7 +670,7 @@ class _OpenAIServing:
         usage = responses.usage(outputs)
         if req.prompt_only():
             usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
-        body = responses.envelope(job.kind, job.response_id, self.settings.model_name, choices, usage)
+        body = responses.envelope(job.kind, job.response_id, job.model, choices, usage)
         if req.prompt_logprobs is not None and job.kind == "chat":  # vLLM's: one conversation, one list
             body["prompt_logprobs"] = responses.prompt_logprobs(self.token_text, outputs[0].prompt_logprobs)
         if req.return_token_ids and job.kind == "chat":
@@ -689,12 +730,12 @@ class _OpenAIServing:
                     chunk = self._chunk(job, index, c, texts, offsets, i, out)
                     if chunk is not None:
                         so_far = responses.choice_usage(out, c) if continuous else None
-                        yield responses.sse(responses.envelope(job.kind, job.response_id, self.settings.model_name,
+                        yield responses.sse(responses.envelope(job.kind, job.response_id, job.model,
                                                                [chunk], so_far, chunk=True, created=created,
                                                                null_usage=with_usage))
             else:
                 if with_usage:
-                    yield responses.sse(responses.envelope(job.kind, job.response_id, self.settings.model_name, [],
+                    yield responses.sse(responses.envelope(job.kind, job.response_id, job.model, [],
                                                            responses.usage(list(finals.values())), chunk=True,
                                                            created=created))
         except EngineFailure as err:
@@ -715,7 +756,7 @@ class _OpenAIServing:
             choice = responses.choice("chat", index, echo, None, delta=True)
         so_far = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": 0,
                   "total_tokens": len(out.prompt_token_ids)} if continuous else None
-        body = responses.envelope("chat", job.response_id, self.settings.model_name, [choice], so_far, chunk=True,
+        body = responses.envelope("chat", job.response_id, job.model, [choice], so_far, chunk=True,
                                   created=created, null_usage=with_usage)
         if job.request.return_token_ids and echo is None:
             body["prompt_token_ids"] = list(out.prompt_token_ids)

@@ -1,12 +1,13 @@
 """The one thread that owns the ``LLMEngine`` (or, with :class:`ProcessEngineLoop`, talks to it in
 an engine process: :mod:`.engine_process`); HTTP handlers only enqueue and read.
 
-Handlers (on the asyncio event loop) send commands through a queue: add a request, abort one,
-run a function on the engine, end everything in flight (shutdown). The engine thread drains that
-queue between steps, steps the engine while anything is unfinished, and hands each request's
-outputs back to its handler's :class:`RequestStream` (one ``call_soon_threadsafe`` per event loop
-and step). Nothing else touches the engine, so it needs no locks, and an abort frees the
-request's blocks before the next step.
+Handlers (on the asyncio event loop) send commands through a queue: add a request (with its LoRA
+adapter, if any), abort one, run a function on the engine (stats, loading an adapter), end
+everything in flight (shutdown). The engine thread drains that queue between steps, steps the
+engine while anything is unfinished, and hands each request's outputs back to its handler's
+:class:`RequestStream` (one ``call_soon_threadsafe`` per event loop and step). Nothing else
+touches the engine, so it needs no locks, and an abort frees the request's blocks before the
+next step.
 
 A stream keeps only the latest output of each of its requests until its handler reads it (an
 output holds everything produced so far), so a handler that cannot send (a client that does not
@@ -34,6 +35,7 @@ from hf_paged.engine.detokenize import text_decoder
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import RequestOutput
 from hf_paged.engine.params import SamplingParams
+from hf_paged.lora import LoRARequest
 from hf_paged.serve.metrics import ServingMetrics
 
 if TYPE_CHECKING:
@@ -65,12 +67,15 @@ class RequestStream:
     Iterating yields ``(prompt index, RequestOutput)``: every change, or with ``final_only`` just
     the finished outputs. ``abort()`` stops whatever is unfinished (idempotent). ``params(i)``:
     the ``SamplingParams`` of prompt ``i``'s request (what its text shows: a stream's deltas are
-    decoded as its final text is). ``priority``: its requests' (``LLMEngine.add_request``).
+    decoded as its final text is). ``priority`` and ``lora_request``: its requests'
+    (``LLMEngine.add_request``).
     """
 
     def __init__(self, owner: EngineLoop, request_ids: list[str], final_only: bool,
-                 params: SamplingParams | list[SamplingParams] | None = None, priority: int = 0):
+                 params: SamplingParams | list[SamplingParams] | None = None, priority: int = 0,
+                 lora_request: LoRARequest | None = None):
         self.request_ids, self.final_only, self.priority = request_ids, final_only, priority
+        self.lora_request = lora_request
         self._params = params
         self._owner = owner
         self._loop = asyncio.get_running_loop()
@@ -192,14 +197,15 @@ class EngineLoop:
         return self.engine.structured.compiler
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], request_id: str,
-               final_only: bool = False, priority: int = 0, exact_id: bool = False) -> RequestStream:
+               final_only: bool = False, priority: int = 0, exact_id: bool = False,
+               lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue one engine request per prompt (ids ``{request_id}-{i}``, or with ``exact_id`` the one
-        prompt's ``request_id`` itself; ``params`` for all, or one per prompt; all with ``priority``);
-        await ``accepted()``."""
+        prompt's ``request_id`` itself; ``params`` for all, or one per prompt; all with ``priority``
+        and the LoRA adapter ``lora_request``, None: the base model); await ``accepted()``."""
         if exact_id and len(prompts) != 1:
             raise ValueError(f"exact_id: one prompt has one id, got {len(prompts)} prompts")
         request_ids = [request_id] if exact_id else [f"{request_id}-{i}" for i in range(len(prompts))]
-        stream = RequestStream(self, request_ids, final_only, params, priority)
+        stream = RequestStream(self, request_ids, final_only, params, priority, lora_request)
         self._post(("add", stream, prompts, params))
         return stream
 
@@ -207,7 +213,9 @@ class EngineLoop:
         self._post(("abort", stream))
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
-        """Run ``fn(engine)`` where the engine runs, between steps (stats, test checks)."""
+        """Run ``fn(engine)`` where the engine runs, between steps (stats, test checks, LoRA
+        adapters). A caller that stops waiting may cancel the future: ``fn`` then does not run, if
+        it has not started."""
         future: Future = Future()
         self._post(("call", fn, future))
         return future
@@ -257,6 +265,8 @@ class EngineLoop:
             case ("end_all", error):
                 self._end_all(error)
             case ("call", fn, future):
+                if not future.set_running_or_notify_cancel():  # its caller gave up waiting
+                    return
                 try:
                     future.set_result(fn(self.engine))
                 except Exception as err:  # noqa: BLE001 - handed to the caller
@@ -266,7 +276,8 @@ class EngineLoop:
 
     def _add(self, stream: RequestStream, prompts: list[list[int]],
              params: SamplingParams | list[SamplingParams]) -> None:
-        refusal = add_requests(self.engine, stream.request_ids, prompts, params, self.max_waiting, stream.priority)
+        refusal = add_requests(self.engine, stream.request_ids, prompts, params, self.max_waiting, stream.priority,
+                               stream.lora_request)
         self._admit(stream, len(prompts), refusal)
 
     def _admit(self, stream: RequestStream, num_prompts: int, refusal: tuple[str, str] | None) -> None:
@@ -330,7 +341,7 @@ class EngineLoop:
         """Answer a queued add or call with ``error`` instead of running it."""
         if command[0] == "add":
             self._send(command[1], error)
-        elif command[0] == "call":
+        elif command[0] == "call" and command[2].set_running_or_notify_cancel():
             command[2].set_exception(error)
 
     def _send(self, stream: RequestStream, item: Any) -> None:
@@ -347,19 +358,21 @@ class EngineLoop:
 
 def add_requests(engine: LLMEngine, request_ids: list[str], prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams], max_waiting: int | None,
-                 priority: int = 0) -> tuple[str, str] | None:
+                 priority: int = 0, lora_request: LoRARequest | None = None) -> tuple[str, str] | None:
     """Queue one engine request per prompt, all or none (in the engine's thread or process), with
     ``params``, or one of them per prompt (a completion's default ``max_tokens`` is what fits after
-    its own prompt), and ``priority``. None when queued, else ``(why, message)``: "overloaded" (more than
-    ``max_waiting`` would wait), "invalid" (``ValueError``: a bad prompt or parameters) or "engine"
-    (the engine refused, e.g. a tensor-parallel engine whose group was stopped; logged)."""
+    its own prompt), ``priority`` and ``lora_request``. None when queued, else ``(why, message)``:
+    "overloaded" (more than ``max_waiting`` would wait), "invalid" (``ValueError``: a bad prompt or
+    parameters, or an adapter that cannot be read) or "engine" (the engine refused, e.g. a
+    tensor-parallel engine whose group was stopped; logged)."""
     if max_waiting is not None and engine.stats()["waiting"] + len(prompts) > max_waiting:
         return "overloaded", f"more than {max_waiting} requests are waiting; retry later"
     added = []
     try:
         each = params if isinstance(params, list) else [params] * len(prompts)
         for request_id, prompt, prompt_params in zip(request_ids, prompts, each):
-            engine.add_request(prompt, prompt_params, request_id=request_id, priority=priority)
+            engine.add_request(prompt, prompt_params, request_id=request_id, priority=priority,
+                               lora_request=lora_request)
             added.append(request_id)
     except Exception as err:  # noqa: BLE001 - the caller answers 400 or 503
         for request_id in added:
@@ -504,7 +517,7 @@ class ProcessEngineLoop(EngineLoop):
                 key = stream.request_ids[0]
                 self._pending[key] = (stream, len(prompts))
                 problem = self._forward(("add", key, stream.request_ids, prompts, params, self.max_waiting,
-                                         stream.priority))
+                                         stream.priority, stream.lora_request))
                 if problem is not None:
                     del self._pending[key]
                     self._send(stream, problem)
@@ -512,6 +525,8 @@ class ProcessEngineLoop(EngineLoop):
                 del self._pending[stream.request_ids[0]]
                 self._forward(("abort", stream.request_ids))  # it aborts the requests right after adding them
             case ("call", fn, future):
+                if not future.set_running_or_notify_cancel():  # its caller gave up waiting
+                    return None
                 key = next(self._call_ids)
                 self._calls[key] = future
                 problem = self._forward(("call", key, fn))

@@ -54,6 +54,7 @@ class EngineFacts:
     max_num_seqs: int  # the widest request (n, beams) a step can hold
     sampling_defaults: dict  # request defaults from the model's generation config (params.generation_defaults)
     scheduling_policy: str = "fcfs"  # whether requests' priority is honoured ("priority")
+    max_loras: int | None = None  # LoRA adapters at most among a step's requests; None: it serves none
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineFacts:
@@ -61,7 +62,7 @@ class EngineFacts:
         return cls(engine.config.vocab_size, engine.max_positions,
                    kv.max_tokens_alone(engine.scheduler.prefill_chunk), kv.block_size, list(engine.eos_token_ids),
                    engine.scheduler.max_num_seqs, generation_defaults(getattr(engine.model, "generation_config", None)),
-                   engine.scheduler.policy)
+                   engine.scheduler.policy, engine.lora.max_loras if engine.lora is not None else None)
 
 
 START_METHODS = ("spawn", "forkserver")
@@ -234,8 +235,8 @@ class _EngineCore:
 
     def _execute(self, command: tuple) -> None:
         match command:
-            case ("add", key, request_ids, prompts, params, max_waiting, priority):
-                refusal = add_requests(self.engine, request_ids, prompts, params, max_waiting, priority)
+            case ("add", key, request_ids, prompts, params, max_waiting, priority, lora_request):
+                refusal = add_requests(self.engine, request_ids, prompts, params, max_waiting, priority, lora_request)
                 if refusal is None:
                     self.live.update(request_ids)
                 self._send(("added", key, refusal))

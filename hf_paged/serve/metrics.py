@@ -8,14 +8,20 @@ loop as outputs come out of each step, so they include scheduling but not HTTP. 
 The main series of vLLM's server follow under vLLM's names (``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc``, ... labelled ``model_name``), so that what reads a vLLM server (an
 autoscaler on its queue, an inference gateway picking the least loaded replica, a dashboard)
-reads this one unchanged.
+reads this one unchanged. With LoRA adapters served, vLLM's ``vllm:lora_requests_info`` says which
+adapters the running and the waiting requests use (:func:`engine_stats` reads them in the engine).
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
+import time
 from collections import Counter
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hf_paged.engine.llm_engine import LLMEngine
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PREFIX = "hf_paged"
@@ -46,6 +52,23 @@ _ENGINE_METRICS = {
     "spec_draft_tokens": ("spec_draft_tokens_total", "counter", "Speculative decoding: draft tokens computed."),
     "spec_accepted_tokens": ("spec_accepted_tokens_total", "counter", "Speculative decoding: draft tokens taken."),
 }
+
+
+def engine_stats(engine: LLMEngine) -> dict:
+    """What a scrape reads where the engine runs (module-level: an engine process runs it by
+    reference): ``engine.stats()``, and with LoRA on, the names of the adapters of the running
+    requests and of the waiting ones (swapped out included), and ``max_loras``."""
+    stats = engine.stats()
+    if engine.lora is not None:
+        scheduler = engine.scheduler
+        stats["lora_running"] = _adapter_names(scheduler.running)
+        stats["lora_waiting"] = _adapter_names([*scheduler.waiting, *scheduler.swapped])
+        stats["max_loras"] = engine.lora.max_loras
+    return stats
+
+
+def _adapter_names(requests) -> list[str]:
+    return sorted({r.lora_request.lora_name for r in requests if getattr(r, "lora_request", None) is not None})
 
 
 class Histogram:
@@ -133,7 +156,7 @@ class ServingMetrics:
         """vLLM's series (its names, types and ``model_name`` label) from the same numbers. Prompt
         tokens are those computed plus those found cached; waiting requests exclude swapped-out ones
         (``vllm:num_requests_swapped``, vLLM V0's name); the KV usage is of the device blocks."""
-        label = 'model_name="' + model_name.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        label = f'model_name="{_label(model_name)}"'
         total = stats.get("blocks_total") or 0
         gauges = {"num_requests_running": ("Requests being computed.", stats.get("running", 0)),
                   "num_requests_waiting": ("Requests waiting to be scheduled.", stats.get("waiting", 0)),
@@ -163,8 +186,19 @@ class ServingMetrics:
         lines += _series("vllm:request_success_total", "counter", "Finished requests, by finish reason.",
                          [(f'{{{label},finished_reason="{r}"}}', self.finished[r])
                           for r in sorted({"stop", "length", "abort", "error", *self.finished})])
+        if "max_loras" in stats:  # as vLLM: the adapters in labels, the time of the reading as the value
+            adapters = (f'max_lora="{stats["max_loras"]}",'
+                        f'running_lora_adapters="{_label(",".join(stats["lora_running"]))}",'
+                        f'waiting_lora_adapters="{_label(",".join(stats["lora_waiting"]))}"')
+            lines += _series("vllm:lora_requests_info", "gauge", "Running stats on lora requests.",
+                             [(f"{{{adapters}}}", time.time())])
         return lines + self.ttft.lines("vllm:time_to_first_token_seconds", label) + \
             self.itl.lines("vllm:inter_token_latency_seconds", label)
+
+
+def _label(value: str) -> str:
+    """A Prometheus label value, escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _sample(name: str, kind: str, help_text: str, values: list[tuple[str, float]]) -> list[str]:

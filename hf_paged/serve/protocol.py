@@ -13,7 +13,8 @@ or chunk), ``return_tokens_as_token_ids`` (log-probs' tokens read ``token_id:<id
 ``truncate_prompt_tokens`` with ``truncation_side`` (the prompt served is its last, or first,
 ``k`` tokens), ``stream_options.continuous_usage_stats`` (usage so far in every chunk), ``model``
 left out (the served one), and in chat the chat-template fields of :class:`ChatTemplateFields`.
-The bodies of vLLM's ``/tokenize`` and ``/detokenize`` are here too.
+The bodies of vLLM's ``/tokenize`` and ``/detokenize``, and of its LoRA routes
+``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, are here too.
 
 Structured outputs: OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``, and
 vLLM's ``structural_tag``: ``format``, or the older ``structures`` with ``triggers``),
@@ -198,7 +199,8 @@ def json_path(parts) -> str | None:
 def _field_names() -> set[str]:
     models = (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions, ResponseFormat,
               JSONSchemaFormat, LegacyStructure, StructuredOutputsRequest, ChatToolCall, FunctionCall,
-              TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest)
+              TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
+              UnloadLoRAAdapterRequest)
     return {key for model in models for name, f in model.model_fields.items() for key in (name, f.alias) if key}
 
 
@@ -851,3 +853,20 @@ class DetokenizeRequest(StrictModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(StrictModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's): serve the adapter in folder ``lora_path`` as
+    ``lora_name``; ``load_inplace``: read it again under a name already served (a retrained adapter)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool | None = False
+
+
+class UnloadLoRAAdapterRequest(StrictModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's): stop serving an adapter, named by ``lora_name`` or
+    by its ``lora_int_id``."""
+
+    lora_name: str | None = Field(None, min_length=1)
+    lora_int_id: int | None = None
