@@ -38,7 +38,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from hf_paged import kernels
 from hf_paged.cache import new_columns_valid
 from hf_paged.channel import PackedStep, active_cache, in_packed_forward
-from hf_paged.kernels import cpu_decode, cpu_prefill
+from hf_paged.kernels import cpu_build, cpu_decode, cpu_prefill
 
 ATTN_IMPLEMENTATION = "hf_paged"
 COMPILED_ATTN_IMPLEMENTATION = "hf_paged_compiled"  # the engine's compiled steps (hf_paged.engine.compiled_body)
@@ -306,19 +306,26 @@ def _decode_rows(step: PackedStep, layer_idx: int, q: torch.Tensor, tables: torc
     return kernels.paged_attention_decode(q.contiguous(), k_pool, v_pool, tables, lens, scale, **options)
 
 
+def _c_read(read: str) -> bool:
+    """Whether a step's ``decode_read`` / ``prefill_read`` asks for the C read: ``"c"``, or
+    ``"auto"`` on a CPU with the 512-bit vectors it is written for (:func:`cpu_build.wide_vectors`)."""
+    return read == "c" or (read == "auto" and cpu_build.wide_vectors())
+
+
 def _c_decode_reads(step: PackedStep, q: torch.Tensor, k_pool, v_pool, triton: bool, options: dict) -> bool:
     """Whether an engine step's decode rows go to the C read over the blocks
     (:mod:`hf_paged.kernels.cpu_decode`), as :func:`_decode_on_cpu` decides."""
-    return (step.decode_read == "auto" and not q.is_cuda and not triton and not options.get("softcap")
+    return (_c_read(step.decode_read) and not q.is_cuda and not triton and not options.get("softcap")
             and not options.get("chunk_size") and cpu_decode.supports(q, k_pool, v_pool))
 
 
 def _c_prefill_reads(step: PackedStep, q: torch.Tensor, k_pool, v_pool, triton: bool, options: dict) -> bool:
     """Whether an engine step's prefill chunks go to the C read over the blocks
-    (:mod:`hf_paged.kernels.cpu_prefill`): float32 pools on the CPU, ``step.prefill_read`` "auto",
-    causal attention in an optional sliding window with optional sinks (no softcap or chunk),
-    and the read built for the layout. Half precision keeps stock's SDPA (batch invariance)."""
-    return (step.prefill_read == "auto" and not triton and not options.get("softcap")
+    (:mod:`hf_paged.kernels.cpu_prefill`): float32 pools on the CPU, ``step.prefill_read`` asking
+    for it (:func:`_c_read`), causal attention in an optional sliding window with optional sinks (no
+    softcap or chunk), and the read built for the layout. Half precision keeps stock's SDPA (batch
+    invariance)."""
+    return (_c_read(step.prefill_read) and not triton and not options.get("softcap")
             and not options.get("chunk_size") and cpu_prefill.supports(q, k_pool, v_pool))
 
 

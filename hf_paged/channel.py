@@ -246,12 +246,13 @@ class PackedStep(StashingCache, abc.ABC):
     first (``metadata.num_decode``) and are read in :meth:`decode_groups` on CPU; the rest go to
     the varlen prefill kernel.
 
-    ``decode_read`` chooses the CPU decode read: ``"auto"`` reads float32 pools with the C read
+    ``decode_read`` chooses the CPU decode read: ``"c"`` reads float32 pools with the C read
     (:mod:`hf_paged.kernels.cpu_decode`) where it is built, ``"gather"`` always copies the
     sequences' keys and values out of the blocks for SDPA (:meth:`decode_groups`).
-    ``prefill_read`` chooses the CPU prefill read: ``"auto"`` reads float32 pools with the C read
+    ``prefill_read`` chooses the CPU prefill read: ``"c"`` reads float32 pools with the C read
     (:mod:`hf_paged.kernels.cpu_prefill`) where it is built, ``"sdpa"`` calls SDPA per sequence as
-    stock does for one prompt.
+    stock does for one prompt. ``"auto"`` (both): the C reads on a CPU with 512-bit vectors
+    (``cpu_build.wide_vectors``: they are slower than torch's reads without), else torch's.
     """
 
     storage: PagedKVStorage

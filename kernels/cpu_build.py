@@ -14,6 +14,7 @@ callers keep their torch reads.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -166,6 +167,16 @@ def _private_temp_dir() -> Path:
     except OSError:
         pass
     return Path(tempfile.mkdtemp(prefix="hf_paged-"))
+
+
+@functools.cache
+def wide_vectors() -> bool:
+    """Whether this CPU has 512-bit vectors (AVX-512F). The reads' register blocking is written for
+    them (32 vector registers of 16 floats); on an AVX2-only CPU (16 registers of 8 floats) the
+    compiler splits every vector in two and spills, and the reads ran slower than torch's gather +
+    SDPA: prefill 7x, decode 2x (an AMD EPYC, 2 cores, the issue-22 model, 2026-12-07). Engines
+    read with them by default only where this is True (``"auto"`` reads, :mod:`hf_paged.attention`)."""
+    return b" avx512f" in _cpu_flags()
 
 
 def _cpu_flags() -> bytes:

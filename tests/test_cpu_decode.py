@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hf_paged import LLMEngine, SamplingParams
-from hf_paged.kernels import cpu_decode
+from hf_paged.kernels import cpu_build, cpu_decode
 from hf_paged.kernels.reference import paged_attention_decode_ref
 from tests.helpers.tiny_models import build
 from tests.helpers.variant_models import build_variant
@@ -189,7 +189,7 @@ def test_the_temporary_build_folder_is_ours_alone(tmp_path, monkeypatch):
 PROMPTS = [list(range(3, 3 + n)) for n in (70, 41, 5, 33)] + [[9] * 64]
 
 
-def _engine_tokens(model, monkeypatch, read: str = "auto", block_size: int = 16, new: int = 12):
+def _engine_tokens(model, monkeypatch, read: str = "c", block_size: int = 16, new: int = 12):
     engine = LLMEngine(model, block_size=block_size)
     engine.runner.decode_read = read
     calls = []
@@ -225,6 +225,20 @@ def test_engine_with_the_c_read_equals_stock_generate(name, monkeypatch):
     assert not calls and gathered == stock
 
 
+@pytest.mark.parametrize("wide", [True, False])
+def test_auto_reads_take_the_c_reads_only_on_cpus_with_512_bit_vectors(wide, monkeypatch):
+    """The C reads are written for AVX-512; on an AVX2-only CPU they were slower than torch's reads,
+    so an engine's default ("auto") reads with them only where the CPU has AVX-512."""
+    model = build("llama")
+    config = model.config
+    _built_or_skip(config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads,
+                   config.hidden_size // config.num_attention_heads, 16)
+    monkeypatch.setattr(cpu_build, "wide_vectors", lambda: wide)
+    tokens, calls = _engine_tokens(model, monkeypatch, read="auto")
+    assert bool(calls) is wide
+    assert tokens == _stock(copy.deepcopy(model))
+
+
 def test_negative_control_a_read_one_slot_short_changes_tokens(monkeypatch):
     model = build("llama")
     stock = _stock(copy.deepcopy(model))
@@ -238,5 +252,6 @@ def test_negative_control_a_read_one_slot_short_changes_tokens(monkeypatch):
 
     monkeypatch.setattr(cpu_decode, "paged_decode_cpu", short)
     engine = LLMEngine(model, block_size=16)
+    engine.runner.decode_read = "c"
     outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] != stock

@@ -141,7 +141,7 @@ SHARED = list(range(5, 45))
 PROMPTS = [list(range(3, 73)), SHARED + [7, 8, 9], [4] * 5, SHARED + list(range(60, 90)), [9] * 64]
 
 
-def _engine_tokens(model, monkeypatch, read: str = "auto", new: int = 10):
+def _engine_tokens(model, monkeypatch, read: str = "c", new: int = 10):
     engine = LLMEngine(model, block_size=16, max_num_batched_tokens=48, enable_prefix_caching=True)
     engine.runner.prefill_read = read
     calls = []

@@ -208,7 +208,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    preemption_mode=preemption_mode, policy=scheduling_policy,
                                    split_prompts=all(s.continues_chunks for s in self.state_specs if s),
-                                   proposer=proposer, max_loras=self.lora and self.lora.max_loras)
+                                   proposer=proposer, max_loras=self.lora.max_loras if self.lora else None)
         swap_storage = PagedKVStorage(block_size, device="cpu", pin_memory=model.device.type == "cuda")
         self.runner = ModelRunner(model, PagedKVStorage(block_size), swap_storage, swap_space_blocks, groups=groups,
                                   states=states, swap_states=swap_states, prepack_lm_head=prepack_lm_head,

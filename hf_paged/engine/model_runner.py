@@ -71,8 +71,9 @@ class ModelRunner:
         self._prepacked = tuple(p for p in (prepacked_lm_head(model, prepack_lm_head),) if p is not None)
         # small steps on the stepping thread alone (hf_paged.engine.step_threads); None: every step splits
         self.serial_steps = SerialSmallSteps.of(model, serial_small_steps)
-        # the CPU reads of float32 steps: "auto" (the C reads, hf_paged.kernels.cpu_decode / cpu_prefill,
-        # where they build), or "gather" (gather + SDPA) / "sdpa" (SDPA per sequence); see PackedStep
+        # the CPU reads of float32 steps: "c" (the C reads, hf_paged.kernels.cpu_decode / cpu_prefill,
+        # where they build), "gather" (gather + SDPA) / "sdpa" (SDPA per sequence), or "auto" (the C
+        # reads on CPUs with AVX-512, which they are written for; else torch's); see PackedStep
         self.decode_read = self.prefill_read = "auto"
         # packed steps through a torch.compile'd decoder body (hf_paged.engine.compiled_body)
         self.compiled, self.compiled_note = compiled_body.compiled_body(
