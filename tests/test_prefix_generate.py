@@ -110,8 +110,9 @@ def test_negative_control_the_equality_check_sees_a_wrong_adoption(monkeypatch):
     assert not torch.equal(want, got)
 
 
-def _keys_without_tokens(self, token_ids, count, start=0, parent=None):
+def _keys_without_tokens(self, token_ids, count, start=0, parent=None, root=None):
     keys = []
+    parent = root if start == 0 and parent is None else parent
     for _ in range(start, start + count):
         parent = (hash(parent), len(keys))
         keys.append(parent)

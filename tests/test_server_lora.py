@@ -21,8 +21,8 @@ from hf_paged.lora import LoRARequest
 from hf_paged.serve import ServerSettings, build_app
 from hf_paged.serve.serving_models import RUNTIME_LORA_SWITCH, LoRAModulePath
 from tests.helpers.lora_adapters import save_adapter
-from tests.helpers.serving import (MODEL, NUM_BLOCKS, assert_all_free, mend_forwards, serving, single_threaded_torch,
-                                   slow_forwards, tiny_model)
+from tests.helpers.serving import (MODEL, NUM_BLOCKS, assert_all_free, client, mend_forwards,  # noqa: F401
+                                   serving, single_threaded_torch, slow_forwards, tiny_model)
 
 TOKENIZER = byte_tokenizer()
 LORA = {"enable_lora": True, "max_loras": 2, "num_blocks": NUM_BLOCKS}  # both adapters in one step
@@ -51,14 +51,6 @@ def served(adapters):
     with single_threaded_torch(), serving(LORA, lora_modules=modules(adapters),
                                           allow_runtime_lora_updating=True) as (server, loop):
         yield server, loop
-
-
-@pytest.fixture
-def client(served):
-    server, loop = served
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
-        yield c
-    assert_all_free(loop)
 
 
 @pytest.fixture(scope="module")

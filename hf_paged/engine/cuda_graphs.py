@@ -61,7 +61,9 @@ class _StaticStep(PackedStepCache):
 
     def __init__(self, runner: ModelRunner, metadata: list[AttentionMetadata], pool_blocks: list[int],
                  positions: torch.Tensor):
-        super().__init__(runner.specs, runner.groups, runner.storage, SchedulerOutput(), positions)
+        # on a CPU stand-in the C read is the one that reads the static metadata (gather reads build
+        # theirs from the step's host lists); on CUDA the decode kernel reads them
+        super().__init__(runner.specs, runner.groups, runner.storage, SchedulerOutput(), positions, decode_read="c")
         self._static, self._pool_blocks = metadata, pool_blocks
 
     def num_blocks_for(self, layer_idx: int) -> int:
