@@ -250,6 +250,17 @@ def test_adapters_are_loaded_once_kept_while_used_and_evicted_least_recent_first
     assert_engine_idle(engine)
 
 
+def test_a_new_adapter_for_a_waiting_request_is_never_the_one_evicted(llama, adapters, stock):
+    """max_cpu_loras=1 with a request of another adapter in flight: loading the second adapter for a
+    waiting request must not evict it (only unused adapters go), or its step would find it gone."""
+    engine = LLMEngine(llama, block_size=4, enable_lora=True, max_loras=1, max_cpu_loras=1)
+    jobs = [(PROMPTS[0], "attn"), (PROMPTS[1], "mlp"), (PROMPTS[2], "all")]
+    for (p, name), out in zip(jobs, tokens(run_jobs(engine, adapters, jobs))):
+        assert out == stock[tuple(p), name], (p, name)
+    assert len(engine.list_loras()) == 1  # once none is in use, down to max_cpu_loras
+    assert_engine_idle(engine)
+
+
 def test_an_id_names_one_adapter(llama, adapters):
     engine = LLMEngine(llama, block_size=4, enable_lora=True, max_cpu_loras=2)
     engine.add_lora(LoRARequest("attn", 1, adapters["attn"]))

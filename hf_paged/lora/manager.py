@@ -45,9 +45,11 @@ class LoRAManager:
         self._pinned: set[int] = set()
         self.num_loads = 0
 
-    def add(self, request: LoRARequest) -> LoRAAdapter:
-        """The adapter of ``request``, read from its path unless loaded (or ``load_inplace``).
-        ``ValueError`` when it cannot be served, or when its id is loaded under another name or path."""
+    def add(self, request: LoRARequest, hold: bool = False) -> LoRAAdapter:
+        """The adapter of ``request``, read from its path unless loaded (or ``load_inplace``);
+        ``hold``: one more request in flight uses it (counted before anything is evicted, so the
+        adapter it needs is never the one that goes). ``ValueError`` when it cannot be served, or
+        when its id is loaded under another name or path."""
         if not isinstance(request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
         loaded = self.adapters.get(request.lora_int_id)
@@ -57,6 +59,7 @@ class LoRAManager:
                 raise ValueError(f"lora_int_id {request.lora_int_id} is already adapter {known.lora_name!r} "
                                  f"({known.lora_path}); give {request.lora_name!r} an id of its own")
             self.adapters.move_to_end(request.lora_int_id)
+            self._hold(request.lora_int_id, hold)
             return loaded
         if loaded is not None and self._in_use[request.lora_int_id]:
             raise ValueError(f"LoRA adapter {request.lora_int_id} is in use by requests in flight; it cannot be "
@@ -65,14 +68,17 @@ class LoRAManager:
         self.adapters[request.lora_int_id] = adapter
         self.adapters.move_to_end(request.lora_int_id)
         self.num_loads += 1
+        self._hold(request.lora_int_id, hold)
         self._evict()
         return adapter
 
     def acquire(self, request: LoRARequest) -> LoRAAdapter:
-        """:meth:`add`, and count one more request in flight using it (kept loaded until released)."""
-        adapter = self.add(request)
-        self._in_use[request.lora_int_id] += 1
-        return adapter
+        """:meth:`add`, holding it for one more request in flight (kept loaded until released)."""
+        return self.add(request, hold=True)
+
+    def _hold(self, lora_int_id: int, hold: bool) -> None:
+        if hold:
+            self._in_use[lora_int_id] += 1
 
     def release(self, lora_int_id: int) -> None:
         """A request using the adapter finished."""
