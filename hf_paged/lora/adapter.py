@@ -65,10 +65,6 @@ class LoRAAdapter:
         """Where the prefix-cache keys of its sequences chain from (:meth:`PrefixIndex.keys_of`)."""
         return ("lora", self.request.lora_int_id, self.generation)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(w.lora_a.nbytes + w.lora_b.nbytes for w in self.modules.values())
-
 
 def compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
     """The dtype adapters compute in: float32 for half-precision models (as peft upcasts adapter
@@ -129,8 +125,8 @@ def read_tensors(path: str) -> dict[str, torch.Tensor]:
     raise ValueError(f"LoRA adapter {path!r} has no weights ({' or '.join(WEIGHT_FILES)})")
 
 
-def _module_shapes(module: torch.nn.Module) -> tuple[int, int] | None:
-    """``(in_features, out_features)`` of a module LoRA can target here, else None."""
+def module_shapes(module: torch.nn.Module) -> tuple[int, int] | None:
+    """``(in_features, out_features)`` of a module LoRA can target here (a linear layer), else None."""
     if isinstance(module, torch.nn.Linear):
         return module.in_features, module.out_features
     if isinstance(module, Conv1D):  # GPT-2's linears: weight [in, out]
@@ -174,7 +170,7 @@ def load_adapter(request: LoRARequest, model: torch.nn.Module, max_lora_rank: in
                              "(an adapter for another architecture?)") from None
         if module is head:
             raise ValueError(f"LoRA adapter {path!r} targets the LM head ({name!r}), which is not supported")
-        shapes = _module_shapes(module)
+        shapes = module_shapes(module)
         if shapes is None:
             raise ValueError(f"LoRA adapter {path!r} targets {name!r}, a {type(module).__name__}; only linear "
                              "layers take LoRA here")

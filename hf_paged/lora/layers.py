@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers.pytorch_utils import Conv1D
 
-from hf_paged.lora.adapter import LoRAAdapter, LoRAWeights
+from hf_paged.lora.adapter import LoRAAdapter, LoRAWeights, module_shapes
 
 _thread = threading.local()
 
@@ -138,17 +137,13 @@ def _(out, x, module):
     return None
 
 
-def _targetable(module: torch.nn.Module) -> bool:
-    return isinstance(module, (torch.nn.Linear, Conv1D))
-
-
 class LoRALayers:
     """The linear layers of ``model`` that adapters may target (the LM head excepted), and their
     forwards during LoRA steps."""
 
     def __init__(self, model: torch.nn.Module):
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        found = [(name, m) for name, m in model.named_modules() if _targetable(m) and m is not head]
+        found = [(name, m) for name, m in model.named_modules() if module_shapes(m) is not None and m is not head]
         self.names = [name for name, _ in found]
         self.modules = dict(found)
         self._index = {name: i for i, name in enumerate(self.names)}
