@@ -308,8 +308,8 @@ def _decode_rows(step: PackedStep, layer_idx: int, q: torch.Tensor, tables: torc
 
 def _c_read(read: str) -> bool:
     """Whether a step's ``decode_read`` / ``prefill_read`` asks for the C read: ``"c"``, or
-    ``"auto"`` on a CPU with the 512-bit vectors it is written for (:func:`cpu_build.wide_vectors`)."""
-    return read == "c" or (read == "auto" and cpu_build.wide_vectors())
+    ``"auto"`` on a CPU where it was measured faster than torch's reads (:func:`cpu_build.auto_reads`)."""
+    return read == "c" or (read == "auto" and cpu_build.auto_reads())
 
 
 def _c_decode_reads(step: PackedStep, q: torch.Tensor, k_pool, v_pool, triton: bool, options: dict) -> bool:

@@ -251,8 +251,8 @@ class PackedStep(StashingCache, abc.ABC):
     sequences' keys and values out of the blocks for SDPA (:meth:`decode_groups`).
     ``prefill_read`` chooses the CPU prefill read: ``"c"`` reads float32 pools with the C read
     (:mod:`hf_paged.kernels.cpu_prefill`) where it is built, ``"sdpa"`` calls SDPA per sequence as
-    stock does for one prompt. ``"auto"`` (both): the C reads on a CPU with 512-bit vectors
-    (``cpu_build.wide_vectors``: they are slower than torch's reads without), else torch's.
+    stock does for one prompt. ``"auto"`` (both): the C reads on x86 CPUs with AVX2 or AVX-512
+    (``cpu_build.auto_reads``: where they were measured faster than torch's reads), else torch's.
     """
 
     storage: PagedKVStorage

@@ -4,11 +4,13 @@ constants, so the compiler unrolls and vectorizes for them), with the system's C
 
 Building takes about a second; the library is cached on disk (``HF_PAGED_CACHE``, else
 ``$XDG_CACHE_HOME/hf_paged``, else ``~/.cache/hf_paged``) under a key of the sources, the flags and
-this CPU's feature flags (it is built with ``-march=native``), so a cached build needs no compiler.
-It is compiled with ``-ffast-math`` but linked without it, so loading it leaves the process's
-floating-point mode (denormals) alone; the reads run on torch's OpenMP runtime (one libgomp in the
-process). Where no compiler works, :func:`failure` says why and :func:`library` answers None:
-callers keep their torch reads.
+the target, so a cached build needs no compiler. The target is this CPU (``-march=native``; the key
+holds its feature flags) unless ``HF_PAGED_CPU_MARCH`` names another (a ``-march`` value such as
+``x86-64-v3``: AVX2, for a cache shared by several machines, or to test the 8-lane build on a CPU
+with AVX-512). It is compiled with ``-ffast-math`` but linked without it, so loading it leaves the
+process's floating-point mode (denormals) alone; the reads run on torch's OpenMP runtime (one
+libgomp in the process). Where no compiler works, :func:`failure` says why and :func:`library`
+answers None: callers keep their torch reads.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_prefill.c"))
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by both sources: part of the cache key
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")
+MARCH_VARIABLE = "HF_PAGED_CPU_MARCH"
 _libraries: dict[tuple, ctypes.CDLL | None] = {}
 _failure: str | None = None
 _lock = threading.Lock()
@@ -39,22 +42,29 @@ def failure() -> str | None:
     return _failure
 
 
+def target() -> str:
+    """The ``-march`` the reads are built for: ``$HF_PAGED_CPU_MARCH``, else ``"native"``."""
+    return os.environ.get(MARCH_VARIABLE) or "native"
+
+
 def library(layout: tuple[int, int, int, int]) -> ctypes.CDLL | None:
-    """The library for ``(kv_heads, heads_per_kv, head_dim, block_size)``: built (or loaded from the
-    disk cache) on the first ask, None when that fails (:func:`failure` says why)."""
+    """The library for ``(kv_heads, heads_per_kv, head_dim, block_size)`` on the :func:`target`:
+    built (or loaded from the disk cache) on the first ask, None when that fails (:func:`failure`
+    says why)."""
     global _failure
-    if layout in _libraries:
-        return _libraries[layout]
+    key = (target(), *layout)
+    if key in _libraries:
+        return _libraries[key]
     with _lock:
-        if layout not in _libraries:
+        if key not in _libraries:
             loaded = None
             if _failure is None:
                 try:
-                    loaded = _load(_build(layout))
+                    loaded = _load(_build(layout, key[0]))
                 except (OSError, subprocess.SubprocessError, RuntimeError) as error:
                     _failure = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[-1]}"
-            _libraries[layout] = loaded
-    return _libraries[layout]
+            _libraries[key] = loaded
+    return _libraries[key]
 
 
 def mismatch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
@@ -101,14 +111,18 @@ def _load(path: Path) -> ctypes.CDLL:
     decode.restype = prefill.restype = ctypes.c_int
     decode.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int]
     prefill.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int]
+    loaded.vector_lanes.restype = ctypes.c_int  # the float lanes the build's vectors hold (cpu_vec.h)
+    loaded.vector_lanes.argtypes = []
     return loaded
 
 
-def _build(layout: tuple) -> Path:
-    """The shared library for ``layout``, compiled unless the cache already has it."""
+def _build(layout: tuple, march: str) -> Path:
+    """The shared library for ``layout`` built for ``-march=march``, compiled unless the cache
+    already has it."""
     kv_heads, group, head_dim, block_size = layout
     defines = [f"-DKV_HEADS={kv_heads}", f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}", f"-DBLOCK_SIZE={block_size}"]
-    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES + HEADERS), _cpu_flags(),
+    machine = cpu_flags() if march == "native" else march.encode()
+    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES + HEADERS), machine,
                                      " ".join(FLAGS + tuple(defines)).encode()]))
     path = _cache_dir() / f"cpu_attention-{key.hexdigest()[:20]}.so"
     if path.exists():
@@ -119,7 +133,7 @@ def _build(layout: tuple) -> Path:
     with tempfile.TemporaryDirectory(dir=path.parent) as work:
         objects = [str(Path(work) / f"{source.stem}.o") for source in SOURCES]
         for source, obj in zip(SOURCES, objects):
-            _compile(compiler, defines, source, obj)
+            _compile(compiler, march, defines, source, obj)
         lib = Path(work) / "cpu_attention.so"
         # linked without -ffast-math: gcc would add crtfastmath.o, which turns on flush-to-zero for the process
         linked = subprocess.run([compiler, "-shared", "-fopenmp", *objects, "-o", str(lib), "-lm"],
@@ -130,13 +144,16 @@ def _build(layout: tuple) -> Path:
     return path
 
 
-def _compile(compiler: str, defines: list[str], source: Path, obj: str) -> None:
-    for march in (["-march=native"], []):  # a compiler without -march=native still builds
-        compiled = subprocess.run([compiler, *FLAGS, *march, *defines, "-c", str(source), "-o", obj],
+def _compile(compiler: str, march: str, defines: list[str], source: Path, obj: str) -> None:
+    # a compiler without -march=native still builds; a target asked for by name is built or refused
+    for flags in ([f"-march={march}"], []) if march == "native" else ([f"-march={march}"],):
+        compiled = subprocess.run([compiler, *FLAGS, *flags, *defines, "-c", str(source), "-o", obj],
                                   capture_output=True, text=True, timeout=120)
         if compiled.returncode == 0:
             return
-    raise RuntimeError(f"{compiler} failed: {compiled.stderr.strip()}")
+    lines = compiled.stderr.strip().splitlines()
+    error = next((line for line in lines if "error" in line), lines[-1] if lines else "")
+    raise RuntimeError(f"{compiler} failed to build for -march={march}: {error.strip()}")
 
 
 def _cache_dir() -> Path:
@@ -170,16 +187,18 @@ def _private_temp_dir() -> Path:
 
 
 @functools.cache
-def wide_vectors() -> bool:
-    """Whether this CPU has 512-bit vectors (AVX-512F). The reads' register blocking is written for
-    them (32 vector registers of 16 floats); on an AVX2-only CPU (16 registers of 8 floats) the
-    compiler splits every vector in two and spills, and the reads ran slower than torch's gather +
-    SDPA: prefill 7x, decode 2x (an AMD EPYC, 2 cores, the issue-22 model, 2026-12-07). Engines
-    read with them by default only where this is True (``"auto"`` reads, :mod:`hf_paged.attention`)."""
-    return b" avx512f" in _cpu_flags()
+def auto_reads() -> bool:
+    """Whether engines read with the C reads by default (``"auto"`` reads, :mod:`hf_paged.attention`):
+    on x86 CPUs with AVX-512, or AVX2 and FMA, where they were measured faster than torch's gather +
+    SDPA reads (16 float lanes for AVX-512, 8 for AVX2: ``cpu_vec.h``; the 8-lane build was measured
+    as built for ``x86-64-v3`` on an AVX-512 CPU, benchmarks/cpu_reads_ab.py). Elsewhere, unmeasured,
+    torch's reads stay the default; ``"c"`` asks for the C reads anywhere."""
+    flags = cpu_flags().split()
+    return b"avx512f" in flags or (b"avx2" in flags and b"fma" in flags)
 
 
-def _cpu_flags() -> bytes:
+def cpu_flags() -> bytes:
+    """This CPU's feature flags, the ``flags`` (x86) or ``Features`` (Arm) line of /proc/cpuinfo."""
     try:
         with open("/proc/cpuinfo", "rb") as f:
             return next((line for line in f if line.startswith((b"flags", b"Features"))), b"")

@@ -10,7 +10,7 @@
  *
  * Each work item is one sequence (all its K/V heads, so every byte of a block is used while it is
  * in cache) or, when there are too few sequences to keep the threads busy, one (sequence, K/V
- * head). Softmax runs online, a block (or 16 keys, on the fast path) at a time: a running maximum
+ * head). Softmax runs online, a block (or VW keys, on the fast path) at a time: a running maximum
  * and sum per query head. */
 #include <math.h>
 #include <stdint.h>
@@ -19,22 +19,23 @@
 
 #define HEADS (KV_HEADS * GROUP)
 
-#if HEAD_DIM % 16 == 0 && BLOCK_SIZE % 16 == 0
-/* Head dims and blocks of multiples of 16: keys 16 at a time, all their K/V heads together. Each
- * key's products with a query head are summed across the head dimension in vector lanes, then the
- * 16 keys' partial sums are folded together (a transposing tree of shuffles) into one vector of 16
- * scores, keys in lanes, so no dot product ends in a horizontal sum of its own and the softmax
- * runs on whole vectors (in base 2, for the inline exp2 of cpu_vec.h). The weighted values of the
- * same 16 keys follow at once, accumulated in registers: keys and values stream from memory
+#if HEAD_DIM % VW == 0 && BLOCK_SIZE % VW == 0
+/* Head dims and blocks of multiples of VW (16 lanes with AVX-512, else 8; cpu_vec.h): keys VW at a
+ * time, all their K/V heads together. Each key's products with a query head are summed across the
+ * head dimension in vector lanes, then the VW keys' partial sums are folded together (a transposing
+ * tree of shuffles) into one vector of VW scores, keys in lanes, so no dot product ends in a
+ * horizontal sum of its own and the softmax runs on whole vectors (in base 2, for the inline exp2
+ * of cpu_vec.h). The weighted values of the same keys follow at once, accumulated in registers: keys and values stream from memory
  * together, a few rows at a time, which keeps the hardware prefetcher ahead (a version that scored
  * 128 keys before weighing their values was 1.3x slower with the pools in DRAM). A running maximum
- * that grows rescales the sums so far. Keys past the sequence's length in its last 16 are read
+ * that grows rescales the sums so far. Keys past the sequence's length in its last VW are read
  * (inside its last block) and weigh 0; values past it are never read.
  * On 2 cores, 32 sequences of ~1,050 tokens, blocks of 16 (ms per call, these / the plain loops
- * below): in cache 0.31 / 0.47, pools in DRAM in table order 0.51 / 0.71, scattered 1.30 / 1.53. */
-#define DV16 (HEAD_DIM / 16)
+ * below; 16 lanes): in cache 0.31 / 0.47, pools in DRAM in table order 0.51 / 0.71, scattered
+ * 1.30 / 1.53. */
+#define DVW (HEAD_DIM / VW)
 /* Where a sequence's next block does not follow its current one in the pool, the first
- * PREFETCH_LINES cache lines of its K and V are prefetched while the current 16 keys are read: a
+ * PREFETCH_LINES cache lines of its K and V are prefetched while the current keys are read: a
  * block of 16 is a 4 KiB page of its own or less, and the hardware prefetcher neither reads a
  * table nor crosses a page, so each jump would otherwise start cold. Half of an offline run's
  * block transitions are jumps (decode blocks are handed out to the sequences in turn). On 2 cores,
@@ -44,17 +45,19 @@
  * the next block instead, or at every block, was slower in table order (0.84). */
 #define PREFETCH_LINES 16
 
-/* lane u of the result = the sum of p[u]'s lanes */
-static inline f32x16 fold16(f32x16 p[16]) {
-    const i32x16 l1a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const i32x16 l1b = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    const i32x16 l2a = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const i32x16 l2b = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    const i32x16 l3a = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    const i32x16 l3b = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    const i32x16 l4a = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const i32x16 l4b = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-    f32x16 a[8], b[4], c[2];
+/* lane u of the result = the sum of p[u]'s lanes: each level adds the two halves of every partial
+ * sum, packing two keys' halves into one vector, until one lane per key is left */
+static inline f32v fold_keys(f32v p[VW]) {
+#if VW == 16
+    const i32v l1a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const i32v l1b = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const i32v l2a = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const i32v l2b = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const i32v l3a = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const i32v l3b = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const i32v l4a = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const i32v l4b = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    f32v a[8], b[4], c[2];
     for (int i = 0; i < 8; i++) /* lanes 0-7: key 2i's halves added, 8-15: key 2i + 1's */
         a[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], l1a) + __builtin_shuffle(p[2 * i], p[2 * i + 1], l1b);
     for (int i = 0; i < 4; i++) /* 4 lanes per key: keys 4i .. 4i + 3 */
@@ -62,84 +65,100 @@ static inline f32x16 fold16(f32x16 p[16]) {
     for (int i = 0; i < 2; i++) /* 2 lanes per key: keys 8i .. 8i + 7 */
         c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], l3a) + __builtin_shuffle(b[2 * i], b[2 * i + 1], l3b);
     return __builtin_shuffle(c[0], c[1], l4a) + __builtin_shuffle(c[0], c[1], l4b);
+#else /* 8 lanes: shuffles that AVX2 does in one or two instructions (within 128-bit halves after the
+       * first level), which leave key j in lane rev(j), rev reversing j's 3 bits; the keys enter in
+       * that order (rev is its own inverse), so they leave in theirs */
+    const i32v l1a = {0, 1, 2, 3, 8, 9, 10, 11}, l1b = {4, 5, 6, 7, 12, 13, 14, 15};
+    const i32v l2a = {0, 1, 8, 9, 4, 5, 12, 13}, l2b = {2, 3, 10, 11, 6, 7, 14, 15};
+    const i32v l3a = {0, 8, 2, 10, 4, 12, 6, 14}, l3b = {1, 9, 3, 11, 5, 13, 7, 15};
+    static const int rev[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+    f32v a[4], b[2];
+    for (int i = 0; i < 4; i++) /* lanes 0-3: the halves of key rev(2i) added, 4-7: key rev(2i + 1)'s */
+        a[i] = __builtin_shuffle(p[rev[2 * i]], p[rev[2 * i + 1]], l1a)
+               + __builtin_shuffle(p[rev[2 * i]], p[rev[2 * i + 1]], l1b);
+    for (int i = 0; i < 2; i++) /* 2 lanes per key */
+        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], l2a) + __builtin_shuffle(a[2 * i], a[2 * i + 1], l2b);
+    return __builtin_shuffle(b[0], b[1], l3a) + __builtin_shuffle(b[0], b[1], l3b);
+#endif
 }
 
-static float hmax16(f32x16 x) {
+static float hmax(f32v x) {
     float m = x[0];
-    for (int i = 1; i < 16; i++) m = x[i] > m ? x[i] : m;
+    for (int i = 1; i < VW; i++) m = x[i] > m ? x[i] : m;
     return m;
 }
 
 static void attend(const float *restrict q, const float *restrict k_pool, const float *restrict v_pool,
                    const int32_t *restrict table, int len, int window, const float *restrict sinks,
                    float *restrict out, int h0, int h1, float scale) {
-    f32x16 qs[HEADS][DV16], acc[HEADS][DV16], sums[HEADS], w[HEADS];
+    f32v qs[HEADS][DVW], acc[HEADS][DVW], sums[HEADS], w[HEADS];
     float run_max[HEADS];
     int hl = h0 * GROUP, hh = h1 * GROUP; /* the query heads this item reads for */
     for (int h = hl; h < hh; h++) {
-        for (int v = 0; v < DV16; v++) {
-            qs[h][v] = *(const f32x16_u *)(q + h * HEAD_DIM + 16 * v) * (scale * LOG2E);
-            acc[h][v] = (f32x16){0};
+        for (int v = 0; v < DVW; v++) {
+            qs[h][v] = *(const f32v_u *)(q + h * HEAD_DIM + VW * v) * (scale * LOG2E);
+            acc[h][v] = (f32v){0};
         }
         /* a sink is one more logit whose value vector is zero: it starts the running sum */
         run_max[h] = sinks ? sinks[h] * LOG2E : -1e30f;
-        sums[h] = (f32x16){sinks ? 1.f : 0.f};
+        sums[h] = (f32v){sinks ? 1.f : 0.f};
     }
-    const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    f32v lane;
+    for (int i = 0; i < VW; i++) lane[i] = (float)i;
     int first = (window > 0 && len > window) ? len - window : 0;
-    for (int key0 = first / 16 * 16; key0 < len; key0 += 16) { /* 16 keys (all their K/V heads) at a time */
+    for (int key0 = first / VW * VW; key0 < len; key0 += VW) { /* VW keys (all their K/V heads) at a time */
         int64_t at = (int64_t)table[key0 / BLOCK_SIZE] * (BLOCK_SIZE * KV_HEADS * HEAD_DIM)
                      + (key0 % BLOCK_SIZE) * KV_HEADS * HEAD_DIM;
         const float *kb = k_pool + at, *vb = v_pool + at;
-        int next = key0 + 16; /* see PREFETCH_LINES */
+        int next = key0 + VW; /* see PREFETCH_LINES */
         if (next < len && next % BLOCK_SIZE == 0 && table[next / BLOCK_SIZE] != table[key0 / BLOCK_SIZE] + 1) {
             int64_t nat = (int64_t)table[next / BLOCK_SIZE] * (BLOCK_SIZE * KV_HEADS * HEAD_DIM);
             for (int line = 0; line < PREFETCH_LINES; line++) {
-                __builtin_prefetch(k_pool + nat + 16 * line, 0, 3);
+                __builtin_prefetch(k_pool + nat + 16 * line, 0, 3); /* a line: 16 floats */
                 __builtin_prefetch(v_pool + nat + 16 * line, 0, 3);
             }
         }
-        f32x16 t = lane + (float)key0;
-        i32x16 live = (t >= (float)first) & (t < (float)len); /* keys outside the view: never weighed */
+        f32v t = lane + (float)key0;
+        i32v live = (t >= (float)first) & (t < (float)len); /* keys outside the view: never weighed */
         for (int h = hl; h < hh; h++) {
-            f32x16 part[16];
-            for (int u = 0; u < 16; u++) {
+            f32v part[VW];
+            for (int u = 0; u < VW; u++) {
                 const float *k = kb + (u * KV_HEADS + h / GROUP) * HEAD_DIM;
-                f32x16 dot = qs[h][0] * *(const f32x16_u *)k;
-                for (int v = 1; v < DV16; v++) dot += qs[h][v] * *(const f32x16_u *)(k + 16 * v);
+                f32v dot = qs[h][0] * *(const f32v_u *)k;
+                for (int v = 1; v < DVW; v++) dot += qs[h][v] * *(const f32v_u *)(k + VW * v);
                 part[u] = dot;
             }
-            f32x16 scores = select16(live, fold16(part), splat16(-1e30f));
-            float m = hmax16(scores);
+            f32v scores = select_lanes(live, fold_keys(part), splat(-1e30f));
+            float m = hmax(scores);
             if (m > run_max[h]) { /* a new maximum: rescale what was summed so far */
-                float rescale = exp2_nonpos(splat16(run_max[h] - m))[0];
-                for (int v = 0; v < DV16; v++) acc[h][v] *= rescale;
+                float rescale = exp2_nonpos(splat(run_max[h] - m))[0];
+                for (int v = 0; v < DVW; v++) acc[h][v] *= rescale;
                 sums[h] *= rescale;
                 run_max[h] = m;
             }
             w[h] = exp2_nonpos(scores - run_max[h]);
             sums[h] += w[h];
         }
-        int lo = first > key0 ? first - key0 : 0, hi = len - key0 < 16 ? len - key0 : 16;
+        int lo = first > key0 ? first - key0 : 0, hi = len - key0 < VW ? len - key0 : VW;
         for (int kvh = h0; kvh < h1; kvh++) { /* weights . values */
-            f32x16 a[GROUP][DV16];
+            f32v a[GROUP][DVW];
             for (int g = 0; g < GROUP; g++)
-                for (int v = 0; v < DV16; v++) a[g][v] = acc[kvh * GROUP + g][v];
+                for (int v = 0; v < DVW; v++) a[g][v] = acc[kvh * GROUP + g][v];
             for (int u = lo; u < hi; u++) {
                 const float *vr = vb + (u * KV_HEADS + kvh) * HEAD_DIM;
                 for (int g = 0; g < GROUP; g++) {
                     float wt = w[kvh * GROUP + g][u];
-                    for (int v = 0; v < DV16; v++) a[g][v] += wt * *(const f32x16_u *)(vr + 16 * v);
+                    for (int v = 0; v < DVW; v++) a[g][v] += wt * *(const f32v_u *)(vr + VW * v);
                 }
             }
             for (int g = 0; g < GROUP; g++)
-                for (int v = 0; v < DV16; v++) acc[kvh * GROUP + g][v] = a[g][v];
+                for (int v = 0; v < DVW; v++) acc[kvh * GROUP + g][v] = a[g][v];
         }
     }
     for (int h = hl; h < hh; h++) {
         float total = 0.f;
-        for (int i = 0; i < 16; i++) total += sums[h][i];
-        for (int v = 0; v < DV16; v++) *(f32x16_u *)(out + h * HEAD_DIM + 16 * v) = acc[h][v] * (1.f / total);
+        for (int i = 0; i < VW; i++) total += sums[h][i];
+        for (int v = 0; v < DVW; v++) *(f32v_u *)(out + h * HEAD_DIM + VW * v) = acc[h][v] * (1.f / total);
     }
 }
 #else /* other layouts: plain loops, left to the vectorizer */
@@ -203,6 +222,9 @@ static void attend(const float *restrict q, const float *restrict k_pool, const 
     }
 }
 #endif
+
+/* The float lanes of this build's vectors (cpu_vec.h): 16 for AVX-512, else 8 */
+int vector_lanes(void) { return VW; }
 
 /* Returns 0; s + 1 when sequence s has a length its table cannot hold, -(s + 1) when its table
  * names a block outside the pool: checked before anything is read, whatever the tables hold. */

@@ -12,12 +12,13 @@
  *
  * A work item is one tile of TILE_TOK consecutive new tokens of one sequence and one K/V head: its
  * GROUP query heads per token are the rows of one small matrix, so every key and value read from a
- * block serves TILE_TOK * GROUP rows. Per block, 32 rows at a time: scores = Q.K^T with the rows in
- * vector lanes (Q packed transposed once per item, each key element broadcast), the causal / window
- * mask only on blocks that cross a row's bounds, an online softmax per row (in base 2, with the
- * inline exp2 of cpu_vec.h), then P.V with the head dimension in vector lanes. Explicit vector
- * types give the compiler the register blocking that plain loops do not get (4x faster measured
- * than the same loops left to the vectorizer). */
+ * block serves TILE_TOK * GROUP rows. Per block, CHUNK rows at a time (2 vectors of VW lanes,
+ * cpu_vec.h): scores = Q.K^T with the rows in vector lanes (Q packed transposed once per item, each
+ * key element broadcast), the causal / window mask only on blocks that cross a row's bounds, an
+ * online softmax per row (in base 2, with the inline exp2 of cpu_vec.h), then P.V with the head
+ * dimension in vector lanes. Explicit vector types give the compiler the register blocking that
+ * plain loops do not get (4x faster measured than the same loops left to the vectorizer); the
+ * blocking is sized by REG_VECTORS, the accumulators the target's registers hold. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -28,9 +29,9 @@
 
 #if HEAD_DIM % 4 == 0
 
-#define VR 16 /* rows per row vector */
-#define VD (HEAD_DIM % 16 == 0 ? 16 : HEAD_DIM % 8 == 0 ? 8 : 4) /* head-dim lanes per vector */
-typedef f32x16 rowvec;
+#define VR VW /* rows per row vector */
+#define VD (HEAD_DIM % VW == 0 ? VW : HEAD_DIM % 8 == 0 ? 8 : 4) /* head-dim lanes per vector */
+typedef f32v rowvec;
 typedef float dimvec __attribute__((vector_size(VD * 4)));
 typedef float dimvec_u __attribute__((vector_size(VD * 4), aligned(4))); /* unaligned loads */
 
@@ -39,8 +40,12 @@ typedef float dimvec_u __attribute__((vector_size(VD * 4), aligned(4))); /* unal
 #define CHUNK (RV * VR)                                           /* rows scored together */
 #define ROWS ((TILE_TOK * GROUP + CHUNK - 1) / CHUNK * CHUNK)     /* rows of an item, padded */
 #define DV (HEAD_DIM / VD)                                        /* vectors per head row */
-#define PB (DV <= 2 ? 16 / DV : DV <= 4 ? 4 : DV <= 8 ? 2 : 1)       /* rows per P.V block (divides CHUNK) */
-#define TU (BLOCK_SIZE % 8 == 0 ? 8 : BLOCK_SIZE % 4 == 0 ? 4 : BLOCK_SIZE % 2 == 0 ? 2 : 1)
+/* rows per P.V block (a power of two <= CHUNK): PB * DV accumulators, about REG_VECTORS */
+#define PB (DV * 16 <= REG_VECTORS ? 16 : DV * 8 <= REG_VECTORS ? 8 : DV * 4 <= REG_VECTORS ? 4 \
+            : DV * 2 <= REG_VECTORS ? 2 : 1)
+/* keys scored together: TU * RV accumulators, REG_VECTORS */
+#define TU_MAX (REG_VECTORS / RV)
+#define TU (BLOCK_SIZE % TU_MAX == 0 ? TU_MAX : BLOCK_SIZE % 4 == 0 ? 4 : BLOCK_SIZE % 2 == 0 ? 2 : 1)
 #define NEG (-1e30f) /* a masked score (finite: the library is built with -ffast-math) */
 
 typedef struct {
@@ -82,19 +87,19 @@ static void chunk_update(float p[BLOCK_SIZE][CHUNK], int r0, int key0, int keys,
         for (int j = 0; j < CHUNK; j++) mx[j] = p[t][j] > mx[j] ? p[t][j] : mx[j];
     rowvec (*pv)[RV] = (rowvec (*)[RV])p, mxv[RV], sumv[RV];
     for (int v = 0; v < RV; v++) {
-        rowvec old = *(const f32x16_u *)(st->m + r0 + v * VR);
-        mxv[v] = *(const f32x16_u *)(mx + v * VR);
-        *(f32x16_u *)(alpha + v * VR) = exp2_nonpos(old - mxv[v]);
-        *(f32x16_u *)(st->m + r0 + v * VR) = mxv[v];
+        rowvec old = *(const f32v_u *)(st->m + r0 + v * VR);
+        mxv[v] = *(const f32v_u *)(mx + v * VR);
+        *(f32v_u *)(alpha + v * VR) = exp2_nonpos(old - mxv[v]);
+        *(f32v_u *)(st->m + r0 + v * VR) = mxv[v];
         sumv[v] = (rowvec){0};
     }
     for (int t = 0; t < BLOCK_SIZE; t++)
         for (int v = 0; v < RV; v++) { /* masked: weight 0, even for a row that has seen no key yet */
             rowvec e = exp2_nonpos(pv[t][v] - mxv[v]);
-            pv[t][v] = select16(pv[t][v] > 0.5f * NEG, e, (rowvec){0});
+            pv[t][v] = select_lanes(pv[t][v] > 0.5f * NEG, e, (rowvec){0});
             sumv[v] += pv[t][v];
         }
-    for (int v = 0; v < RV; v++) *(f32x16_u *)(sum + v * VR) = sumv[v];
+    for (int v = 0; v < RV; v++) *(f32v_u *)(sum + v * VR) = sumv[v];
     for (int j = 0; j < CHUNK; j++) st->l[r0 + j] = st->l[r0 + j] * alpha[j] + sum[j];
     for (int p0 = 0; p0 < CHUNK; p0 += PB) {
         dimvec a[PB][DV];

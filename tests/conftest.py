@@ -2,7 +2,8 @@
 
 Triton kernels run under the interpreter on CPU tensors; the variable must be set before
 ``triton.jit`` decorates anything, so it is set here, before any test module imports the kernels.
-Engines run their steps eager here unless a test passes ``compile=True`` (``HF_PAGED_COMPILE=0``).
+Engines run their steps eager here unless a test passes ``compile=True`` (``HF_PAGED_COMPILE=0``),
+and their layers' linears on sgemm unless it passes ``onednn_layers=True`` (``HF_PAGED_ONEDNN_LAYERS=0``).
 """
 
 import os
@@ -12,6 +13,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # Engines compile their steps by default (seconds each); the suite builds hundreds of engines, so
 # they run eager unless a test asks for compile=True (tests/test_compiled_body.py).
 os.environ.setdefault("HF_PAGED_COMPILE", "0")
+# Where oneDNN is much faster than sgemm, engines run the layers' float32 linears through it by
+# default, which changes their last bits on some machines and not others; the suite keeps sgemm
+# unless a test passes onednn_layers=True (tests/test_engine_fast_paths.py).
+os.environ.setdefault("HF_PAGED_ONEDNN_LAYERS", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -35,6 +40,20 @@ def triton_launches(monkeypatch):
     kernels.set_backend("triton")
     yield counts
     kernels.set_backend("auto")
+
+
+@pytest.fixture(params=["native", "x86-64-v3"])
+def c_target(request, monkeypatch):
+    """Each C read test once for this CPU and, on a CPU with AVX-512, once more built for AVX2
+    (``x86-64-v3``: the reads' 8-lane build, which that CPU can run and would not build for itself)."""
+    from hf_paged.kernels import cpu_build
+
+    if request.param != "native":
+        flags = cpu_build.cpu_flags().split()
+        if b"avx512f" not in flags or b"avx2" not in flags:
+            pytest.skip("the AVX2 build is this CPU's own build (or this CPU cannot run it)")
+        monkeypatch.setenv(cpu_build.MARCH_VARIABLE, request.param)
+    return request.param
 
 
 @pytest.fixture

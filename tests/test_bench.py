@@ -187,7 +187,7 @@ def test_decode_step_times_both_sides_and_profiles_where_their_host_time_goes():
         return {op["name"]: op["calls_per_step"] for op in ops}
 
     c_read = LLMEngine(model, block_size=16)
-    c_read.runner.decode_read = "c"  # the default read where the CPU has AVX-512
+    c_read.runner.decode_read = "c"  # the default read on x86 CPUs with AVX2 or AVX-512
     with decode_step.engine_decoding(c_read, prompts, 2) as step:
         engine = calls(step)
     with decode_step.plain_decoding(model, prompts) as forward:

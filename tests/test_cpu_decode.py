@@ -44,13 +44,14 @@ def _case(kv_heads, group, head_dim, block_size, num_seqs, seed=0):
     return q, k_pool, v_pool, tables, lens, sinks
 
 
-@pytest.mark.parametrize("kv_heads,group,head_dim,block_size",  # head dim 8: the plain loops; the rest the 16-key
-                         [(2, 4, 16, 32), (4, 1, 8, 16), (1, 3, 32, 16), (2, 2, 64, 128)])  # path (blocks of 16+)
+@pytest.mark.parametrize("kv_heads,group,head_dim,block_size",  # head dim 20: the plain loops; 8: the 8-key path of
+                         [(2, 4, 16, 32), (4, 1, 8, 16), (1, 3, 32, 16), (2, 2, 64, 128),  # the AVX2 build, the plain
+                          (2, 3, 20, 12)])  # loops of 16 lanes; the rest the key-vector path (blocks of 16+)
 @pytest.mark.parametrize("num_seqs", [2, 7])  # fewer sequences than 2x threads: split by K/V head
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 5}, {"sinks": True}, {"sliding_window": 19, "sinks": True}],
                          ids=["causal", "window", "sinks", "window+sinks"])
 def test_the_read_equals_the_reference_on_scattered_blocks(kv_heads, group, head_dim, block_size, num_seqs, options,
-                                                           threads):
+                                                           threads, c_target):
     _built_or_skip(kv_heads, group, head_dim, block_size)
     q, k_pool, v_pool, tables, lens, sinks = _case(kv_heads, group, head_dim, block_size, num_seqs)
     kwargs = {**options, "sinks": sinks} if options.get("sinks") else options
@@ -67,7 +68,7 @@ def test_the_read_equals_the_reference_on_scattered_blocks(kv_heads, group, head
 
 
 @pytest.mark.parametrize("kv_heads,group,head_dim,block_size", [(2, 4, 32, 16), (4, 1, 8, 16)])
-def test_slots_past_the_length_weigh_nothing(kv_heads, group, head_dim, block_size):
+def test_slots_past_the_length_weigh_nothing(kv_heads, group, head_dim, block_size, c_target):
     """The unwritten end of a sequence's last block may hold anything (another sequence's old keys,
     or NaN after a failed step): the read's output does not change."""
     _built_or_skip(kv_heads, group, head_dim, block_size)
@@ -212,7 +213,7 @@ def _stock(stock, new: int = 12):
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "gpt_oss"])  # plain, a sliding window, sinks and a window
-def test_engine_with_the_c_read_equals_stock_generate(name, monkeypatch):
+def test_engine_with_the_c_read_equals_stock_generate(name, monkeypatch, c_target):
     model = build_variant(name) if name == "gpt_oss" else build(name)
     stock = _stock(copy.deepcopy(model))
     config = model.config
@@ -225,18 +226,49 @@ def test_engine_with_the_c_read_equals_stock_generate(name, monkeypatch):
     assert not calls and gathered == stock
 
 
-@pytest.mark.parametrize("wide", [True, False])
-def test_auto_reads_take_the_c_reads_only_on_cpus_with_512_bit_vectors(wide, monkeypatch):
-    """The C reads are written for AVX-512; on an AVX2-only CPU they were slower than torch's reads,
-    so an engine's default ("auto") reads with them only where the CPU has AVX-512."""
+@pytest.mark.parametrize("measured", [True, False])
+def test_auto_reads_take_the_c_reads_only_where_they_were_measured_faster(measured, monkeypatch):
+    """An engine's default ("auto") reads take the C reads where ``cpu_build.auto_reads`` says they
+    beat torch's (x86 with AVX2 or AVX-512), torch's elsewhere; the tokens are the same either way."""
     model = build("llama")
     config = model.config
     _built_or_skip(config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads,
                    config.hidden_size // config.num_attention_heads, 16)
-    monkeypatch.setattr(cpu_build, "wide_vectors", lambda: wide)
+    monkeypatch.setattr(cpu_build, "auto_reads", lambda: measured)
     tokens, calls = _engine_tokens(model, monkeypatch, read="auto")
-    assert bool(calls) is wide
+    assert bool(calls) is measured
     assert tokens == _stock(copy.deepcopy(model))
+
+
+@pytest.mark.parametrize("flags,expected", [(b"flags\t\t: fpu sse2 avx avx2 fma avx512f", True),
+                                            (b"flags\t\t: fpu sse2 avx avx2 fma", True),
+                                            (b"flags\t\t: fpu sse2 avx", False), (b"Features\t: fp asimd", False)])
+def test_auto_reads_are_the_c_reads_on_x86_with_avx2_or_avx512(flags, expected, monkeypatch):
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: flags)
+    cpu_build.auto_reads.cache_clear()
+    try:
+        assert cpu_build.auto_reads() is expected
+    finally:
+        cpu_build.auto_reads.cache_clear()
+
+
+def test_the_target_sets_the_vector_width(c_target):
+    """A build for AVX2 has 8-lane vectors, one for a CPU with AVX-512 16: ``c_target`` runs the read
+    tests with both builds where the CPU has AVX-512 (else the native build is the 8-lane one)."""
+    _built_or_skip(2, 4, 32, 16)
+    lanes = cpu_build.library((2, 4, 32, 16)).vector_lanes()
+    wide = b"avx512f" in cpu_build.cpu_flags().split()
+    assert lanes == (16 if c_target == "native" and wide else 8)
+
+
+def test_a_named_target_that_cannot_be_built_is_named(tmp_path):
+    result = _run_python("""
+        from hf_paged.kernels import cpu_build
+        assert cpu_build.library((2, 4, 32, 16)) is None
+        print(cpu_build.failure())
+    """, HF_PAGED_CACHE=str(tmp_path), HF_PAGED_CPU_MARCH="no-such-cpu")
+    assert result.returncode == 0, result.stderr
+    assert "no-such-cpu" in result.stdout
 
 
 def test_negative_control_a_read_one_slot_short_changes_tokens(monkeypatch):

@@ -52,7 +52,8 @@ def _case(kv_heads, group, head_dim, block_size, seed=0):
                          [(2, 4, 32, 16), (4, 1, 8, 16), (1, 3, 12, 5), (2, 2, 64, 32), (3, 5, 20, 7)])
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 5}, {"sinks": True}, {"sliding_window": 40, "sinks": True}],
                          ids=["causal", "window", "sinks", "window+sinks"])
-def test_the_read_equals_the_reference_on_scattered_blocks(kv_heads, group, head_dim, block_size, options, threads):
+def test_the_read_equals_the_reference_on_scattered_blocks(kv_heads, group, head_dim, block_size, options, threads,
+                                                           c_target):
     _built_or_skip(kv_heads, group, head_dim, block_size)
     q, k_pool, v_pool, tables, cu, lens, sinks = _case(kv_heads, group, head_dim, block_size)
     kwargs = {**options, "sinks": sinks} if options.get("sinks") else options
@@ -69,7 +70,7 @@ def test_the_read_equals_the_reference_on_scattered_blocks(kv_heads, group, head
     assert not torch.allclose(wrong[rows], ref[rows], rtol=1e-5, atol=1e-5)
 
 
-def test_keys_past_the_last_position_are_never_read():
+def test_keys_past_the_last_position_are_never_read(c_target):
     """The unwritten end of a sequence's last block may hold anything (another sequence's old keys,
     or NaN after a failed step): the rows never see it."""
     _built_or_skip(2, 4, 32, 16)
@@ -172,7 +173,7 @@ def _layout(model) -> tuple[int, int, int, int]:
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "gpt_oss"])  # plain, a sliding window, sinks and a window
-def test_engine_with_the_c_prefill_read_equals_stock_generate(name, monkeypatch):
+def test_engine_with_the_c_prefill_read_equals_stock_generate(name, monkeypatch, c_target):
     model = build_variant(name) if name == "gpt_oss" else build(name)
     stock = _stock(copy.deepcopy(model))
     _built_or_skip(*_layout(model))

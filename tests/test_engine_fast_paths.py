@@ -264,6 +264,100 @@ def test_prepacked_weight_is_packed_again_when_the_weight_changes():
     torch.testing.assert_close(replaced, torch.nn.functional.linear(x, layer.weight, layer.bias))
 
 
+def _layer_modules(model) -> set[int]:
+    head = model.get_output_embeddings()
+    return {id(m) for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear) and m is not head}
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_onednn_layers_run_every_layer_linear_in_engine_steps_only(model, monkeypatch, compile):
+    """``onednn_layers=True``: every layer linear of an engine step goes through oneDNN (eager, or as
+    the op inside the compiled body), the tokens are stock generate()'s, and afterwards the model is
+    stock again, bit for bit."""
+    if not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN linear")
+    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", 0)  # the tiny model's products go to oneDNN too
+    stock = copy.deepcopy(model)
+    seen, real = set(), cpu_linear.linear
+
+    def counted(x, weight, bias):
+        seen.add(id(weight))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(cpu_linear, "linear", counted)
+    engine = LLMEngine(model, block_size=4, onednn_layers=True, compile=compile)
+    assert engine.stats()["onednn_layers"] and engine.stats()["compiled"] is compile
+    assert {id(m) for m in engine.runner.layer_linears} == _layer_modules(model)
+    seen.clear()  # compiling ran the body once on dummy tokens
+    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert seen == {id(m.weight) for m in engine.runner.layer_linears}, "a layer's linear stayed on sgemm"
+    assert not any("forward" in m.__dict__ for m in model.modules()), "a linear stayed switched after the step"
+    assert [o.outputs[0].token_ids for o in outs] == [
+        stock.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
+    ids = torch.tensor([PROMPTS[1]])
+    kwargs = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    ours, theirs = model.generate(ids, **kwargs), stock.generate(ids, **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(ours.scores, theirs.scores))
+
+
+def test_negative_control_onednn_layer_products_differ_from_sgemm_in_the_last_bits(monkeypatch):
+    """What the test above sees: a product through oneDNN does not give sgemm's bits (so a layer left
+    on sgemm, or switched after the step, would show), and a product under ``ONEDNN_MIN_MACS``
+    keeps sgemm's exactly."""
+    if not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN linear")
+    g = torch.Generator().manual_seed(0)
+    x, weight, bias = torch.randn(1, 64, 256, generator=g), torch.randn(688, 256, generator=g), torch.randn(688)
+    sgemm = torch.nn.functional.linear(x, weight, bias)
+    onednn = cpu_linear.linear(x, weight, bias)
+    assert onednn.shape == sgemm.shape and not torch.equal(onednn, sgemm)
+    torch.testing.assert_close(onednn, sgemm, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", 64 * weight.numel() + 1)
+    assert torch.equal(cpu_linear.linear(x, weight, bias), sgemm)
+
+
+def test_onednn_layers_by_default_where_measured_faster(model, monkeypatch):
+    """``onednn_layers=None``: on where oneDNN measured at least ``ONEDNN_MIN_SPEEDUP`` x sgemm (the
+    note says the measure), off below it or with ``HF_PAGED_ONEDNN_LAYERS=0``; True / False force
+    it; half-precision models have none (torch runs them through oneDNN already)."""
+    if not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN linear")
+    layers = _layer_modules(model)
+    monkeypatch.delenv(cpu_linear.ONEDNN_LAYERS_ENV, raising=False)
+    monkeypatch.setattr(cpu_linear, "onednn_speedup", lambda *shape: 2.0)
+    modules, note = cpu_linear.layer_linears(model)
+    assert {id(m) for m in modules} == layers and note.startswith("on: oneDNN 2.00x")
+    monkeypatch.setattr(cpu_linear, "onednn_speedup", lambda *shape: 1.1)
+    modules, note = cpu_linear.layer_linears(model)
+    assert modules == () and note.startswith("off: oneDNN 1.10x")
+    assert {id(m) for m in cpu_linear.layer_linears(model, True)[0]} == layers
+    monkeypatch.setattr(cpu_linear, "onednn_speedup", lambda *shape: 2.0)
+    assert cpu_linear.layer_linears(model, False) == ((), "off (onednn_layers=False)")
+    monkeypatch.setenv(cpu_linear.ONEDNN_LAYERS_ENV, "0")
+    assert cpu_linear.layer_linears(model)[0] == () and cpu_linear.layer_linears(model, True)[0]
+    assert cpu_linear.layer_linears(copy.deepcopy(model).to(torch.bfloat16), True)[0] == ()
+    assert not LLMEngine(model, block_size=4).stats()["onednn_layers"]
+
+
+def test_the_speed_measure_leaves_the_global_generator_alone():
+    """An engine built after ``torch.manual_seed`` samples as one built without the measure would."""
+    if not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN linear")
+    cpu_linear.onednn_speedup.cache_clear()
+    before = torch.get_rng_state()
+    assert cpu_linear.onednn_speedup(64, 96, rows=8) > 0
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_onednn_layers_leave_a_replaced_forward_alone():
+    """A layer whose forward is already replaced keeps it."""
+    layer, other = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    own = layer.forward = lambda x: x
+    with cpu_linear.onednn_layers([layer, other]):
+        assert layer.forward is own and "forward" in other.__dict__
+    assert layer.forward is own and "forward" not in other.__dict__
+
+
 class _CountingTokenizer:
     """The demo tokenizer, counting decodes."""
 

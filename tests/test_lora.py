@@ -158,6 +158,27 @@ def test_compiled_steps_apply_adapters_through_the_custom_op(llama, adapters, st
     assert_engine_idle(engine)
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_adapters_beside_layers_run_through_onednn(llama, adapters, stock, monkeypatch, compile):
+    """``onednn_layers=True``: every layer's base product goes through oneDNN, the adapters' updates
+    added to it (their forwards wrap oneDNN's); tokens as peft's."""
+    from hf_paged.engine import cpu_linear
+
+    if not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN linear")
+    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", 0)  # the tiny model's products go to oneDNN too
+    seen, real = [], cpu_linear.linear
+    monkeypatch.setattr(cpu_linear, "linear", lambda x, weight, bias: seen.append(weight) or real(x, weight, bias))
+    engine = LLMEngine(llama, block_size=4, enable_lora=True, max_loras=3, compile=compile, onednn_layers=True)
+    assert engine.stats()["lora_compiled"] is compile
+    seen.clear()
+    jobs = mixed_jobs(adapters)
+    for (p, name), out in zip(jobs, tokens(run_jobs(engine, adapters, jobs))):
+        assert out == stock[tuple(p), name], (p, name)
+    assert {id(w) for w in seen} == {id(m.weight) for m in engine.runner.layer_linears}, "a layer stayed on sgemm"
+    assert_engine_idle(engine)
+
+
 def test_half_precision_adapters_compute_as_peft_does(adapters):
     """bfloat16 model: the update is computed in float32 and the sum rounded, as peft does."""
     model = build("llama").to(torch.bfloat16)

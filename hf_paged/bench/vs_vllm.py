@@ -329,6 +329,8 @@ def hf_offline(spec: dict) -> dict:
         torch.set_num_threads(spec["threads"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, local_files_only=True).eval()
     engine = LLMEngine(model, **spec["engine"])
+    if spec.get("reads"):  # the CPU reads ("c", or torch's: "gather" / "sdpa"), as ModelRunner names them
+        engine.runner.decode_read, engine.runner.prefill_read = spec["reads"]
 
     def call(requests: list[dict], profile: str | None = None) -> tuple[list[list[int]], Meter]:
         params = [SamplingParams(max_new_tokens=r["max_tokens"], ignore_eos=True, **spec["sampling"]) for r in requests]

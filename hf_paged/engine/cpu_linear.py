@@ -1,4 +1,4 @@
-"""oneDNN for the LM head of the engine's float32 forwards on CPU.
+"""oneDNN for the linears of the engine's float32 forwards on CPU.
 
 ``nn.Linear`` on a float32 CPU tensor calls MKL's sgemm, which is slow for the LM head at the shapes
 of an engine step (tens of rows against a 32,000-wide weight): on 2 cores, the 19M-parameter Llama's
@@ -8,30 +8,44 @@ oneDNN-prepacked copy of the weight (:class:`PrepackedWeight`, as vLLM's CPU lin
 frozen graphs do; it costs a second copy of that weight, so by default only where the copy is small,
 ``PREPACK_LM_HEAD_MAX_BYTES``).
 
-Only the head switches: the layers' own linears stay on sgemm. Through oneDNN they were as fast or
-faster in isolation, yet whole engine runs were 1-17% slower (in-process, interleaved, both the
-ShareGPT-like and the 1,000-token-prompt workloads: RESULTS.md, "Against vLLM's CPU build —
-2026-12-04, second run"), and oneDNN builds a primitive for every new row count (~0.8 ms per weight
-shape) that its default cache evicts when a run sees many.
+The layers' own linears switch where this CPU runs oneDNN much faster than sgemm
+(:func:`layer_linears`, measured once per weight shape: :func:`onednn_speedup`). On an AMD EPYC with
+AVX-512 where MKL took its generic x86 code (``MKL_VERBOSE`` names no AVX-512; 2026-12-07), oneDNN
+ran the issue-22 model's layer products 1.5-2.3x faster, and whole engine runs 5-10% (ShareGPT-like)
+and 13-16% (1,000-token prompts) faster, in-process and interleaved. On the AVX-512 EPYC of
+2026-12-04, where both ran near the cores' peak, the switch had made whole runs 1-17% slower
+(RESULTS.md, "Against vLLM's CPU build — 2026-12-04, second run"): oneDNN builds a primitive for each
+new row count and weight shape (~0.4-0.8 ms at its first call). They run on their own (live)
+weights, no copy: prepacked copies were no faster in the engine (alone, 0-20% faster at decode
+shapes, 5% at prompt shapes). Small products stay on sgemm (``ONEDNN_MIN_MACS``: oneDNN's ~10 us per
+call outweighs it there). In compiled bodies they are one opaque op, ``hf_paged::onednn_linear``.
 
-Only the engine's forwards switch (:func:`onednn_linears`, a context manager): ``generate()`` and
-every other use of the model stay stock, bit for bit. The head's results differ from sgemm's in the
-last bits (a different summation order), as a compiled step's would; the engine's tests compare
-tokens with stock ``generate()``. bfloat16 and float16 linears already run through oneDNN in torch
-and are left alone.
+Only the engine's forwards switch (:func:`onednn_linears`, :func:`onednn_layers`: context
+managers): ``generate()`` and every other use of the model stay stock, bit for bit. oneDNN's
+results differ from sgemm's in the last bits (a different summation order), as a compiled step's
+would; the engine's tests compare tokens with stock ``generate()``. bfloat16 and float16 linears
+already run through oneDNN in torch and are left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import time
 from collections.abc import Iterable
 
 import torch
 
 from hf_paged.engine import step_threads
+from hf_paged.engine.tensor_parallel import tp_size_of
 
 PREPACK_LM_HEAD_MAX_BYTES = 1 << 30  # the largest LM head weight that gets a prepacked copy by default
 PACK_ROWS_HINT = 256  # the rows oneDNN packs for; any row count runs (48 rows gain as much as 256)
+ONEDNN_MIN_MACS = 1 << 20  # layer products smaller than this (rows x in x out) stay on sgemm
+ONEDNN_MIN_SPEEDUP = 1.25  # how much faster than sgemm oneDNN must be here for the layers to switch by default
+CALIBRATION_ROWS = 256  # the rows of the product timed by onednn_speedup
+ONEDNN_LAYERS_ENV = "HF_PAGED_ONEDNN_LAYERS"  # "0": engines built with onednn_layers=None keep sgemm
 
 
 def available() -> bool:
@@ -112,3 +126,103 @@ def onednn_linears(modules: Iterable[torch.nn.Linear], prepacked: tuple[Prepacke
     finally:
         for module in switched:
             del module.forward
+
+
+@torch.library.custom_op("hf_paged::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` of a layer in a compiled body (:func:`onednn_layers` with ``traced``): see :func:`linear`."""
+    return linear(x, weight, bias)
+
+
+@onednn_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` through oneDNN on float32 CPU tensors where the product is large enough
+    (``ONEDNN_MIN_MACS``), through sgemm otherwise."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (rows * weight.numel() < ONEDNN_MIN_MACS or x.dtype != torch.float32 or x.device.type != "cpu"
+            or not weight.is_contiguous()):
+        return torch.nn.functional.linear(x, weight, bias)
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), weight, bias, "none", [], "")
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@functools.cache
+def onednn_speedup(in_features: int, out_features: int, rows: int = CALIBRATION_ROWS) -> float:
+    """sgemm's time over oneDNN's for a float32 ``[rows, in] x [in, out]`` product on this CPU, at
+    torch's thread count (best of 5 rounds of 3 calls each, after a warm call that also builds
+    oneDNN's primitive). Measured once per shape in a process."""
+    g = torch.Generator().manual_seed(0)  # not the global generator: building an engine must not move it
+    x, weight = torch.randn(rows, in_features, generator=g), torch.randn(out_features, in_features, generator=g)
+
+    def best(call) -> float:
+        call()
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(3):
+                call()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    with torch.inference_mode():
+        sgemm = best(lambda: torch.nn.functional.linear(x, weight))
+        onednn = best(lambda: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""))
+    return sgemm / onednn
+
+
+def layer_linears(model: torch.nn.Module, enabled: bool | None = None) -> tuple[tuple[torch.nn.Linear, ...], str]:
+    """The decoder body's linears that the engine's forwards run through oneDNN (:func:`onednn_layers`),
+    and why (or why not). ``enabled`` None: the float32 CPU ``nn.Linear`` layers of a model without
+    tensor parallelism, where oneDNN is at least ``ONEDNN_MIN_SPEEDUP`` times as fast as sgemm at
+    the largest layer's shape (:func:`onednn_speedup`), unless the environment has
+    ``HF_PAGED_ONEDNN_LAYERS=0``; True: such layers whatever the speed; False: none."""
+    if enabled is False:
+        return (), "off (onednn_layers=False)"
+    if enabled is None and os.environ.get(ONEDNN_LAYERS_ENV, "1") == "0":
+        return (), f"off ({ONEDNN_LAYERS_ENV}=0)"
+    if not available():
+        return (), "this torch has no oneDNN linear"
+    if tp_size_of(model) > 1:
+        return (), "off under tensor parallelism"
+    body = model.get_decoder() if hasattr(model, "get_decoder") else model
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    modules = tuple(m for m in body.modules() if _switchable(m) and m is not head)
+    if not modules:
+        return (), "no float32 CPU nn.Linear layers"
+    if enabled:
+        return modules, "on (onednn_layers=True)"
+    largest = max(modules, key=lambda m: m.weight.numel())
+    speedup = onednn_speedup(largest.in_features, largest.out_features)
+    verdict = "on" if speedup >= ONEDNN_MIN_SPEEDUP else "off"
+    return (modules if verdict == "on" else ()), (
+        f"{verdict}: oneDNN {speedup:.2f}x sgemm's speed at {CALIBRATION_ROWS} x {largest.in_features} -> "
+        f"{largest.out_features} (the bar: {ONEDNN_MIN_SPEEDUP}x)")
+
+
+@contextlib.contextmanager
+def onednn_layers(modules: Iterable[torch.nn.Linear], traced: bool = False):
+    """Run the layer linears ``modules`` through :func:`linear` inside the block (``traced``: as the
+    op ``hf_paged::onednn_linear``, for a compiled body being compiled or run). A module whose
+    forward is already replaced keeps it (LoRA steps enter after this, wrapping these forwards)."""
+    call = torch.ops.hf_paged.onednn_linear if traced else linear
+    switched = []
+    try:
+        for module in modules:
+            if "forward" not in module.__dict__:
+                module.forward = _layer_forward(module, call)
+                switched.append(module)
+        yield
+    finally:
+        for module in switched:
+            del module.forward
+
+
+def _layer_forward(module: torch.nn.Linear, call):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return call(x, module.weight, module.bias)
+
+    return forward

@@ -74,6 +74,12 @@ class LLMEngine:
         prepack_lm_head: float32 models on CPU: the engine's forwards run the LM head on a
             oneDNN-prepacked copy of its weight (faster decode steps, a second copy of that weight in
             memory). ``None`` (default): when the copy is at most 1 GiB; True / False: always / never.
+        onednn_layers: float32 models on CPU: the engine's forwards run the layers' linear layers
+            through oneDNN rather than MKL's sgemm (:mod:`hf_paged.engine.cpu_linear`: on CPUs where
+            sgemm runs narrower vectors, 1.5-2.3x faster products). ``None`` (default): where oneDNN
+            measured at least 1.25x sgemm's speed at the model's largest layer shape (once per shape
+            and process, milliseconds); True / False: always / never. ``stats()["onednn_layers"]``
+            says which, ``runner.onednn_layers_note`` why.
         tune_malloc: set glibc's malloc thresholds for this process (:mod:`hf_paged.engine.host_malloc`:
             CPU steps then stop faulting in fresh pages for their buffers). Process-wide. ``None``
             (default): when the model is on CPU; True / False: always / never.
@@ -137,7 +143,8 @@ class LLMEngine:
         max_num_seqs: int = 256, max_num_batched_tokens: int = 4096, enable_prefix_caching: bool | None = None,
         preemption_mode: str = "recompute", swap_space_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None, max_consecutive_failures: int = 3,
-        num_state_slots: int | None = None, prepack_lm_head: bool | None = None, tune_malloc: bool | None = None,
+        num_state_slots: int | None = None, prepack_lm_head: bool | None = None, onednn_layers: bool | None = None,
+        tune_malloc: bool | None = None,
         compile: bool | None = None, serial_small_steps: bool | None = None, cuda_graphs: bool | None = None,
         max_model_len: int | None = None, max_logprobs: int | None = None, scheduling_policy: str = "fcfs",
         speculative_config: SpeculativeConfig | dict | None = None, enable_lora: bool = False, max_loras: int = 1,
@@ -212,7 +219,8 @@ class LLMEngine:
         swap_storage = PagedKVStorage(block_size, device="cpu", pin_memory=model.device.type == "cuda")
         self.runner = ModelRunner(model, PagedKVStorage(block_size), swap_storage, swap_space_blocks, groups=groups,
                                   states=states, swap_states=swap_states, prepack_lm_head=prepack_lm_head,
-                                  compile=compile, serial_small_steps=serial_small_steps, lora=self.lora)
+                                  compile=compile, serial_small_steps=serial_small_steps, lora=self.lora,
+                                  onednn_layers=onednn_layers)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         if cuda_graphs:
             if num_blocks is None:
@@ -863,7 +871,7 @@ class LLMEngine:
             "healthy": self.healthy, "failed_steps": self._counters["failed_steps"],
             "consecutive_failed_steps": self._counters["consecutive_failed_steps"],
             "prefix_caching": self.kv.enable_prefix_caching, "compiled": self.runner.compiled is not None,
-            "cuda_graphs": self.runner.graphs is not None,
+            "cuda_graphs": self.runner.graphs is not None, "onednn_layers": bool(self.runner.layer_linears),
             "serial_step_max_tokens": self.runner.serial_steps.max_tokens if self.runner.serial_steps else 0,
             "state_slots_total": kv["state_slots_total"], "state_slots_used": kv["state_slots_used"],
             "state_slots_free": kv["state_slots_free"], "swap_state_slots_used": kv["swap_state_slots_used"],

@@ -32,6 +32,7 @@ from hf_paged.attention import ATTN_IMPLEMENTATION, COMPILED_ATTN_IMPLEMENTATION
 from hf_paged.channel import clear_active_cache, packed_forward
 from hf_paged.engine import compiled_body, step_threads
 from hf_paged.engine.cuda_graphs import DecodeGraphs
+from hf_paged.engine import cpu_linear
 from hf_paged.engine.cpu_linear import onednn_linears, prepacked_lm_head, switchable_lm_head
 from hf_paged.engine.scheduler_output import PromptLogprobRows, SchedulerOutput
 from hf_paged.engine.step_cache import PackedStepCache, host_tensor
@@ -52,7 +53,8 @@ class ModelRunner:
                  swap_space_blocks: int | list[int] = 0, *, groups: list[LayerGroup] | None = None,
                  states: StatePool | None = None, swap_states: StatePool | None = None,
                  prepack_lm_head: bool | None = None, compile: bool | None = None,
-                 serial_small_steps: bool | None = None, lora: LoRAManager | None = None):
+                 serial_small_steps: bool | None = None, lora: LoRAManager | None = None,
+                 onednn_layers: bool | None = None):
         self.model, self.storage, self.swap_storage = model, storage, swap_storage
         self.states, self.swap_states = states, swap_states
         self.per_sequence = states is not None
@@ -69,23 +71,27 @@ class ModelRunner:
         # the float32 CPU LM head runs through oneDNN (hf_paged.engine.cpu_linear)
         self._onednn_linears = tuple(m for m in (switchable_lm_head(model),) if m is not None)
         self._prepacked = tuple(p for p in (prepacked_lm_head(model, prepack_lm_head),) if p is not None)
+        # and the layers' linears, where oneDNN is much faster than sgemm on this CPU (measured)
+        self.layer_linears, self.onednn_layers_note = cpu_linear.layer_linears(model, onednn_layers)
         # small steps on the stepping thread alone (hf_paged.engine.step_threads); None: every step splits
         self.serial_steps = SerialSmallSteps.of(model, serial_small_steps)
         # the CPU reads of float32 steps: "c" (the C reads, hf_paged.kernels.cpu_decode / cpu_prefill,
         # where they build), "gather" (gather + SDPA) / "sdpa" (SDPA per sequence), or "auto" (the C
-        # reads on CPUs with AVX-512, which they are written for; else torch's); see PackedStep
+        # reads on x86 CPUs with AVX2 or AVX-512, where they were measured; else torch's); see PackedStep
         self.decode_read = self.prefill_read = "auto"
         # packed steps through a torch.compile'd decoder body (hf_paged.engine.compiled_body)
         self.compiled, self.compiled_note = compiled_body.compiled_body(
             model, self.specs, packed_attention, compile, recurrent=self.per_sequence,
-            also_one_thread=self.serial_steps is not None)
+            also_one_thread=self.serial_steps is not None,
+            around=lambda: cpu_linear.onednn_layers(self.layer_linears, traced=True))
         # LoRA (hf_paged.lora): steps with adapters run a body of their own, compiled with the
         # linear layers calling the adapters' op (steps without adapters keep the plain one)
         self.lora, self.compiled_lora, self.compiled_lora_note = lora, None, None
         if lora is not None and self.compiled is not None:
             self.compiled_lora, self.compiled_lora_note = compiled_body.compiled_body(
                 model, self.specs, packed_attention, compile, also_one_thread=self.serial_steps is not None,
-                around=lambda: lora.layers.active(None, traced=True))
+                around=lambda: _entered(cpu_linear.onednn_layers(self.layer_linears, traced=True),
+                                        lora.layers.active(None, traced=True)))
         self._build_cpu_reads()
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs (LLMEngine(cuda_graphs=True))
         # the last step's scored prompt rows, one (ids, values, ranks) per SchedulerOutput.prompt_logprobs entry
@@ -166,8 +172,9 @@ class ModelRunner:
         serial = self.serial_steps is not None and self.serial_steps.applies(num_tokens)
         with (packed_forward(), paged_call(self.model, implementation),
               body.active(step_cache) if compiled else contextlib.nullcontext(),
-              self.lora.layers.active(lora_step, traced=compiled) if lora_step else contextlib.nullcontext(),
               onednn_linears(self._onednn_linears, self._prepacked, self.serial_steps.head_threads if serial else None),
+              cpu_linear.onednn_layers(self.layer_linears, traced=compiled),  # before LoRA's, which wrap them
+              self.lora.layers.active(lora_step, traced=compiled) if lora_step else contextlib.nullcontext(),
               step_threads.one_thread() if serial else contextlib.nullcontext()):
             logits = self.model(**forward).logits
         clear_active_cache()
@@ -224,6 +231,15 @@ class ModelRunner:
             if blocks.swap_in:
                 self.swap_storage.transfer(self.storage, list(blocks.swap_in), blocks.num_blocks, group.layers)
             self.storage.copy_blocks(list(blocks.block_copies), group.layers)
+
+
+@contextlib.contextmanager
+def _entered(*contexts: contextlib.AbstractContextManager):
+    """The ``contexts`` entered in order (left in reverse)."""
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
 
 
 def _prompt_row_indices(step: SchedulerOutput) -> torch.Tensor:

@@ -149,7 +149,7 @@ class LoRALayers:
         self._index = {name: i for i, name in enumerate(self.names)}
 
     def _forward(self, name: str, index: int, module: torch.nn.Module, traced: bool):
-        base = types.MethodType(type(module).forward, module)
+        base = module.forward  # the layer's own, or what the step runs it through (hf_paged.engine.cpu_linear)
         if traced:  # compiled bodies: the opaque op reads the running step
 
             def forward(x: torch.Tensor) -> torch.Tensor:
@@ -164,25 +164,32 @@ class LoRALayers:
                 step.apply(name, x, out)
                 return out
 
+        forward.lora_layer = name
         return forward
 
     @contextlib.contextmanager
     def active(self, step: StepLoRA | None, traced: bool = False):
         """Inside, the targeted layers add ``step``'s adapter updates: in eager steps only the
         layers its adapters target get a new forward; ``traced`` (a compiled body running or being
-        compiled) every targetable layer calls the custom op (the graph holds the calls)."""
+        compiled) every targetable layer calls the custom op (the graph holds the calls). Each new
+        forward wraps the layer's current one (a forward replaced before, as the engine's oneDNN
+        linears are, keeps computing the base output), which is put back afterwards."""
         names = self.names if traced else sorted(step.targets())
-        if any("forward" in self.modules[n].__dict__ for n in names):
-            raise RuntimeError("a LoRA step found a linear layer whose forward is already replaced")
+        if any(hasattr(self.modules[n].__dict__.get("forward"), "lora_layer") for n in names):
+            raise RuntimeError("a LoRA step found a linear layer already running a LoRA step")
         _thread.active = (self, step) if step is not None else None
         swapped = []
         try:
             for name in names:
                 module = self.modules[name]
+                previous = module.__dict__.get("forward")
                 module.forward = self._forward(name, self._index[name], module, traced)
-                swapped.append(module)
+                swapped.append((module, previous))
             yield
         finally:
-            for module in swapped:
-                del module.forward
+            for module, previous in reversed(swapped):
+                if previous is None:
+                    del module.forward
+                else:
+                    module.forward = previous
             _thread.active = None
