@@ -30,9 +30,8 @@ from transformers import PreTrainedModel
 
 from hf_paged.attention import ATTN_IMPLEMENTATION, COMPILED_ATTN_IMPLEMENTATION, packed_attention, paged_call
 from hf_paged.channel import clear_active_cache, packed_forward
-from hf_paged.engine import compiled_body, step_threads
+from hf_paged.engine import compiled_body, cpu_linear, step_threads
 from hf_paged.engine.cuda_graphs import DecodeGraphs
-from hf_paged.engine import cpu_linear
 from hf_paged.engine.cpu_linear import onednn_linears, prepacked_lm_head, switchable_lm_head
 from hf_paged.engine.scheduler_output import PromptLogprobRows, SchedulerOutput
 from hf_paged.engine.step_cache import PackedStepCache, host_tensor

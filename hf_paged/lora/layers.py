@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-import types
 from dataclasses import dataclass, field
 
 import torch
