@@ -277,6 +277,7 @@ def test_onednn_layers_run_every_layer_linear_in_engine_steps_only(model, monkey
     if not cpu_linear.available():
         pytest.skip("this torch has no oneDNN linear")
     monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", 0)  # the tiny model's products go to oneDNN too
+    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_ROWS", 1)
     stock = copy.deepcopy(model)
     seen, real = set(), cpu_linear.linear
 
@@ -302,17 +303,20 @@ def test_onednn_layers_run_every_layer_linear_in_engine_steps_only(model, monkey
 
 def test_negative_control_onednn_layer_products_differ_from_sgemm_in_the_last_bits(monkeypatch):
     """What the test above sees: a product through oneDNN does not give sgemm's bits (so a layer left
-    on sgemm, or switched after the step, would show), and a product under ``ONEDNN_MIN_MACS``
-    keeps sgemm's exactly."""
+    on sgemm, or switched after the step, would show), and one under ``ONEDNN_MIN_MACS`` or of fewer
+    than ``ONEDNN_MIN_ROWS`` rows keeps sgemm's exactly."""
     if not cpu_linear.available():
         pytest.skip("this torch has no oneDNN linear")
     g = torch.Generator().manual_seed(0)
-    x, weight, bias = torch.randn(1, 64, 256, generator=g), torch.randn(688, 256, generator=g), torch.randn(688)
+    rows = cpu_linear.ONEDNN_MIN_ROWS
+    x, weight, bias = torch.randn(1, rows, 256, generator=g), torch.randn(688, 256, generator=g), torch.randn(688)
     sgemm = torch.nn.functional.linear(x, weight, bias)
     onednn = cpu_linear.linear(x, weight, bias)
     assert onednn.shape == sgemm.shape and not torch.equal(onednn, sgemm)
     torch.testing.assert_close(onednn, sgemm, rtol=1e-4, atol=1e-4)
-    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", 64 * weight.numel() + 1)
+    fewer = x[:, 1:]  # one row fewer
+    assert torch.equal(cpu_linear.linear(fewer, weight, bias), torch.nn.functional.linear(fewer, weight, bias))
+    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", rows * weight.numel() + 1)
     assert torch.equal(cpu_linear.linear(x, weight, bias), sgemm)
 
 

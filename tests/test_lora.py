@@ -167,6 +167,7 @@ def test_adapters_beside_layers_run_through_onednn(llama, adapters, stock, monke
     if not cpu_linear.available():
         pytest.skip("this torch has no oneDNN linear")
     monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", 0)  # the tiny model's products go to oneDNN too
+    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_ROWS", 1)
     seen, real = [], cpu_linear.linear
     monkeypatch.setattr(cpu_linear, "linear", lambda x, weight, bias: seen.append(weight) or real(x, weight, bias))
     engine = LLMEngine(llama, block_size=4, enable_lora=True, max_loras=3, compile=compile, onednn_layers=True)

@@ -11,14 +11,18 @@ frozen graphs do; it costs a second copy of that weight, so by default only wher
 The layers' own linears switch where this CPU runs oneDNN much faster than sgemm
 (:func:`layer_linears`, measured once per weight shape: :func:`onednn_speedup`). On an AMD EPYC with
 AVX-512 where MKL took its generic x86 code (``MKL_VERBOSE`` names no AVX-512; 2026-12-07), oneDNN
-ran the issue-22 model's layer products 1.5-2.3x faster, and whole engine runs 5-10% (ShareGPT-like)
-and 13-16% (1,000-token prompts) faster, in-process and interleaved. On the AVX-512 EPYC of
+ran the issue-22 model's layer products 1.5-2.3x faster, and whole engine runs 3-8% (ShareGPT-like)
+and 17-30% (1,000-token prompts) faster, in-process and interleaved. On the AVX-512 EPYC of
 2026-12-04, where both ran near the cores' peak, the switch had made whole runs 1-17% slower
 (RESULTS.md, "Against vLLM's CPU build — 2026-12-04, second run"): oneDNN builds a primitive for each
 new row count and weight shape (~0.4-0.8 ms at its first call). They run on their own (live)
-weights, no copy: prepacked copies were no faster in the engine (alone, 0-20% faster at decode
-shapes, 5% at prompt shapes). Small products stay on sgemm (``ONEDNN_MIN_MACS``: oneDNN's ~10 us per
-call outweighs it there). In compiled bodies they are one opaque op, ``hf_paged::onednn_linear``.
+weights, no copy: prepacked copies were no faster on long prompts (and would double the weights'
+memory). Products of fewer than ``ONEDNN_MIN_ROWS`` rows stay on sgemm: oneDNN reorders a live
+weight into its own layout at each call, which at decode row counts, with the weight out of cache,
+cost what it gained (the demo model's decode steps: those products 124 ms through oneDNN against 94
+on sgemm; at 128 rows and up, long prompts kept the whole gain); so do tiny ones
+(``ONEDNN_MIN_MACS``: oneDNN's ~10 us per call). In compiled bodies they are one opaque op,
+``hf_paged::onednn_linear``.
 
 Only the engine's forwards switch (:func:`onednn_linears`, :func:`onednn_layers`: context
 managers): ``generate()`` and every other use of the model stay stock, bit for bit. oneDNN's
@@ -43,6 +47,7 @@ from hf_paged.engine.tensor_parallel import tp_size_of
 PREPACK_LM_HEAD_MAX_BYTES = 1 << 30  # the largest LM head weight that gets a prepacked copy by default
 PACK_ROWS_HINT = 256  # the rows oneDNN packs for; any row count runs (48 rows gain as much as 256)
 ONEDNN_MIN_MACS = 1 << 20  # layer products smaller than this (rows x in x out) stay on sgemm
+ONEDNN_MIN_ROWS = 128  # and products of fewer rows: oneDNN reorders the live weight at each call
 ONEDNN_MIN_SPEEDUP = 1.25  # how much faster than sgemm oneDNN must be here for the layers to switch by default
 CALIBRATION_ROWS = 256  # the rows of the product timed by onednn_speedup
 ONEDNN_LAYERS_ENV = "HF_PAGED_ONEDNN_LAYERS"  # "0": engines built with onednn_layers=None keep sgemm
@@ -128,23 +133,25 @@ def onednn_linears(modules: Iterable[torch.nn.Linear], prepacked: tuple[Prepacke
             del module.forward
 
 
-@torch.library.custom_op("hf_paged::onednn_linear", mutates_args=())
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` of a layer in a compiled body (:func:`onednn_layers` with ``traced``): see :func:`linear`."""
-    return linear(x, weight, bias)
+# ``hf_paged::onednn_linear``: ``F.linear`` of a layer in a compiled body (:func:`onednn_layers` with
+# ``traced``), see :func:`linear`. Defined through ``torch.library.Library`` rather than ``custom_op``:
+# a call costs ~1.6 us over the function's own time against ~3.5 us, and a step calls it per layer linear.
+_library = torch.library.Library("hf_paged", "FRAGMENT")
+_library.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_library.impl("onednn_linear", lambda x, weight, bias: linear(x, weight, bias), "CPU")
 
 
-@onednn_linear.register_fake
+@torch.library.register_fake("hf_paged::onednn_linear", lib=_library)
 def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` through oneDNN on float32 CPU tensors where the product is large enough
-    (``ONEDNN_MIN_MACS``), through sgemm otherwise."""
+    (``ONEDNN_MIN_ROWS`` rows, ``ONEDNN_MIN_MACS`` multiply-adds), through sgemm otherwise."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (rows * weight.numel() < ONEDNN_MIN_MACS or x.dtype != torch.float32 or x.device.type != "cpu"
-            or not weight.is_contiguous()):
+    if (rows < ONEDNN_MIN_ROWS or rows * weight.numel() < ONEDNN_MIN_MACS or x.dtype != torch.float32
+            or x.device.type != "cpu" or not weight.is_contiguous()):
         return torch.nn.functional.linear(x, weight, bias)
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), weight, bias, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])
