@@ -104,11 +104,15 @@ def texts_by_length(reference: LLMEngine, prompt, params: SamplingParams) -> dic
 
 
 def test_unfinished_outputs_read_as_the_engines_own(llm, reference):
-    """An unfinished output's text is decoded when read, here with the caller's tokenizer copy."""
+    """An unfinished output's text is decoded when read, here with the caller's tokenizer copy. A
+    reader slower than the steps gets the newest output only (cumulative outputs), so the lengths
+    it sees may skip some: each one it sees has the text the offline engine has at that length."""
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=["zz"])
     seen = run(collect(llm, PROMPTS[1], params))
     texts = texts_by_length(reference, PROMPTS[1], params)
-    assert {len(c.token_ids): c.text for out in seen for c in out.outputs} == texts and len(texts) == 12
+    read = {len(c.token_ids): c.text for out in seen for c in out.outputs}
+    assert len(texts) == 12 and 12 in read and len(read) > 1
+    assert read == {length: texts[length] for length in read}
 
 
 @pytest.mark.parametrize("interval", [None, 3])
