@@ -173,7 +173,8 @@ class ModelRunner:
               body.active(step_cache) if compiled else contextlib.nullcontext(),
               onednn_linears(self._onednn_linears, self._prepacked, self.serial_steps.head_threads if serial else None),
               # eager steps only (a compiled body holds the op); before LoRA's forwards, which wrap these
-              cpu_linear.onednn_layers(self.layer_linears) if not compiled else contextlib.nullcontext(),
+              cpu_linear.onednn_layers(self.layer_linears) if self.layer_linears and not compiled
+              else contextlib.nullcontext(),
               self.lora.layers.active(lora_step, traced=compiled) if lora_step else contextlib.nullcontext(),
               step_threads.one_thread() if serial else contextlib.nullcontext()):
             logits = self.model(**forward).logits
