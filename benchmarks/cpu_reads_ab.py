@@ -8,10 +8,11 @@ had an 8-lane build).
 First the reads alone at the issue model's layout (2 K/V heads of 4 query heads of 32, blocks of 16,
 2 threads, best of 7 x 10 calls): prefill of 2 prompts of 1,000 tokens, decode of 32 sequences of
 1,100; the torch side is what the engine does without the C reads (SDPA per prompt on its gathered
-keys, index_select gather + one SDPA for the decode rows). Then issue 22's offline workloads and model (``hf_paged.bench.vs_vllm``: 64 ShareGPT-like requests, 32
-of ~1,000-token prompts; equal settings, 2 threads), each variant in a fresh process after the same
-untimed warm-up, rounds interleaved. Reported: output tok/s per round and its median, each variant
-against torch's reads, and whether every variant's greedy tokens equal torch's reads'.
+keys, index_select gather + one SDPA for the decode rows). Then issue 22's offline workloads and model
+(``hf_paged.bench.vs_vllm``: 64 ShareGPT-like requests, 32 of ~1,000-token prompts; equal settings,
+2 threads), each variant in a fresh process after the same untimed warm-up, rounds interleaved.
+Reported: output tok/s per round and its median, each variant against torch's reads, and whether
+every variant's greedy tokens equal torch's reads'.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import replace
@@ -36,25 +36,11 @@ VARIANTS = {"torch reads": (None, ("gather", "sdpa")), "C reads, AVX2 build": ("
             "C reads, native build": (None, ("c", "c"))}
 
 
-def run_variant(name: str, requests: list[dict], warmup: list[dict], ctx: dict, work: Path) -> dict:
+def run_variant(name: str, requests: list[dict], warmup: list[dict], ctx: dict) -> dict:
+    """``name``'s engine on ``requests`` in a fresh process (``vs_vllm.run_offline`` at equal settings)."""
     march, reads = VARIANTS[name]
-    config = vs_vllm.Config("hf_paged", "equal")
-    equal = vs_vllm.Equal()
-    spec = {"model": ctx["model_dir"], "threads": equal.threads, "reads": reads, "requests": requests,
-            "warmup": warmup, "sampling": {"temperature": 0.0},
-            "engine": vs_vllm.hf_engine_kwargs(config, equal, ctx["kv_bytes_per_token"])}
-    env = vs_vllm.system_env(config, equal, {cpu_build.MARCH_VARIABLE: march} if march else {})
-    if not march:
-        env.pop(cpu_build.MARCH_VARIABLE, None)
-    stem = work / f"{name.replace(' ', '_').replace(',', '')}-{next(ctx['ids'])}"
-    spec_path, result_path = stem.with_suffix(".spec.json"), stem.with_suffix(".result.json")
-    spec_path.write_text(json.dumps(spec))
-    subprocess.run([sys.executable, "-m", "hf_paged.bench.vs_vllm", "--worker", str(spec_path), str(result_path)],
-                   env=env, check=True, timeout=1800)
-    result = json.loads(result_path.read_text())
-    generated = sum(map(len, result["tokens"]))
-    return {"tokens_per_s": generated / result["wall_s"], "cpu_s_per_token": result["cpu_s"] / generated,
-            "tokens": result["tokens"], "versions": result["versions"]}
+    opts = vs_vllm.Options(hf_env={cpu_build.MARCH_VARIABLE: march} if march else {}, hf_reads=reads, log=print)
+    return vs_vllm.run_offline(vs_vllm.Config("hf_paged", "equal"), requests, warmup, opts, ctx)
 
 
 def time_reads() -> dict:
@@ -126,6 +112,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/out/cpu_reads_ab.json")
     parser.add_argument("--reads-only", action="store_true", help="only the reads alone, no engine runs")
     args = parser.parse_args()
+    os.environ.pop(cpu_build.MARCH_VARIABLE, None)  # "native" is this CPU, whatever the caller's environment says
     import torch
     from transformers import AutoConfig
 
@@ -135,7 +122,7 @@ def main() -> None:
         work = Path(tmp)
         model = vs_vllm.build_checkpoint(work / "model")
         config = AutoConfig.from_pretrained(work / "model")
-        ctx = {"model_dir": str(work / "model"), "ids": iter(range(10**6)),
+        ctx = {"model_dir": str(work / "model"), "work_dir": tmp, "ids": iter(range(10**6)),
                "kv_bytes_per_token": kv_bytes_per_token(config, torch.float32)}
         sizes, vocab = vs_vllm.Sizes(), config.vocab_size
         warmup = vs_vllm.sharegpt_requests(sizes.warmup, replace(sizes, output=(sizes.output[0],) * 2), vocab, seed=99)
@@ -150,7 +137,7 @@ def main() -> None:
             runs = {name: [] for name in VARIANTS}
             for round_ in range(args.rounds):
                 for name in VARIANTS:
-                    runs[name].append(run_variant(name, requests, warmup, ctx, work))
+                    runs[name].append(run_variant(name, requests, warmup, ctx))
                     print(f"{workload} round {round_ + 1} {name}: {runs[name][-1]['tokens_per_s']:,.0f} tok/s",
                           flush=True)
             base = runs["torch reads"][0]["tokens"]

@@ -145,6 +145,7 @@ class Options:
     settings: tuple[str, ...] = ("equal", "defaults")
     hf_env: dict = field(default_factory=dict)  # extra environment of the hf_paged processes
     hf_serve_args: tuple[str, ...] = ()  # extra arguments of hf-paged serve
+    hf_reads: tuple[str, str] | None = None  # offline hf_paged: (decode_read, prefill_read), as ModelRunner names them
     sizes: Sizes = field(default_factory=Sizes)
     shape: str = "issue"
     equal: Equal = field(default_factory=Equal)
@@ -329,7 +330,7 @@ def hf_offline(spec: dict) -> dict:
         torch.set_num_threads(spec["threads"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, local_files_only=True).eval()
     engine = LLMEngine(model, **spec["engine"])
-    if spec.get("reads"):  # the CPU reads ("c", or torch's: "gather" / "sdpa"), as ModelRunner names them
+    if spec.get("reads"):  # Options.hf_reads
         engine.runner.decode_read, engine.runner.prefill_read = spec["reads"]
 
     def call(requests: list[dict], profile: str | None = None) -> tuple[list[list[int]], Meter]:
@@ -374,7 +375,8 @@ def run_offline(config: Config, requests: list[dict], warmup: list[dict], opts: 
         cmd = [opts.vllm_python, str(VLLM_WORKER)]
     else:
         spec = {"model": ctx["model_dir"], "threads": _threads(config, opts.equal) if config.setting == "equal" else 0,
-                "engine": hf_engine_kwargs(config, opts.equal, ctx["kv_bytes_per_token"]), "profile": profile}
+                "engine": hf_engine_kwargs(config, opts.equal, ctx["kv_bytes_per_token"]), "profile": profile,
+                "reads": opts.hf_reads}
         cmd = [sys.executable, "-m", "hf_paged.bench.vs_vllm", "--worker"]
     spec.update(requests=requests, warmup=warmup, sampling=opts.sampling)
     if ctx.get("adapters"):  # both systems' multi-LoRA paths, every adapter in one batch
