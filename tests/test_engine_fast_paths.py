@@ -362,6 +362,118 @@ def test_onednn_layers_leave_a_replaced_forward_alone():
     assert layer.forward is own and "forward" not in other.__dict__
 
 
+def _greedy(engine, prompts=PROMPTS, tokens=4):
+    params = SamplingParams(max_new_tokens=tokens, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+
+
+def _stock_greedy(model, prompts=PROMPTS, tokens=4):
+    return [model.generate(torch.tensor([p]), max_new_tokens=tokens, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_layer_products_run_on_packed_copies_in_engine_steps(model, monkeypatch, compile):
+    """With the layers on oneDNN, each layer product of a step (decode rows too) runs on its weight's
+    packed copy, made once at build (eager steps, and the op inside the compiled body); tokens are
+    stock generate()'s; ``prepack_layers=False`` runs the live weights."""
+    if not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN linear")
+    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", 0)  # the tiny model's products go to oneDNN too
+    packed, real_get = [], cpu_linear.PrepackedWeight.get
+    monkeypatch.setattr(cpu_linear.PrepackedWeight, "get", lambda self: packed.append(self.module) or real_get(self))
+    engine = LLMEngine(model, block_size=4, onednn_layers=True, compile=compile, prepack_lm_head=False)
+    assert engine.stats()["prepacked_layers"] and engine.runner.layer_packs_note.startswith("on: packed copies of")
+    assert {id(p.module) for p in engine.runner.layer_packs.values()} == _layer_modules(model)
+    assert {id(m) for m in packed} == _layer_modules(model), "not every layer weight was packed at build"
+    packed.clear()
+    assert _greedy(engine) == _stock_greedy(model)
+    per_module = {}
+    for module in packed:
+        per_module[id(module)] = per_module.get(id(module), 0) + 1
+    steps = engine.stats()["steps"]
+    assert set(per_module) == _layer_modules(model) and min(per_module.values()) >= steps - 1, (
+        "a layer product ran on its live weight in some step")
+    live = LLMEngine(model, block_size=4, onednn_layers=True, compile=compile, prepack_layers=False,
+                     prepack_lm_head=False)
+    assert not live.stats()["prepacked_layers"] and live.runner.layer_packs == {}
+    packed.clear()
+    assert _greedy(live) == _stock_greedy(model) and not packed
+
+
+def test_negative_control_a_packed_layer_product_is_not_sgemms_nor_live_onednns(monkeypatch):
+    """What the test above relies on: inside a step with packs (``packed_layers``), a decode-sized
+    product of a packed weight runs oneDNN on the copy (other bits than sgemm's, which it keeps
+    outside the step), and a product over ``ONEDNN_MIN_ROWS`` rows the same as on the live weight."""
+    if not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN linear")
+    g = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(256, 688, bias=True)
+    packs, _ = cpu_linear.layer_packs((layer,), True)
+    x = torch.randn(1, 32, 256, generator=g)
+    sgemm = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert torch.equal(cpu_linear.linear(x, layer.weight, layer.bias), sgemm), "no packs: decode rows keep sgemm"
+    with cpu_linear.packed_layers(packs):
+        on_copy = cpu_linear.linear(x, layer.weight, layer.bias)
+    assert not torch.equal(on_copy, sgemm), "the packed product gave sgemm's bits: a live run could not be told"
+    torch.testing.assert_close(on_copy, sgemm, rtol=1e-4, atol=1e-4)
+    other = torch.nn.Linear(256, 688)
+    with cpu_linear.packed_layers(packs):  # a weight without a copy stays live
+        assert torch.equal(cpu_linear.linear(x, other.weight, other.bias),
+                           torch.nn.functional.linear(x, other.weight, other.bias))
+
+
+def test_a_changed_or_replaced_layer_weight_is_never_run_from_a_stale_copy(model, monkeypatch):
+    """Weights changed in place after the engine was built are packed again; a replaced weight runs
+    live; either way the engine's tokens are stock generate()'s of the new weights (eager and
+    compiled), and a stale copy would have given other tokens (negative control). Prefix caching is
+    off: cached blocks would hold the old weights' K/V (``reset_prefix_cache`` is for that)."""
+    if not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN linear")
+    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", 0)
+    for compile in (False, True):
+        ours = copy.deepcopy(model)
+        engine = LLMEngine(ours, block_size=4, onednn_layers=True, compile=compile, enable_prefix_caching=False)
+        before = _greedy(engine, tokens=6)
+        stale = {ptr: pack.get() for ptr, pack in engine.runner.layer_packs.items()}
+        layers = [m for m in ours.get_decoder().modules() if id(m) in _layer_modules(ours)]
+        with torch.no_grad():
+            for module in layers:
+                module.weight.mul_(-1.5)
+        changed = _greedy(engine, tokens=6)
+        assert changed == _stock_greedy(ours, tokens=6) and changed != before
+        assert all(pack.get() is not stale[ptr] for ptr, pack in engine.runner.layer_packs.items())
+        replaced = layers[0]
+        replaced.weight = torch.nn.Parameter(torch.randn_like(replaced.weight) * 0.3)
+        assert _greedy(engine, tokens=6) == _stock_greedy(ours, tokens=6)
+        engine.close()
+
+
+def test_layer_packs_follow_the_size_limit_the_option_and_the_environment(model, monkeypatch):
+    """``prepack_layers=None`` packs the oneDNN layers' weights up to ``PREPACK_LAYERS_MAX_BYTES``
+    (a weight shared by two modules once), unless ``HF_PAGED_PREPACK_LAYERS=0``; True packs whatever
+    the size; False, or no oneDNN layers, none; each answer's note says why."""
+    if not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN linear")
+    monkeypatch.delenv(cpu_linear.PREPACK_LAYERS_ENV, raising=False)
+    modules = cpu_linear.layer_linears(model, True)[0]
+    total = sum(m.weight.nbytes for m in modules)
+    packs, note = cpu_linear.layer_packs(modules)
+    assert len(packs) == len(modules) and note.startswith("on:")
+    assert cpu_linear.layer_packs(modules + modules[:1])[0].keys() == packs.keys()
+    monkeypatch.setattr(cpu_linear, "PREPACK_LAYERS_MAX_BYTES", total - 1)
+    packs, note = cpu_linear.layer_packs(modules)
+    assert packs == {} and note.startswith("off: the layers' weights take")
+    assert len(cpu_linear.layer_packs(modules, True)[0]) == len(modules)
+    monkeypatch.setattr(cpu_linear, "PREPACK_LAYERS_MAX_BYTES", total)
+    assert cpu_linear.layer_packs(modules, False) == ({}, "off (prepack_layers=False)")
+    assert cpu_linear.layer_packs((), True) == ({}, "no oneDNN layers to pack")
+    monkeypatch.setenv(cpu_linear.PREPACK_LAYERS_ENV, "0")
+    assert cpu_linear.layer_packs(modules)[0] == {} and cpu_linear.layer_packs(modules, True)[0]
+    engine = LLMEngine(model, block_size=4, onednn_layers=False, prepack_layers=True)
+    assert not engine.stats()["prepacked_layers"] and engine.runner.layer_packs_note == "no oneDNN layers to pack"
+
+
 class _CountingTokenizer:
     """The demo tokenizer, counting decodes."""
 

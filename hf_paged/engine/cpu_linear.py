@@ -16,13 +16,16 @@ and 17-30% (1,000-token prompts) faster, in-process and interleaved. On the AVX-
 2026-12-04, where both ran near the cores' peak, the switch had made whole runs 1-17% slower
 (RESULTS.md, "Against vLLM's CPU build — 2026-12-04, second run"): oneDNN builds a primitive for each
 new row count and weight shape (~0.4-0.8 ms at its first call). They run on their own (live)
-weights, no copy: prepacked copies were no faster on long prompts (and would double the weights'
-memory). Products of fewer than ``ONEDNN_MIN_ROWS`` rows stay on sgemm: oneDNN reorders a live
-weight into its own layout at each call, which at decode row counts, with the weight out of cache,
-cost what it gained (the demo model's decode steps: those products 124 ms through oneDNN against 94
-on sgemm; at 128 rows and up, long prompts kept the whole gain); so do tiny ones
+weights, or, where the layers' weights are small enough to hold twice (``PREPACK_LAYERS_MAX_BYTES``),
+on prepacked copies (:func:`layer_packs`). On live weights, products of fewer than ``ONEDNN_MIN_ROWS``
+rows stay on sgemm: oneDNN reorders a live weight into its own layout at each call, which at decode
+row counts, with the weight out of cache, cost what it gained (the demo model's decode steps: those
+products 124 ms through oneDNN against 94 on sgemm; at 128 rows and up, long prompts kept the whole
+gain). Packed copies skip that reorder, so decode-sized products gain too: on the 2026-12-07 EPYC,
+engine runs of the issue-22 model 14-19% faster than on live weights. Tiny products stay on sgemm
 (``ONEDNN_MIN_MACS``: oneDNN's ~10 us per call). In compiled bodies they are one opaque op,
-``hf_paged::onednn_linear``.
+``hf_paged::onednn_linear``, which finds a weight's packed copy through the running step
+(:func:`packed_layers`).
 
 Only the engine's forwards switch (:func:`onednn_linears`, :func:`onednn_layers`: context
 managers): ``generate()`` and every other use of the model stay stock, bit for bit. oneDNN's
@@ -36,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 import time
 from collections.abc import Iterable
 
@@ -51,6 +55,8 @@ ONEDNN_MIN_ROWS = 128  # and products of fewer rows: oneDNN reorders the live we
 ONEDNN_MIN_SPEEDUP = 1.25  # how much faster than sgemm oneDNN must be here for the layers to switch by default
 CALIBRATION_ROWS = 256  # the rows of the product timed by onednn_speedup
 ONEDNN_LAYERS_ENV = "HF_PAGED_ONEDNN_LAYERS"  # "0": engines built with onednn_layers=None keep sgemm
+PREPACK_LAYERS_MAX_BYTES = 1 << 30  # the most bytes of oneDNN layer weights that get packed copies by default
+PREPACK_LAYERS_ENV = "HF_PAGED_PREPACK_LAYERS"  # "0": engines built with prepack_layers=None pack none
 
 
 def available() -> bool:
@@ -146,12 +152,34 @@ def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+_step = threading.local()  # .packs: the running step's packed layer weights (packed_layers)
+
+
+@contextlib.contextmanager
+def packed_layers(packs: dict[int, PrepackedWeight] | None):
+    """Inside, :func:`linear` runs the weights of ``packs`` (:func:`layer_packs`) on their packed
+    copies, in eager steps and compiled ones (whose op cannot take the packed tensor as an input:
+    Dynamo traces the live weights; the op looks their copies up here, on the stepping thread)."""
+    before = getattr(_step, "packs", None)
+    _step.packs = packs
+    try:
+        yield
+    finally:
+        _step.packs = before
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` through oneDNN on float32 CPU tensors where the product is large enough
-    (``ONEDNN_MIN_ROWS`` rows, ``ONEDNN_MIN_MACS`` multiply-adds), through sgemm otherwise."""
+    (``ONEDNN_MIN_MACS`` multiply-adds; on a live weight, one without a packed copy in the running
+    step, also ``ONEDNN_MIN_ROWS`` rows), through sgemm otherwise."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (rows < ONEDNN_MIN_ROWS or rows * weight.numel() < ONEDNN_MIN_MACS or x.dtype != torch.float32
-            or x.device.type != "cpu" or not weight.is_contiguous()):
+    if rows * weight.numel() < ONEDNN_MIN_MACS or x.dtype != torch.float32 or x.device.type != "cpu":
+        return torch.nn.functional.linear(x, weight, bias)
+    packs = getattr(_step, "packs", None)
+    pack = packs.get(weight.data_ptr()) if packs else None
+    if pack is not None and pack.module.weight.data_ptr() == weight.data_ptr():  # still that module's weight
+        weight = pack.get()
+    elif rows < ONEDNN_MIN_ROWS or not weight.is_contiguous():
         return torch.nn.functional.linear(x, weight, bias)
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), weight, bias, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -208,6 +236,30 @@ def layer_linears(model: torch.nn.Module, enabled: bool | None = None) -> tuple[
     return (modules if verdict == "on" else ()), (
         f"{verdict}: oneDNN {speedup:.2f}x sgemm's speed at {CALIBRATION_ROWS} x {largest.in_features} -> "
         f"{largest.out_features} (the bar: {ONEDNN_MIN_SPEEDUP}x)")
+
+
+def layer_packs(modules: tuple[torch.nn.Linear, ...], enabled: bool | None = None
+                ) -> tuple[dict[int, PrepackedWeight], str]:
+    """Packed copies of the oneDNN layer linears ``modules`` (:func:`layer_linears`), made now, keyed
+    by their weights' data pointers (for :func:`packed_layers`), and why (or why not). ``enabled``
+    None: where the weights take at most ``PREPACK_LAYERS_MAX_BYTES`` (the copies double them),
+    unless the environment has ``HF_PAGED_PREPACK_LAYERS=0``; True: whatever their size; False: none.
+    A weight replaced later runs live (its pointer is not found); one changed in place is packed again."""
+    if not modules:
+        return {}, "no oneDNN layers to pack"
+    if enabled is False:
+        return {}, "off (prepack_layers=False)"
+    if enabled is None and os.environ.get(PREPACK_LAYERS_ENV, "1") == "0":
+        return {}, f"off ({PREPACK_LAYERS_ENV}=0)"
+    weights = {m.weight.data_ptr(): m for m in modules}  # a weight shared by modules is packed once
+    total = sum(m.weight.nbytes for m in weights.values())
+    if enabled is None and total > PREPACK_LAYERS_MAX_BYTES:
+        return {}, (f"off: the layers' weights take {total / 2**30:.1f} GiB, over the "
+                    f"{PREPACK_LAYERS_MAX_BYTES / 2**30:.0f} GiB that get a second, packed copy by default")
+    packs = {ptr: PrepackedWeight(module) for ptr, module in weights.items()}
+    for pack in packs.values():
+        pack.get()
+    return packs, f"on: packed copies of {len(packs)} weights, {total / 2**20:.1f} MiB"
 
 
 @contextlib.contextmanager

@@ -80,6 +80,11 @@ class LLMEngine:
             measured at least 1.25x sgemm's speed at the model's largest layer shape (once per shape
             and process, milliseconds); True / False: always / never. ``stats()["onednn_layers"]``
             says which, ``runner.onednn_layers_note`` why.
+        prepack_layers: with ``onednn_layers`` on: their products run on oneDNN-prepacked copies of
+            the weights (decode steps gain too: oneDNN need not reorder a weight at each call; a
+            second copy of those weights in memory). ``None`` (default): when the copies take at
+            most 1 GiB, unless the environment has ``HF_PAGED_PREPACK_LAYERS=0``; True / False:
+            always / never. ``stats()["prepacked_layers"]`` says which, ``runner.layer_packs_note`` why.
         tune_malloc: set glibc's malloc thresholds for this process (:mod:`hf_paged.engine.host_malloc`:
             CPU steps then stop faulting in fresh pages for their buffers). Process-wide. ``None``
             (default): when the model is on CPU; True / False: always / never.
@@ -144,7 +149,7 @@ class LLMEngine:
         preemption_mode: str = "recompute", swap_space_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None, max_consecutive_failures: int = 3,
         num_state_slots: int | None = None, prepack_lm_head: bool | None = None, onednn_layers: bool | None = None,
-        tune_malloc: bool | None = None,
+        prepack_layers: bool | None = None, tune_malloc: bool | None = None,
         compile: bool | None = None, serial_small_steps: bool | None = None, cuda_graphs: bool | None = None,
         max_model_len: int | None = None, max_logprobs: int | None = None, scheduling_policy: str = "fcfs",
         speculative_config: SpeculativeConfig | dict | None = None, enable_lora: bool = False, max_loras: int = 1,
@@ -220,7 +225,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, PagedKVStorage(block_size), swap_storage, swap_space_blocks, groups=groups,
                                   states=states, swap_states=swap_states, prepack_lm_head=prepack_lm_head,
                                   compile=compile, serial_small_steps=serial_small_steps, lora=self.lora,
-                                  onednn_layers=onednn_layers)
+                                  onednn_layers=onednn_layers, prepack_layers=prepack_layers)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         if cuda_graphs:
             if num_blocks is None:
@@ -872,6 +877,7 @@ class LLMEngine:
             "consecutive_failed_steps": self._counters["consecutive_failed_steps"],
             "prefix_caching": self.kv.enable_prefix_caching, "compiled": self.runner.compiled is not None,
             "cuda_graphs": self.runner.graphs is not None, "onednn_layers": bool(self.runner.layer_linears),
+            "prepacked_layers": bool(self.runner.layer_packs),
             "serial_step_max_tokens": self.runner.serial_steps.max_tokens if self.runner.serial_steps else 0,
             "state_slots_total": kv["state_slots_total"], "state_slots_used": kv["state_slots_used"],
             "state_slots_free": kv["state_slots_free"], "swap_state_slots_used": kv["swap_state_slots_used"],

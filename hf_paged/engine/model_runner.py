@@ -53,7 +53,7 @@ class ModelRunner:
                  states: StatePool | None = None, swap_states: StatePool | None = None,
                  prepack_lm_head: bool | None = None, compile: bool | None = None,
                  serial_small_steps: bool | None = None, lora: LoRAManager | None = None,
-                 onednn_layers: bool | None = None):
+                 onednn_layers: bool | None = None, prepack_layers: bool | None = None):
         self.model, self.storage, self.swap_storage = model, storage, swap_storage
         self.states, self.swap_states = states, swap_states
         self.per_sequence = states is not None
@@ -72,6 +72,8 @@ class ModelRunner:
         self._prepacked = tuple(p for p in (prepacked_lm_head(model, prepack_lm_head),) if p is not None)
         # and the layers' linears, where oneDNN is much faster than sgemm on this CPU (measured)
         self.layer_linears, self.onednn_layers_note = cpu_linear.layer_linears(model, onednn_layers)
+        # on prepacked copies of their weights where those fit (a second copy: prepack_layers)
+        self.layer_packs, self.layer_packs_note = cpu_linear.layer_packs(self.layer_linears, prepack_layers)
         # small steps on the stepping thread alone (hf_paged.engine.step_threads); None: every step splits
         self.serial_steps = SerialSmallSteps.of(model, serial_small_steps)
         # the CPU reads of float32 steps: "c" (the C reads, hf_paged.kernels.cpu_decode / cpu_prefill,
@@ -175,6 +177,7 @@ class ModelRunner:
               # eager steps only (a compiled body holds the op); before LoRA's forwards, which wrap these
               cpu_linear.onednn_layers(self.layer_linears) if self.layer_linears and not compiled
               else contextlib.nullcontext(),
+              cpu_linear.packed_layers(self.layer_packs) if self.layer_packs else contextlib.nullcontext(),
               self.lora.layers.active(lora_step, traced=compiled) if lora_step else contextlib.nullcontext(),
               step_threads.one_thread() if serial else contextlib.nullcontext()):
             logits = self.model(**forward).logits
