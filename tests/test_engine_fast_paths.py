@@ -449,6 +449,41 @@ def test_a_changed_or_replaced_layer_weight_is_never_run_from_a_stale_copy(model
         engine.close()
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_onednn_products_run_at_bucketed_row_counts(model, monkeypatch, compile):
+    """Every oneDNN product of engine steps (the layers', packed or live, and the LM head's) runs at
+    a row count of ``bucketed_rows`` (oneDNN builds a primitive per row count), the padding is cut
+    off (tokens are stock generate()'s), and the buckets are what they say."""
+    if not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN linear")
+    assert [cpu_linear.bucketed_rows(n) for n in (0, 1, 8, 9, 256, 257, 1024, 1025, 4000)] == [
+        0, 8, 8, 16, 256, 288, 1024, 1088, 4032]
+    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", 0)
+    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_ROWS", 1)  # live weights' decode products too
+    rows_seen, real = [], torch.ops.mkldnn._linear_pointwise
+
+    def counted(x, *args):
+        rows_seen.append(x.shape[0])
+        return real(x, *args)
+
+    for packed in (True, False):
+        engine = LLMEngine(model, block_size=4, onednn_layers=True, prepack_layers=packed, compile=compile)
+        with monkeypatch.context() as patch:  # after compiling: inductor looks the op up itself
+            patch.setattr(torch.ops.mkldnn, "_linear_pointwise", counted)
+            assert _greedy(engine) == _stock_greedy(model)
+        assert rows_seen and all(n % 8 == 0 for n in rows_seen), sorted(set(rows_seen))
+        assert 8 in rows_seen, "no decode-sized product went through oneDNN: the check saw too little"
+        rows_seen.clear()
+        engine.close()
+    unpadded = torch.randn(13, 64)
+    layer = torch.nn.Linear(64, 96)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.ops.mkldnn, "_linear_pointwise", counted)
+        out = cpu_linear.onednn_product(unpadded[None], layer.weight, layer.bias)
+    assert rows_seen == [16] and out.shape == (1, 13, 96)
+    torch.testing.assert_close(out[0], layer(unpadded))
+
+
 def test_layer_packs_follow_the_size_limit_the_option_and_the_environment(model, monkeypatch):
     """``prepack_layers=None`` packs the oneDNN layers' weights up to ``PREPACK_LAYERS_MAX_BYTES``
     (a weight shared by two modules once), unless ``HF_PAGED_PREPACK_LAYERS=0``; True packs whatever
