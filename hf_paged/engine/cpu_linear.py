@@ -210,7 +210,6 @@ def onednn_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return (out[:rows] if padded != rows else out).view(*x.shape[:-1], out.shape[-1])
 
 
-
 @functools.cache
 def onednn_speedup(in_features: int, out_features: int, rows: int = CALIBRATION_ROWS) -> float:
     """sgemm's time over oneDNN's for a float32 ``[rows, in] x [in, out]`` product on this CPU, at
@@ -311,4 +310,3 @@ def _layer_forward(module: torch.nn.Linear, call):
         return call(x, module.weight, module.bias)
 
     return forward
-
