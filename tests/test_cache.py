@@ -276,6 +276,39 @@ def test_pools_follow_the_layer_dtype(llama):
     assert all(p.dtype == torch.float64 and p.shape[1:] == (16, 2, 16) for p in pools.values())
 
 
+@pytest.mark.parametrize("heads_major", [False, True], ids=["block-major", "heads-major"])
+def test_cpu_pools_are_zero_and_cost_pages_only_where_written(heads_major):
+    """A CPU pool reads as zeros, takes writes, grows keeping its blocks, and allocating a 256 MiB
+    pool faults in almost none of its 65,536 pages (negative control: ``torch.zeros`` of that size
+    faults them all in, so the measure sees it)."""
+    resource = pytest.importorskip("resource")
+
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    storage = PagedKVStorage(block_size=16)
+    storage.heads_major = heads_major
+    before = faults()
+    storage.ensure_layer(0, torch.empty(1, 4, 64), num_blocks=16384)  # 16,384 blocks x 16 x 4 x 64 floats = 256 MiB
+    allocated = faults() - before
+    k_pool = storage.key_pools[0]
+    assert k_pool.shape == (16384, 16, 4, 64) and k_pool.nbytes == 256 << 20
+    assert allocated < 1000, f"allocating the pools faulted {allocated} pages in"
+    before = faults()
+    zeros = torch.zeros(16384, 16, 4, 64)
+    assert faults() - before > 30000, "torch.zeros faulted few pages: the check above could not fail"
+    del zeros
+    key, value = torch.randn(3, 4, 64), torch.randn(3, 4, 64)
+    storage.write(0, key, value, torch.tensor([0, 17, 262143]))
+    k_rows, v_rows = storage.slot_rows(0)
+    assert torch.equal(k_rows[[0, 17, 262143]], key) and torch.equal(v_rows[[0, 17, 262143]], value)
+    assert not k_rows[1:17].any() and not v_rows[18:262143].any()
+    storage.grow(16400)
+    k_rows, v_rows = storage.slot_rows(0)
+    assert storage.num_blocks(0) == 16400 and torch.equal(k_rows[[0, 17, 262143]], key)
+    assert not k_rows[262144:].any() and not v_rows[262144:].any()
+
+
 # ---------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("arch", list(UNSUPPORTED))
 def test_inline_attention_models_page_on_the_reference_route_and_the_engine_refuses_them_by_name(arch):
