@@ -401,10 +401,10 @@ def test_layer_products_run_on_packed_copies_in_engine_steps(model, monkeypatch,
     assert _greedy(live) == _stock_greedy(model) and not packed
 
 
-def test_negative_control_a_packed_layer_product_is_not_sgemms_nor_live_onednns(monkeypatch):
+def test_negative_control_a_packed_layer_product_does_not_give_sgemms_bits(monkeypatch):
     """What the test above relies on: inside a step with packs (``packed_layers``), a decode-sized
-    product of a packed weight runs oneDNN on the copy (other bits than sgemm's, which it keeps
-    outside the step), and a product over ``ONEDNN_MIN_ROWS`` rows the same as on the live weight."""
+    product of a packed weight runs oneDNN on the copy (other bits than sgemm's, which the same
+    product keeps outside the step), and a weight without a copy stays on sgemm."""
     if not cpu_linear.available():
         pytest.skip("this torch has no oneDNN linear")
     g = torch.Generator().manual_seed(0)
