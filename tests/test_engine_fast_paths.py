@@ -218,10 +218,9 @@ def test_lm_head_runs_on_its_prepacked_copy_in_engine_steps(model, monkeypatch):
     real_get = cpu_linear.PrepackedWeight.get
     monkeypatch.setattr(cpu_linear.PrepackedWeight, "get", lambda self: packs.append(self.module) or real_get(self))
     engine = LLMEngine(model, block_size=4)
-    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    tokens = _greedy(engine)
     assert packs and all(m is model.get_output_embeddings() for m in packs)
-    assert [o.outputs[0].token_ids for o in outs] == [
-        model.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
+    assert tokens == _stock_greedy(model)
     assert not LLMEngine(model, block_size=4, prepack_lm_head=False).runner._prepacked
 
 
@@ -290,11 +289,10 @@ def test_onednn_layers_run_every_layer_linear_in_engine_steps_only(model, monkey
     assert engine.stats()["onednn_layers"] and engine.stats()["compiled"] is compile
     assert {id(m) for m in engine.runner.layer_linears} == _layer_modules(model)
     seen.clear()  # compiling ran the body once on dummy tokens
-    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    tokens = _greedy(engine)
     assert seen == {id(m.weight) for m in engine.runner.layer_linears}, "a layer's linear stayed on sgemm"
     assert not any("forward" in m.__dict__ for m in model.modules()), "a linear stayed switched after the step"
-    assert [o.outputs[0].token_ids for o in outs] == [
-        stock.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
+    assert tokens == _stock_greedy(stock)
     ids = torch.tensor([PROMPTS[1]])
     kwargs = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
     ours, theirs = model.generate(ids, **kwargs), stock.generate(ids, **kwargs)
