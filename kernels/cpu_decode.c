@@ -19,6 +19,14 @@
 
 #define HEADS (KV_HEADS * GROUP)
 
+#if defined(__x86_64__) || defined(__i386__)
+/* Prefetches a cache line (see prefetch_next_keys) with an instruction of its own: GCC's vectorizer
+ * drops __builtin_prefetch from the loops it vectorizes */
+#define PREFETCH_LINE(p) __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)(p)))
+#else
+#define PREFETCH_LINE(p) __builtin_prefetch((p), 0, 3)
+#endif
+
 #if HEAD_DIM % VW == 0 && BLOCK_SIZE % VW == 0
 /* Head dims and blocks of multiples of VW (16 lanes with AVX-512, else 8; cpu_vec.h): keys VW at a
  * time, all their K/V heads together. Each key's products with a query head are summed across the
@@ -32,18 +40,30 @@
  * (inside its last block) and weigh 0; values past it are never read.
  * On 2 cores, 32 sequences of ~1,050 tokens, blocks of 16 (ms per call, these / the plain loops
  * below; 16 lanes): in cache 0.31 / 0.47, pools in DRAM in table order 0.51 / 0.71, scattered
- * 1.30 / 1.53. */
+ * 1.30 / 1.53 (an earlier VM, before the prefetch below). */
 #define DVW (HEAD_DIM / VW)
-/* Where a sequence's next block does not follow its current one in the pool, the first
- * PREFETCH_LINES cache lines of its K and V are prefetched while the current keys are read: a
- * block of 16 is a 4 KiB page of its own or less, and the hardware prefetcher neither reads a
- * table nor crosses a page, so each jump would otherwise start cold. Half of an offline run's
- * block transitions are jumps (decode blocks are handed out to the sequences in turn). On 2 cores,
- * 64 sequences of 32-768 tokens, blocks of 16, pools in DRAM (ms per call, with / without):
- * table order 0.69 / 0.68, prompts in order with decode blocks interleaved 0.82 / 0.87, random
- * 1.05 / 1.28 (blocks of 32: 0.74 / 0.73, 0.93 / 0.94, 1.06 / 1.20). Prefetching every line of
- * the next block instead, or at every block, was slower in table order (0.84). */
-#define PREFETCH_LINES 16
+/* The keys and values of the next VW keys are prefetched while these are read (through the block
+ * table where they start the next block), so the reads stream from memory at about the speed the
+ * arithmetic takes them: the hardware prefetcher neither reads a block table nor crosses a 4 KiB
+ * page (a block of 16 here is a page of its own), so without this every block started cold,
+ * consecutive in the pool or not. On 2 cores (an AMD EPYC with AVX-512, 2026-12-07), 32 sequences
+ * of 1,100 tokens, 4 layers' pools in DRAM, ms per layer with / without, blocks of 16: in table
+ * order 0.42 / 0.82, prompts in order with their decode blocks interleaved 0.45 / 0.80, random
+ * 0.84 / 0.98; in cache 0.31 / 0.40; blocks of 32: 0.43 / 0.76, 0.44 / 0.81, 0.91 / 0.95.
+ * Prefetching further ahead (2 or 3 steps, or a whole block at a block's start) gained less. (An
+ * earlier VM had measured whole-block prefetches slower; on this one they are the largest gain.) */
+static inline void prefetch_next_keys(const float *k_pool, const float *v_pool, const int32_t *table, int key0,
+                                      int len, int h0, int h1) {
+    int next = key0 + VW; /* VW divides BLOCK_SIZE: the next VW keys lie in one block */
+    if (next >= len) return;
+    int64_t at = (int64_t)table[next / BLOCK_SIZE] * (BLOCK_SIZE * KV_HEADS * HEAD_DIM)
+                 + (next % BLOCK_SIZE) * KV_HEADS * HEAD_DIM + h0 * HEAD_DIM;
+    for (int u = 0; u < VW; u++)
+        for (int f = 0; f < (h1 - h0) * HEAD_DIM; f += 16) { /* a cache line: 16 floats */
+            PREFETCH_LINE(k_pool + at + u * KV_HEADS * HEAD_DIM + f);
+            PREFETCH_LINE(v_pool + at + u * KV_HEADS * HEAD_DIM + f);
+        }
+}
 
 /* lane u of the result = the sum of p[u]'s lanes: each level adds the two halves of every partial
  * sum, packing two keys' halves into one vector, until one lane per key is left */
@@ -110,14 +130,7 @@ static void attend(const float *restrict q, const float *restrict k_pool, const 
         int64_t at = (int64_t)table[key0 / BLOCK_SIZE] * (BLOCK_SIZE * KV_HEADS * HEAD_DIM)
                      + (key0 % BLOCK_SIZE) * KV_HEADS * HEAD_DIM;
         const float *kb = k_pool + at, *vb = v_pool + at;
-        int next = key0 + VW; /* see PREFETCH_LINES */
-        if (next < len && next % BLOCK_SIZE == 0 && table[next / BLOCK_SIZE] != table[key0 / BLOCK_SIZE] + 1) {
-            int64_t nat = (int64_t)table[next / BLOCK_SIZE] * (BLOCK_SIZE * KV_HEADS * HEAD_DIM);
-            for (int line = 0; line < PREFETCH_LINES; line++) {
-                __builtin_prefetch(k_pool + nat + 16 * line, 0, 3); /* a line: 16 floats */
-                __builtin_prefetch(v_pool + nat + 16 * line, 0, 3);
-            }
-        }
+        prefetch_next_keys(k_pool, v_pool, table, key0, len, h0, h1);
         f32v t = lane + (float)key0;
         i32v live = (t >= (float)first) & (t < (float)len); /* keys outside the view: never weighed */
         for (int h = hl; h < hh; h++) {
@@ -182,6 +195,14 @@ static void attend(const float *restrict q, const float *restrict k_pool, const 
         int t1 = len - b * BLOCK_SIZE < BLOCK_SIZE ? len - b * BLOCK_SIZE : BLOCK_SIZE;
         const float *kb = k_pool + block * (BLOCK_SIZE * KV_HEADS * HEAD_DIM);
         const float *vb = v_pool + block * (BLOCK_SIZE * KV_HEADS * HEAD_DIM);
+        if ((b + 1) * BLOCK_SIZE < len) { /* the next block's rows of these heads (see prefetch_next_keys) */
+            int64_t next = (int64_t)table[b + 1] * (BLOCK_SIZE * KV_HEADS * HEAD_DIM) + h0 * HEAD_DIM;
+            for (int t = 0; t < BLOCK_SIZE; t++)
+                for (int f = 0; f < (h1 - h0) * HEAD_DIM; f += 16) {
+                    PREFETCH_LINE(k_pool + next + t * KV_HEADS * HEAD_DIM + f);
+                    PREFETCH_LINE(v_pool + next + t * KV_HEADS * HEAD_DIM + f);
+                }
+        }
         for (int kvh = h0; kvh < h1; kvh++) {
             float (*qh)[HEAD_DIM] = qs + kvh * GROUP;
             float (*ah)[HEAD_DIM] = acc + kvh * GROUP;
