@@ -10,8 +10,11 @@ next to the layer, and a tensor-parallel rank stores only the heads it holds.
 
 from __future__ import annotations
 
+import copy
 import math
 import mmap
+import os
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -19,15 +22,53 @@ import torch
 from hf_paged import kernels
 
 
-def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+RESERVE_BYTES = 1 << 36  # the most address space a growable CPU pool reserves to grow in place (64 GiB)
+# Python < 3.13 does not name it (0x4000 is Linux's value; elsewhere address space is not committed anyway)
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+
+
+def zero_pages(shape: tuple[int, ...], dtype: torch.dtype, reserve_rows: int = 0) -> torch.Tensor:
     """A zeroed CPU tensor on fresh anonymous memory (``mmap``): the kernel maps its pages to zeros
     and faults each in at its first write, so a pool costs time and resident memory for the blocks
     written, not for its size (``torch.zeros`` writes every page: a 2 GiB pool took 0.7 s of the
-    first step, and all of it stayed resident). The tensor holds the mapping; it goes with the tensor."""
+    first step, and all of it stayed resident). The tensor holds the mapping; it goes with the tensor.
+
+    With ``reserve_rows`` above ``shape[0]``, the mapping has room for that many rows: address
+    space only (``MAP_NORESERVE``: nothing is committed until written), into which
+    :func:`grown_in_place` extends the tensor without copying it. Where the system refuses the
+    reservation (strict overcommit, an address-space limit), the mapping is the size asked."""
     count = math.prod(shape)
     if count == 0:
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype=dtype, count=count).view(shape)
+    room = count // shape[0] * reserve_rows if reserve_rows > shape[0] else count
+    memory = None
+    if room > count and hasattr(mmap, "MAP_ANONYMOUS"):  # POSIX
+        try:
+            memory = mmap.mmap(-1, room * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        except (OSError, OverflowError, ValueError):
+            memory = None
+    if memory is None:
+        room = count
+        memory = mmap.mmap(-1, count * dtype.itemsize)
+    return torch.frombuffer(memory, dtype=dtype, count=room)[:count].view(shape)
+
+
+def grown_in_place(pool: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """``pool`` (contiguous, rows along dim 0) extended to ``rows`` rows over the same memory, where
+    its storage has that room (a :func:`zero_pages` reservation: the rows past the old ones were
+    never written, so they read as zeros); None where it has not."""
+    row_bytes = math.prod(pool.shape[1:]) * pool.element_size()
+    if not pool.is_contiguous() or pool.storage_offset() or rows * row_bytes > pool.untyped_storage().nbytes():
+        return None
+    return pool.as_strided((rows, *pool.shape[1:]), pool.stride())
+
+
+def _memory_bytes() -> int:
+    """The machine's physical memory (a pool never needs more)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return RESERVE_BYTES
 
 
 class PagedKVStorage:
@@ -43,6 +84,21 @@ class PagedKVStorage:
         self.key_pools: dict[int, torch.Tensor] = {}
         self.value_pools: dict[int, torch.Tensor] = {}
         self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> pools viewed as slot rows
+
+    def __deepcopy__(self, memo: dict) -> PagedKVStorage:
+        """A copy with pools of its own holding these pools' blocks (tensors' own deep copy would
+        copy every byte a pool reserved to grow into: :func:`zero_pages`)."""
+        clone = copy.copy(self)
+        memo[id(self)] = clone
+        clone._rows = {}
+        clone.key_pools, clone.value_pools = {}, {}
+        for pools, copies in ((self.key_pools, clone.key_pools), (self.value_pools, clone.value_pools)):
+            for layer_idx, pool in pools.items():
+                room = pool.untyped_storage().nbytes() // pool[:1].nbytes if pool.shape[0] and pool.is_contiguous() else 0
+                reserved = pool.device.type == "cpu" and room > pool.shape[0]
+                copies[layer_idx] = (zero_pages(tuple(pool.shape), pool.dtype, room).copy_(pool) if reserved
+                                     else copy.deepcopy(pool, memo))
+        return clone
 
     # ------------------------------------------------------------------ facts
     @property
@@ -93,12 +149,16 @@ class PagedKVStorage:
         is ``[heads, slots, head_dim]`` (same shape, other strides): one sequence's consecutive slots
         then read as ``DynamicCache``'s layout, each head's keys contiguous, which CPU attention
         reads faster; gathering many sequences is faster from the block layout, so generate()
-        chooses this for single-row caches only. Unpinned CPU pools are :func:`zero_pages`."""
+        chooses this for single-row caches only. Unpinned CPU pools are :func:`zero_pages`, those
+        in the block layout with room to grow in place (up to ``RESERVE_BYTES`` or the machine's
+        memory, whichever is less): growing a pool then copies nothing, nor holds old and new at once."""
         pin = self.pin_memory and device.type == "cpu" and torch.cuda.is_available()
         shape = (heads, num_blocks, self.block_size, head_dim) if self.heads_major else (
             num_blocks, self.block_size, heads, head_dim)
         if device.type == "cpu" and not pin:
-            memory = zero_pages(shape, dtype)
+            block_bytes = self.block_size * heads * head_dim * dtype.itemsize
+            reserve = 0 if self.heads_major else min(RESERVE_BYTES, _memory_bytes()) // block_bytes
+            memory = zero_pages(shape, dtype, reserve)
         else:
             memory = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
         return memory.permute(1, 2, 0, 3) if self.heads_major else memory
@@ -107,8 +167,10 @@ class PagedKVStorage:
         self._rows.pop(layer_idx, None)
         for pools in (self.key_pools, self.value_pools):
             old = pools[layer_idx]
-            new = self.new_pool(num_blocks, old.shape[2], old.shape[3], old.dtype, old.device)
-            new[: old.shape[0]].copy_(old)
+            new = grown_in_place(old, num_blocks) if old.device.type == "cpu" else None
+            if new is None:
+                new = self.new_pool(num_blocks, old.shape[2], old.shape[3], old.dtype, old.device)
+                new[: old.shape[0]].copy_(old)
             pools[layer_idx] = new
 
     def grow(self, num_blocks: int, layers: Iterable[int] | None = None) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import gc
+import mmap
+import os
 import weakref
 
 import pytest
@@ -13,6 +16,7 @@ from transformers import DynamicCache
 import hf_paged
 from hf_paged import NoFreeBlocksError, PagedKVCache
 from hf_paged.model_info import cache_kwarg
+from hf_paged import storage as storage_module
 from hf_paged.storage import PagedKVStorage, zero_pages
 from tests.helpers.tiny_models import UNSUPPORTED, build, left_padded
 
@@ -276,21 +280,20 @@ def test_pools_follow_the_layer_dtype(llama):
     assert all(p.dtype == torch.float64 and p.shape[1:] == (16, 2, 16) for p in pools.values())
 
 
+def resident_mib() -> float:
+    """This process's resident memory (skips the test where /proc/self/statm cannot tell)."""
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("no /proc/self/statm to read resident memory from")
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 @pytest.mark.parametrize("heads_major", [False, True], ids=["block-major", "heads-major"])
 def test_cpu_pools_are_zero_and_cost_memory_only_where_written(heads_major):
     """A CPU pool reads as zeros, takes writes, grows keeping its blocks, and allocating a 256 MiB
     pool makes almost none of it resident (negative control: writing a fresh pool of that size
     makes it all resident, so the measure sees it; ``torch.zeros`` is no control: in a process
     whose allocator kept freed memory it may take pages already resident)."""
-    import os
-
-    if not os.path.exists("/proc/self/statm"):
-        pytest.skip("no /proc/self/statm to read resident memory from")
-
-    def resident_mib() -> float:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
     storage = PagedKVStorage(block_size=16)
     storage.heads_major = heads_major
     before = resident_mib()
@@ -313,6 +316,61 @@ def test_cpu_pools_are_zero_and_cost_memory_only_where_written(heads_major):
     assert storage.num_blocks(0) == 16400 and torch.equal(k_rows[[0, 17, 262143]], key)
     assert not k_rows[262144:].any() and not v_rows[262144:].any()
 
+
+
+@pytest.mark.parametrize("reserve", [True, False], ids=["reserved", "negative-control-no-room"])
+def test_a_growing_cpu_pool_grows_in_place_copying_nothing(reserve, monkeypatch):
+    """A CPU pool reserves address space to grow into: growing it keeps its memory (the same data
+    pointer, nothing more made resident though 64 MiB of it were written), its blocks, and zeros
+    past them; a deep copy of the storage has pools of its own, copies of the pools, not of the room
+    they reserved, with room of their own. Negative control: no room (``RESERVE_BYTES`` 0): the
+    pool grows by copying, which these checks see (a new pointer, the written blocks resident
+    twice), keeping its blocks."""
+    if not reserve:
+        monkeypatch.setattr(storage_module, "RESERVE_BYTES", 0)
+    storage = PagedKVStorage(block_size=16)
+    storage.ensure_layer(0, torch.empty(1, 4, 64), num_blocks=8192)  # 8,192 blocks x 16 x 4 x 64 floats = 128 MiB
+    written = torch.arange(4096 * 16)  # the first 64 MiB of each pool
+    storage.write(0, torch.ones(len(written), 4, 64), torch.full((len(written), 4, 64), 2.0), written)
+    pointers, before = [storage.key_pools[0].data_ptr(), storage.value_pools[0].data_ptr()], resident_mib()
+    storage.grow(16384)
+    grown = resident_mib() - before
+    k_pool, v_pool = storage.key_pools[0], storage.value_pools[0]
+    assert k_pool.shape == v_pool.shape == (16384, 16, 4, 64)
+    assert bool((k_pool[:4096] == 1).all()) and bool((v_pool[:4096] == 2).all())
+    assert not k_pool[4096:].any() and not v_pool[4096:].any()
+    if reserve:
+        assert [k_pool.data_ptr(), v_pool.data_ptr()] == pointers and grown < 16, f"growing made {grown:.0f} MiB resident"
+    else:
+        assert k_pool.data_ptr() not in pointers and grown > 100, f"a copying growth made only {grown:.0f} MiB resident"
+    before = resident_mib()
+    clone = copy.deepcopy(storage)  # copies the pools (2 x 256 MiB), not the room they reserved (GiBs each)
+    assert resident_mib() - before < 640 and clone.key_pools[0].data_ptr() != k_pool.data_ptr()
+    assert torch.equal(clone.value_pools[0], v_pool)
+    clone_pointer = clone.key_pools[0].data_ptr()
+    clone.grow(20000)
+    assert clone.num_blocks(0) == 20000 and storage.num_blocks(0) == 16384
+    assert (clone.key_pools[0].data_ptr() == clone_pointer) == reserve
+
+
+def test_a_pool_the_system_refuses_room_to_is_sized_exactly_and_grows_by_copying(monkeypatch):
+    """Where ``mmap`` refuses the reservation (strict overcommit, an address-space limit), a pool
+    is the size asked and grows by copying, keeping its blocks."""
+    real = mmap.mmap
+
+    def refusing(fileno, length, *args, **kwargs):
+        if "flags" in kwargs:
+            raise OSError(12, "Cannot allocate memory")
+        return real(fileno, length, *args, **kwargs)
+
+    monkeypatch.setattr(mmap, "mmap", refusing)
+    storage = PagedKVStorage(block_size=4)
+    storage.ensure_layer(0, torch.empty(1, 2, 8), num_blocks=4)
+    k_pool = storage.key_pools[0]
+    assert k_pool.untyped_storage().nbytes() == k_pool.nbytes
+    storage.write(0, torch.ones(1, 2, 8), torch.ones(1, 2, 8), torch.tensor([15]))
+    storage.grow(8)
+    assert storage.key_pools[0].data_ptr() != k_pool.data_ptr() and storage.slot_rows(0)[0][15].sum() == 16
 
 # ---------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("arch", list(UNSUPPORTED))
