@@ -143,6 +143,32 @@ def test_nothing_compiles_after_the_engine_is_built():
     assert len(tokens) == len(PROMPTS) + 1
 
 
+def test_prompt_sized_steps_split_the_compiled_loops_over_the_threads(monkeypatch):
+    """Inductor decides which CPU loops run in parallel from the sizes of the example it compiles
+    on, and keeps that for every step the graph serves: the many-token graph, warmed up on
+    ``WARM_UP_TOKENS`` tokens, splits every loop (norms, rotary, activations) over the threads, from
+    a fresh compile or inductor's on-disk cache alike. (Warmed up on 2 tokens, none: checked.)"""
+    from torch._inductor.codecache import PyCodeCache
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: inductor splits no loop")
+    loaded, load = [], PyCodeCache.load_by_key_path
+
+    def recording(cls, *args, **kwargs):
+        module = load(*args, **kwargs)
+        loaded.append(module)
+        return module
+
+    monkeypatch.setattr(PyCodeCache, "load_by_key_path", classmethod(recording))
+    LLMEngine(build("llama"), compile=True)
+    sources = [open(module.__file__).read() for module in loaded if getattr(module, "__file__", None)]
+    many = [src for src in sources if "packed_step_attention" in src and "ks0" in src]  # a dynamic token count
+    assert many, "no compiled graph of the engine's many-token steps was loaded"
+    for src in many:
+        loops, split = src.count("async_compile.cpp_pybinding"), src.count("#pragma omp parallel")
+        assert loops and split == loops, f"{split} of the graph's {loops} loop kernels run in parallel"
+
+
 def test_the_model_is_stock_between_compiled_steps():
     model = build("llama")
     reference = copy.deepcopy(model)

@@ -45,6 +45,16 @@ from hf_paged.engine.tensor_parallel import tp_size_of
 from hf_paged.kinds import ChunkedLocalAttentionSpec, FullAttentionSpec, KVSpec, SlidingWindowSpec
 
 COMPILE_ENV = "HF_PAGED_COMPILE"  # "0": engines built with compile=None stay eager
+# The multi-token graph is compiled on a step of this many tokens. Inductor decides which of its CPU
+# loops run in parallel from the example's sizes (a loop of too few elements per thread stays on one
+# thread) and keeps that for every size the graph then serves: compiled on 2 tokens, every pointwise
+# loop of every prompt-sized step ran on one core (the issue-22 model prefilling 32 prompts of 1,000
+# tokens on 2 cores: those loops 123 ms against 78 split, the prefill 3-7% slower). Inductor's
+# on-disk cache does not tell examples apart, so these graphs are cached under a tag of their own
+# (an entry compiled on 2 tokens by an older version would otherwise be reused: checked).
+WARM_UP_TOKENS = 256
+WARM_UP_CACHE_TAG = f"hf_paged-warm-up-{WARM_UP_TOKENS}"
+
 _COMPILED_KINDS = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
 _thread = threading.local()
 
@@ -206,19 +216,20 @@ class CompiledBody:
     def warm_up(self, device: torch.device, also_one_thread: bool = False,
                 around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> str | None:
         """Compile both graphs (two tokens or more, one token) by running the whole model on dummy
-        tokens, as a step calls it, and (``also_one_thread``) both again for steps run on one thread
-        (:mod:`hf_paged.engine.step_threads`: Dynamo's global-state guard records the thread count);
+        tokens (``WARM_UP_TOKENS``, then one), as a step calls it, and (``also_one_thread``) both
+        again for steps run on one thread (:mod:`hf_paged.engine.step_threads`: Dynamo's
+        global-state guard records the thread count);
         returns why that failed (None: compiled). ``around``: what steps of this body run inside
         (LoRA steps: the layers' forwards that call the adapters' op, traced into the graphs)."""
         threads = [contextlib.nullcontext] + ([step_threads.one_thread] if also_one_thread else [])
         try:
             for context in threads:
-                for tokens in (2, 1):
+                for tokens in (WARM_UP_TOKENS, 1):
                     ids = torch.ones(1, tokens, dtype=torch.long, device=device)
+                    positions = torch.zeros(1, tokens, dtype=torch.long, device=device)  # within any model's range
                     with (paged_call(self.model, COMPILED_ATTN_IMPLEMENTATION), self.active(None), context(),
-                          around()):
-                        self.model(input_ids=ids, position_ids=torch.arange(tokens, device=device)[None],
-                                   use_cache=False)
+                          around(), torch.compiler.config.patch(cache_key_tag=WARM_UP_CACHE_TAG)):
+                        self.model(input_ids=ids, position_ids=positions, use_cache=False)
         except Exception as error:  # noqa: BLE001 - any failure to compile leaves the engine eager
             return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
         if self.calls != 2 * len(threads):
