@@ -7,7 +7,8 @@ had an 8-lane build).
 
 First the reads alone at the issue model's layout (2 K/V heads of 4 query heads of 32, blocks of 16,
 2 threads, best of 7 x 10 calls): prefill of 2 prompts of 1,000 tokens, decode of 32 sequences of
-1,100; the torch side is what the engine does without the C reads (SDPA per prompt on its gathered
+1,100 (the C reads also with four layers' pools read in turn, out of the caches, as a decode step
+reads them); the torch side is what the engine does without the C reads (SDPA per prompt on its gathered
 keys, index_select gather + one SDPA for the decode rows). Then issue 22's offline workloads and model
 (``hf_paged.bench.vs_vllm``: 64 ShareGPT-like requests, 32 of ~1,000-token prompts; equal settings,
 2 threads), each variant in a fresh process after the same untimed warm-up, rounds interleaved.
@@ -92,6 +93,14 @@ def time_reads() -> dict:
         torch.nn.functional.scaled_dot_product_attention(dq.view(32, kv_heads, group, head_dim), keys, values,
                                                          scale=scale)
 
+    # the decode read with the pools in DRAM: four layers' pools in turn (72 MiB, more than the caches
+    # hold), blocks in table order, as a decode step reads them
+    layers = [pools([1100] * 32)[:2] for _ in range(4)]
+
+    def c_decode_in_dram():
+        for lk, lv in layers:
+            cpu_decode.paged_decode_cpu(dq, lk, lv, dtables, dlens, scale)
+
     out = {"torch reads": {"prefill_ms": best_ms(sdpa_prefill), "decode_ms": best_ms(gather_decode)}}
     for name, (march, _) in VARIANTS.items():
         if name == "torch reads":
@@ -101,6 +110,7 @@ def time_reads() -> dict:
             os.environ[cpu_build.MARCH_VARIABLE] = march
         out[name] = {"prefill_ms": best_ms(lambda: cpu_prefill.paged_prefill_cpu(q, k, v, tables, cu, lens, scale)),
                      "decode_ms": best_ms(lambda: cpu_decode.paged_decode_cpu(dq, dk, dv, dtables, dlens, scale)),
+                     "decode_in_dram_ms_per_layer": round(best_ms(c_decode_in_dram) / len(layers), 3),
                      "vector_lanes": cpu_build.library((kv_heads, group, head_dim, block_size)).vector_lanes()}
     os.environ.pop(cpu_build.MARCH_VARIABLE, None)
     return out

@@ -94,7 +94,8 @@ class PagedKVStorage:
         clone.key_pools, clone.value_pools = {}, {}
         for pools, copies in ((self.key_pools, clone.key_pools), (self.value_pools, clone.value_pools)):
             for layer_idx, pool in pools.items():
-                room = pool.untyped_storage().nbytes() // pool[:1].nbytes if pool.shape[0] and pool.is_contiguous() else 0
+                contiguous = pool.shape[0] and pool.is_contiguous()
+                room = pool.untyped_storage().nbytes() // pool[:1].nbytes if contiguous else 0
                 reserved = pool.device.type == "cpu" and room > pool.shape[0]
                 copies[layer_idx] = (zero_pages(tuple(pool.shape), pool.dtype, room).copy_(pool) if reserved
                                      else copy.deepcopy(pool, memo))
