@@ -51,7 +51,8 @@
  * order 0.42 / 0.82, prompts in order with their decode blocks interleaved 0.45 / 0.80, random
  * 0.84 / 0.98; in cache 0.31 / 0.40; blocks of 32: 0.43 / 0.76, 0.44 / 0.81, 0.91 / 0.95.
  * Prefetching further ahead (2 or 3 steps, or a whole block at a block's start) gained less. (An
- * earlier VM had measured whole-block prefetches slower; on this one they are the largest gain.) */
+ * earlier session measured whole-block prefetches slower, on another VM, written with
+ * __builtin_prefetch in a loop: possibly dropped by the vectorizer, see PREFETCH_LINE.) */
 static inline void prefetch_next_keys(const float *k_pool, const float *v_pool, const int32_t *table, int key0,
                                       int len, int h0, int h1) {
     int next = key0 + VW; /* VW divides BLOCK_SIZE: the next VW keys lie in one block */
