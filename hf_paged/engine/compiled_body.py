@@ -43,6 +43,7 @@ from hf_paged.channel import PackedStep
 from hf_paged.engine import step_threads
 from hf_paged.engine.tensor_parallel import tp_size_of
 from hf_paged.kinds import ChunkedLocalAttentionSpec, FullAttentionSpec, KVSpec, SlidingWindowSpec
+from hf_paged.model_info import max_positions
 
 COMPILE_ENV = "HF_PAGED_COMPILE"  # "0": engines built with compile=None stay eager
 # The multi-token graph is compiled on a step of this many tokens. Inductor decides which of its CPU
@@ -224,7 +225,8 @@ class CompiledBody:
         threads = [contextlib.nullcontext] + ([step_threads.one_thread] if also_one_thread else [])
         try:
             for context in threads:
-                for tokens in (WARM_UP_TOKENS, 1):
+                # a model whose positions end sooner warms up on fewer (inductor then splits less)
+                for tokens in (max(2, min(WARM_UP_TOKENS, max_positions(self.model.config) or WARM_UP_TOKENS)), 1):
                     ids = torch.ones(1, tokens, dtype=torch.long, device=device)
                     positions = torch.zeros(1, tokens, dtype=torch.long, device=device)  # within any model's range
                     with (paged_call(self.model, COMPILED_ATTN_IMPLEMENTATION), self.active(None), context(),
