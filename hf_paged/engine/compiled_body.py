@@ -228,7 +228,7 @@ class CompiledBody:
                 # a model whose positions end sooner warms up on fewer (inductor then splits less)
                 for tokens in (max(2, min(WARM_UP_TOKENS, max_positions(self.model.config) or WARM_UP_TOKENS)), 1):
                     ids = torch.ones(1, tokens, dtype=torch.long, device=device)
-                    positions = torch.zeros(1, tokens, dtype=torch.long, device=device)  # within any model's range
+                    positions = torch.arange(tokens, device=device)[None]
                     with (paged_call(self.model, COMPILED_ATTN_IMPLEMENTATION), self.active(None), context(),
                           around(), torch.compiler.config.patch(cache_key_tag=WARM_UP_CACHE_TAG)):
                         self.model(input_ids=ids, position_ids=positions, use_cache=False)
