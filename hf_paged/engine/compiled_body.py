@@ -122,12 +122,14 @@ def _run_body(body: torch.nn.Module, input_ids: torch.Tensor | None, inputs_embe
 
 
 _BODY_INPUTS = ("input_ids", "inputs_embeds", "position_ids")
-_AMBIENT_GUARDS = ("GLOBAL_STATE", "DEFAULT_DEVICE", "TORCH_FUNCTION_MODE_STACK")
+_AMBIENT_GUARDS = ("GLOBAL_STATE", "DEFAULT_DEVICE", "TORCH_FUNCTION_MODE_STACK", "SHAPE_ENV")
 
 
 def _engine_guards(entries: list) -> list[bool]:
     """Which of Dynamo's guards a compiled body keeps (``guard_filter_fn``): those on the step's
-    inputs (which of the two graphs serves a call), on tensors that are not parameters (buffers
+    inputs and the shape guards on their sizes (which of the two graphs serves a call: without
+    the shape guards one-token steps ran the many-token graph, traced for two tokens or more, and
+    gemma4's, which checks that at run time, failed), on tensors that are not parameters (buffers
     such as rotary frequencies), and on the global state (grad mode, threads, device). Dynamo
     would otherwise re-check about 1,500 facts about the model's modules, parameters and the
     libraries' globals before every step (0.25-0.4 ms, 2% of a decode step of the issue-22 model):
