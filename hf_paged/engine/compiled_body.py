@@ -122,7 +122,7 @@ def _run_body(body: torch.nn.Module, input_ids: torch.Tensor | None, inputs_embe
 
 
 _BODY_INPUTS = ("input_ids", "inputs_embeds", "position_ids")
-_AMBIENT_GUARDS = ("GLOBAL_STATE", "DEFAULT_DEVICE", "TORCH_FUNCTION_MODE_STACK", "SHAPE_ENV")
+_KEPT_GUARD_TYPES = ("GLOBAL_STATE", "DEFAULT_DEVICE", "TORCH_FUNCTION_MODE_STACK", "SHAPE_ENV")  # see _engine_guards
 
 
 def _engine_guards(entries: list) -> list[bool]:
@@ -138,7 +138,7 @@ def _engine_guards(entries: list) -> list[bool]:
     of the same shape and dtype are used; a module swapped or reconfigured after the engine is
     built is not seen (or fails the step, when its parameters moved: an adapter wrapping a linear);
     build the engine again, or with ``compile=False``."""
-    return [entry.name in _BODY_INPUTS or entry.guard_type in _AMBIENT_GUARDS
+    return [entry.name in _BODY_INPUTS or entry.guard_type in _KEPT_GUARD_TYPES
             or (entry.guard_type == "TENSOR_MATCH" and not isinstance(entry.value, torch.nn.Parameter))
             for entry in entries]
 
