@@ -64,11 +64,19 @@ def grown_in_place(pool: torch.Tensor, rows: int) -> torch.Tensor | None:
 
 
 def _memory_bytes() -> int:
-    """The machine's physical memory (a pool never needs more)."""
+    """The machine's physical memory (a pool never needs more), or a sixteenth of the process's
+    address-space limit where one is set (``ulimit -v``: reservations leave room for the rest)."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return RESERVE_BYTES
+        memory = RESERVE_BYTES
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (ImportError, OSError, ValueError, AttributeError):  # no resource module (Windows)
+        return memory
+    return memory if limit == resource.RLIM_INFINITY else min(memory, limit // 16)
 
 
 class PagedKVStorage:
