@@ -159,8 +159,9 @@ class PagedKVStorage:
         then read as ``DynamicCache``'s layout, each head's keys contiguous, which CPU attention
         reads faster; gathering many sequences is faster from the block layout, so generate()
         chooses this for single-row caches only. Unpinned CPU pools are :func:`zero_pages`, those
-        in the block layout with room to grow in place (up to ``RESERVE_BYTES`` or the machine's
-        memory, whichever is less): growing a pool then copies nothing, nor holds old and new at once."""
+        in the block layout with room to grow in place (up to ``RESERVE_BYTES``, the machine's
+        memory or 1/16 of an address-space limit, whichever is least): growing a pool then copies
+        nothing, nor holds old and new at once."""
         pin = self.pin_memory and device.type == "cpu" and torch.cuda.is_available()
         shape = (heads, num_blocks, self.block_size, head_dim) if self.heads_major else (
             num_blocks, self.block_size, heads, head_dim)
