@@ -53,21 +53,29 @@ def zero_pages(shape: tuple[int, ...], dtype: torch.dtype, reserve_rows: int = 0
     return torch.frombuffer(memory, dtype=dtype, count=room)[:count].view(shape)
 
 
+def room_rows(pool: torch.Tensor) -> int:
+    """The rows ``pool`` (contiguous, rows along dim 0) can take over its own memory: more than it
+    has where it lies on a :func:`zero_pages` reservation, 0 where it is not laid out to grow."""
+    if not pool.shape[0] or not pool.is_contiguous() or pool.storage_offset():
+        return 0
+    return pool.untyped_storage().nbytes() // pool[:1].nbytes
+
+
 def grown_in_place(pool: torch.Tensor, rows: int) -> torch.Tensor | None:
-    """``pool`` (contiguous, rows along dim 0) extended to ``rows`` rows over the same memory, where
-    its storage has that room (a :func:`zero_pages` reservation: the rows past the old ones were
-    never written, so they read as zeros); None where it has not."""
-    row_bytes = math.prod(pool.shape[1:]) * pool.element_size()
-    if not pool.is_contiguous() or pool.storage_offset() or rows * row_bytes > pool.untyped_storage().nbytes():
+    """``pool`` extended to ``rows`` rows over the same memory, where it has that room
+    (:func:`room_rows`; the rows past the old ones were never written, so they read as zeros);
+    None where it has not."""
+    if rows > room_rows(pool):
         return None
     return pool.as_strided((rows, *pool.shape[1:]), pool.stride())
 
 
-def _memory_bytes() -> int:
-    """The machine's physical memory (a pool never needs more), or a sixteenth of the process's
-    address-space limit where one is set (``ulimit -v``: reservations leave room for the rest)."""
+def _reserve_bytes() -> int:
+    """The address space a growable pool reserves: ``RESERVE_BYTES``, the machine's physical memory
+    (a pool never needs more) or a sixteenth of the process's address-space limit where one is set
+    (``ulimit -v``: reservations leave room for the rest), whichever is least."""
     try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory = min(RESERVE_BYTES, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         memory = RESERVE_BYTES
     try:
@@ -102,11 +110,9 @@ class PagedKVStorage:
         clone.key_pools, clone.value_pools = {}, {}
         for pools, copies in ((self.key_pools, clone.key_pools), (self.value_pools, clone.value_pools)):
             for layer_idx, pool in pools.items():
-                contiguous = pool.shape[0] and pool.is_contiguous()
-                room = pool.untyped_storage().nbytes() // pool[:1].nbytes if contiguous else 0
-                reserved = pool.device.type == "cpu" and room > pool.shape[0]
-                copies[layer_idx] = (zero_pages(tuple(pool.shape), pool.dtype, room).copy_(pool) if reserved
-                                     else copy.deepcopy(pool, memo))
+                room = room_rows(pool)
+                copies[layer_idx] = (zero_pages(tuple(pool.shape), pool.dtype, room).copy_(pool)
+                                     if room > pool.shape[0] else copy.deepcopy(pool, memo))
         return clone
 
     # ------------------------------------------------------------------ facts
@@ -167,7 +173,7 @@ class PagedKVStorage:
             num_blocks, self.block_size, heads, head_dim)
         if device.type == "cpu" and not pin:
             block_bytes = self.block_size * heads * head_dim * dtype.itemsize
-            reserve = 0 if self.heads_major else min(RESERVE_BYTES, _memory_bytes()) // block_bytes
+            reserve = 0 if self.heads_major else _reserve_bytes() // block_bytes
             memory = zero_pages(shape, dtype, reserve)
         else:
             memory = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
@@ -177,7 +183,7 @@ class PagedKVStorage:
         self._rows.pop(layer_idx, None)
         for pools in (self.key_pools, self.value_pools):
             old = pools[layer_idx]
-            new = grown_in_place(old, num_blocks) if old.device.type == "cpu" else None
+            new = grown_in_place(old, num_blocks)  # None unless it lies on a reservation (CPU)
             if new is None:
                 new = self.new_pool(num_blocks, old.shape[2], old.shape[3], old.dtype, old.device)
                 new[: old.shape[0]].copy_(old)

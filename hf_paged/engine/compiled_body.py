@@ -225,10 +225,11 @@ class CompiledBody:
         returns why that failed (None: compiled). ``around``: what steps of this body run inside
         (LoRA steps: the layers' forwards that call the adapters' op, traced into the graphs)."""
         threads = [contextlib.nullcontext] + ([step_threads.one_thread] if also_one_thread else [])
+        # a model whose positions end sooner warms up on fewer (inductor then splits less)
+        many = max(2, min(WARM_UP_TOKENS, max_positions(self.model.config) or WARM_UP_TOKENS))
         try:
             for context in threads:
-                # a model whose positions end sooner warms up on fewer (inductor then splits less)
-                for tokens in (max(2, min(WARM_UP_TOKENS, max_positions(self.model.config) or WARM_UP_TOKENS)), 1):
+                for tokens in (many, 1):
                     ids = torch.ones(1, tokens, dtype=torch.long, device=device)
                     positions = torch.arange(tokens, device=device)[None]
                     with (paged_call(self.model, COMPILED_ATTN_IMPLEMENTATION), self.active(None), context(),
