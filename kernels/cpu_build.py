@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_prefill.c"))
-HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by both sources: part of the cache key
+GEMV_SOURCES = (Path(__file__).with_name("cpu_gemv.c"),)
+HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by every source: part of the cache key
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")
 MARCH_VARIABLE = "HF_PAGED_CPU_MARCH"
 _libraries: dict[tuple, ctypes.CDLL | None] = {}
@@ -51,8 +52,20 @@ def library(layout: tuple[int, int, int, int]) -> ctypes.CDLL | None:
     """The library for ``(kv_heads, heads_per_kv, head_dim, block_size)`` on the :func:`target`:
     built (or loaded from the disk cache) on the first ask, None when that fails (:func:`failure`
     says why)."""
+    kv_heads, group, head_dim, block_size = layout
+    defines = [f"-DKV_HEADS={kv_heads}", f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}", f"-DBLOCK_SIZE={block_size}"]
+    return _library(("attention", *layout), SOURCES, defines, _bind_reads)
+
+
+def gemv_library() -> ctypes.CDLL | None:
+    """The library of the few-row linear products (``cpu_gemv.c``) on the :func:`target`, as
+    :func:`library` builds the reads'."""
+    return _library(("gemv",), GEMV_SOURCES, [], _bind_gemv)
+
+
+def _library(kind: tuple, sources: tuple[Path, ...], defines: list[str], bind) -> ctypes.CDLL | None:
     global _failure
-    key = (target(), *layout)
+    key = (target(), *kind)
     if key in _libraries:
         return _libraries[key]
     with _lock:
@@ -60,7 +73,7 @@ def library(layout: tuple[int, int, int, int]) -> ctypes.CDLL | None:
             loaded = None
             if _failure is None:
                 try:
-                    loaded = _load(_build(layout, key[0]))
+                    loaded = bind(ctypes.CDLL(str(_build(sources, defines, key[0], kind[0]))))
                 except (OSError, subprocess.SubprocessError, RuntimeError) as error:
                     _failure = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[-1]}"
             _libraries[key] = loaded
@@ -105,8 +118,7 @@ def library_for(read: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return loaded
 
 
-def _load(path: Path) -> ctypes.CDLL:
-    loaded = ctypes.CDLL(str(path))
+def _bind_reads(loaded: ctypes.CDLL) -> ctypes.CDLL:
     decode, prefill = loaded.paged_decode, loaded.paged_prefill
     decode.restype = prefill.restype = ctypes.c_int
     decode.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int]
@@ -116,25 +128,30 @@ def _load(path: Path) -> ctypes.CDLL:
     return loaded
 
 
-def _build(layout: tuple, march: str) -> Path:
-    """The shared library for ``layout`` built for ``-march=march``, compiled unless the cache
-    already has it."""
-    kv_heads, group, head_dim, block_size = layout
-    defines = [f"-DKV_HEADS={kv_heads}", f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}", f"-DBLOCK_SIZE={block_size}"]
+def _bind_gemv(loaded: ctypes.CDLL) -> ctypes.CDLL:
+    loaded.linear_rows.restype = loaded.max_rows.restype = ctypes.c_int
+    loaded.linear_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    loaded.max_rows.argtypes = []
+    return loaded
+
+
+def _build(sources: tuple[Path, ...], defines: list[str], march: str, name: str) -> Path:
+    """The shared library of ``sources`` built with ``defines`` for ``-march=march``, compiled
+    unless the cache already has it."""
     machine = cpu_flags() if march == "native" else march.encode()
-    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES + HEADERS), machine,
+    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in sources + HEADERS), machine,
                                      " ".join(FLAGS + tuple(defines)).encode()]))
-    path = _cache_dir() / f"cpu_attention-{key.hexdigest()[:20]}.so"
+    path = _cache_dir() / f"cpu_{name}-{key.hexdigest()[:20]}.so"
     if path.exists():
         return path
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC)")
     with tempfile.TemporaryDirectory(dir=path.parent) as work:
-        objects = [str(Path(work) / f"{source.stem}.o") for source in SOURCES]
-        for source, obj in zip(SOURCES, objects):
+        objects = [str(Path(work) / f"{source.stem}.o") for source in sources]
+        for source, obj in zip(sources, objects):
             _compile(compiler, march, defines, source, obj)
-        lib = Path(work) / "cpu_attention.so"
+        lib = Path(work) / f"cpu_{name}.so"
         # linked without -ffast-math: gcc would add crtfastmath.o, which turns on flush-to-zero for the process
         linked = subprocess.run([compiler, "-shared", "-fopenmp", *objects, "-o", str(lib), "-lm"],
                                 capture_output=True, text=True, timeout=120)

@@ -19,14 +19,6 @@
 
 #define HEADS (KV_HEADS * GROUP)
 
-#if defined(__x86_64__) || defined(__i386__)
-/* Prefetches a cache line (see prefetch_next_keys) with an instruction of its own: GCC's vectorizer
- * drops __builtin_prefetch from the loops it vectorizes */
-#define PREFETCH_LINE(p) __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)(p)))
-#else
-#define PREFETCH_LINE(p) __builtin_prefetch((p), 0, 3)
-#endif
-
 #if HEAD_DIM % VW == 0 && BLOCK_SIZE % VW == 0
 /* Head dims and blocks of multiples of VW (16 lanes with AVX-512, else 8; cpu_vec.h): keys VW at a
  * time, all their K/V heads together. Each key's products with a query head are summed across the

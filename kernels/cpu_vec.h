@@ -1,5 +1,5 @@
-/* What the C reads (cpu_decode.c, cpu_prefill.c) share: float vectors of VW lanes (GCC/Clang vector
- * extensions), a lane-wise select, and an inline exp2.
+/* What the C kernels (cpu_decode.c, cpu_prefill.c, cpu_gemv.c) share: float vectors of VW lanes (GCC/Clang
+ * vector extensions), a lane-wise select, a prefetch, and an inline exp2.
  *
  * VW follows the registers the compiler targets: 16 lanes (512 bits) with AVX-512, whose 32 vector
  * registers the reads' register blocking is sized for, else 8. Vectors wider than the registers
@@ -30,6 +30,14 @@ typedef float f32v_u __attribute__((vector_size(VW * 4), aligned(4))); /* unalig
 typedef int32_t i32v __attribute__((vector_size(VW * 4)));
 
 #define LOG2E 1.4426950408889634f
+
+#if defined(__x86_64__) || defined(__i386__)
+/* Prefetches a cache line with an instruction of its own: GCC's vectorizer drops __builtin_prefetch
+ * from the loops it vectorizes (0 prefetches in the object, seen with objdump) */
+#define PREFETCH_LINE(p) __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)(p)))
+#else
+#define PREFETCH_LINE(p) __builtin_prefetch((p), 0, 3)
+#endif
 
 /* mask ? a : b, lane by lane (mask lanes are all ones or all zeros, as comparisons give) */
 static inline f32v select_lanes(i32v mask, f32v a, f32v b) {

@@ -378,6 +378,7 @@ def test_layer_products_run_on_packed_copies_in_engine_steps(model, monkeypatch,
     if not cpu_linear.available():
         pytest.skip("this torch has no oneDNN linear")
     monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", 0)  # the tiny model's products go to oneDNN too
+    monkeypatch.setattr(cpu_linear, "LAYER_GEMV_MAX_ROWS", 0)  # decode rows too (not the C few-row products)
     packed, real_get = [], cpu_linear.PrepackedWeight.get
     monkeypatch.setattr(cpu_linear.PrepackedWeight, "get", lambda self: packed.append(self.module) or real_get(self))
     engine = LLMEngine(model, block_size=4, onednn_layers=True, compile=compile, prepack_lm_head=False)
@@ -458,6 +459,8 @@ def test_onednn_products_run_at_bucketed_row_counts(model, monkeypatch, compile)
         0, 8, 8, 16, 256, 288, 1024, 1088, 4032]
     monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", 0)
     monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_ROWS", 1)  # live weights' decode products too
+    monkeypatch.setattr(cpu_linear, "LAYER_GEMV_MAX_ROWS", 0)  # and decode products on oneDNN, not in C
+    monkeypatch.setattr(cpu_linear, "HEAD_GEMV_MAX_ROWS", 0)
     rows_seen, real = [], torch.ops.mkldnn._linear_pointwise
 
     def counted(x, *args):

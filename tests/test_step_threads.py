@@ -12,6 +12,7 @@ import torch
 from hf_paged import LLMEngine, SamplingParams
 from hf_paged.engine import cpu_linear, step_threads
 from hf_paged.engine.step_threads import SERIAL_STEP_MAX_MACS, SerialSmallSteps
+from hf_paged.kernels import cpu_gemv
 from tests.helpers.tiny_models import build
 
 pytestmark = pytest.mark.skipif(not step_threads.available(), reason="this torch's thread counts cannot be set per thread")
@@ -53,7 +54,7 @@ def _engine_run(model, serial: bool | None, max_tokens: int = 8, compile: bool =
                 head_threads: int | None = None):
     """Greedy tokens of PROMPTS and, per forward, (tokens in the step, (OpenMP, MKL) threads inside
     it): seen by the first MLP (eager steps) or by the paged attention the compiled body calls out to.
-    ``heads`` gets the same pair as seen inside the LM head's oneDNN call, per forward."""
+    ``heads`` gets the same pair as seen inside the LM head's oneDNN or C call, per forward."""
     engine = LLMEngine(model, block_size=8, max_num_batched_tokens=64, serial_small_steps=serial, compile=compile)
     engine.graphs_after_build = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     if engine.runner.serial_steps is not None:
@@ -74,19 +75,24 @@ def _engine_run(model, serial: bool | None, max_tokens: int = 8, compile: bool =
     else:
         undo = model.model.layers[0].mlp.register_forward_pre_hook(
             lambda module, args: seen.append((args[0].shape[-2], step_threads.current_threads()))).remove
-    head_op = torch.ops.mkldnn._linear_pointwise
+    head_op, few_rows = torch.ops.mkldnn._linear_pointwise, cpu_gemv.linear_rows
 
     def watched_head(*args):
         if heads is not None:
             heads.append((seen[-1][0], step_threads.current_threads()))
         return head_op(*args)
 
-    torch.ops.mkldnn._linear_pointwise = watched_head
+    def watched_few_rows(x, weight, bias=None):  # the head's products of a few rows run in C
+        if heads is not None and weight is model.lm_head.weight:
+            heads.append((seen[-1][0], step_threads.current_threads()))
+        return few_rows(x, weight, bias)
+
+    torch.ops.mkldnn._linear_pointwise, cpu_gemv.linear_rows = watched_head, watched_few_rows
     try:
         outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0), use_tqdm=False)
     finally:
         undo()
-        torch.ops.mkldnn._linear_pointwise = head_op
+        torch.ops.mkldnn._linear_pointwise, cpu_gemv.linear_rows = head_op, few_rows
     assert engine.kv.num_used_blocks() == 0
     return [o.outputs[0].token_ids for o in outs], seen, engine
 

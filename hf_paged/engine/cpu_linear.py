@@ -49,6 +49,7 @@ import torch
 
 from hf_paged.engine import step_threads
 from hf_paged.engine.tensor_parallel import tp_size_of
+from hf_paged.kernels import cpu_gemv
 
 PREPACK_LM_HEAD_MAX_BYTES = 1 << 30  # the largest LM head weight that gets a prepacked copy by default
 PACK_ROWS_HINT = 256  # the rows oneDNN packs for; any row count runs (48 rows gain as much as 256)
@@ -59,6 +60,8 @@ CALIBRATION_ROWS = 256  # the rows of the product timed by onednn_speedup
 ONEDNN_LAYERS_ENV = "HF_PAGED_ONEDNN_LAYERS"  # "0": engines built with onednn_layers=None keep sgemm
 PREPACK_LAYERS_MAX_BYTES = 1 << 30  # the most bytes of oneDNN layer weights that get packed copies by default
 PREPACK_LAYERS_ENV = "HF_PAGED_PREPACK_LAYERS"  # "0": engines built with prepack_layers=None pack none
+LAYER_GEMV_MAX_ROWS = 8  # layer products of at most this many rows run in C (hf_paged.kernels.cpu_gemv)
+HEAD_GEMV_MAX_ROWS = 4  # and LM head products of at most this many (more: oneDNN's packed kernel is faster)
 
 
 def available() -> bool:
@@ -116,8 +119,9 @@ def _onednn_forward(module: torch.nn.Linear, prepacked: PrepackedWeight | None =
     def forward(x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu":
             return torch.nn.functional.linear(x, module.weight, bias)
+        few = x.numel() <= HEAD_GEMV_MAX_ROWS * x.shape[-1] and cpu_gemv.supports(x, module.weight, bias)
         with step_threads.with_threads(threads) if threads else contextlib.nullcontext():
-            return onednn_product(x, weight, bias)
+            return cpu_gemv.linear_rows(x, module.weight, bias) if few else onednn_product(x, weight, bias)
 
     return forward
 
@@ -175,6 +179,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     (``ONEDNN_MIN_MACS`` multiply-adds; on a live weight, one without a packed copy in the running
     step, also ``ONEDNN_MIN_ROWS`` rows), through sgemm otherwise."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows <= LAYER_GEMV_MAX_ROWS and cpu_gemv.supports(x, weight, bias):
+        return cpu_gemv.linear_rows(x, weight, bias)
     if rows * weight.numel() < ONEDNN_MIN_MACS or x.dtype != torch.float32 or x.device.type != "cpu":
         return torch.nn.functional.linear(x, weight, bias)
     packs = getattr(_step, "packs", None)

@@ -1,0 +1,142 @@
+"""The C products of a few rows (``hf_paged.kernels.cpu_gemv``): against ``F.linear`` at every row
+count it takes (odd sizes, bias or none, both builds), a row's bits independent of the other rows
+and of the threads, its refusals, the engine's few-sequence steps running their layer and LM-head
+products through it with stock generate()'s tokens, and a negative control."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_paged import LLMEngine, SamplingParams
+from hf_paged.engine import cpu_linear
+from hf_paged.kernels import cpu_build, cpu_gemv
+from tests.helpers.tiny_models import build
+
+PROMPTS = [list(range(3, 3 + n)) for n in (21, 5, 13)]
+
+
+@pytest.fixture
+def built(c_target):
+    if not cpu_gemv.ready():
+        pytest.skip(f"no C compiler works here: {cpu_build.failure()}")
+    return c_target
+
+
+@pytest.mark.parametrize("shape", [(688, 256), (37, 101), (5, 16)], ids=["layer", "odd", "tiny"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_matches_the_torch_linear_at_every_row_count(built, shape, with_bias):
+    g = torch.Generator().manual_seed(0)
+    out_features, in_features = shape
+    weight = torch.randn(out_features, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g) if with_bias else None
+    for rows in range(1, cpu_gemv.max_rows() + 1):
+        x = torch.randn(1, rows, in_features, generator=g)
+        ours = cpu_gemv.linear_rows(x, weight, bias)
+        assert ours.shape == (1, rows, out_features)
+        torch.testing.assert_close(ours, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_a_rows_result_depends_on_no_other_row_nor_on_the_threads(built):
+    """What lets a sequence's tokens not depend on which others share its step (up to the row limit)."""
+    g = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(300, 264, generator=g), torch.randn(300, generator=g)
+    x = torch.randn(cpu_gemv.max_rows(), 264, generator=g)
+    together = cpu_gemv.linear_rows(x, weight, bias)
+    for rows in range(1, cpu_gemv.max_rows() + 1):
+        assert torch.equal(cpu_gemv.linear_rows(x[:rows], weight, bias), together[:rows])
+    assert torch.equal(torch.cat([cpu_gemv.linear_rows(row[None], weight, bias) for row in x]), together)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(cpu_gemv.linear_rows(x, weight, bias), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_what_it_does_not_take_is_refused_by_name(built):
+    weight = torch.randn(8, 16)
+    assert cpu_gemv.supports(torch.randn(2, 16), weight, None)
+    refused = {
+        "too many rows": (torch.randn(cpu_gemv.max_rows() + 1, 16), weight, None),
+        "no rows": (torch.randn(0, 16), weight, None),
+        "float64": (torch.randn(2, 16, dtype=torch.float64), weight.double(), None),
+        "a transposed weight": (torch.randn(2, 8), weight.t(), None),
+        "columns that do not fit": (torch.randn(2, 15), weight, None),
+        "a bias of other rows": (torch.randn(2, 16), weight, torch.randn(9)),
+    }
+    for what, (x, w, b) in refused.items():
+        assert not cpu_gemv.supports(x, w, b), what
+        with pytest.raises(ValueError, match="linear_rows: x .* float32 CPU tensors of 1 to"):
+            cpu_gemv.linear_rows(x, w, b)
+
+
+def _stock_greedy(stock, new: int = 10) -> list[list[int]]:
+    return [stock.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False)[0, len(p):].tolist()
+            for p in PROMPTS]
+
+
+def _greedy(engine, new: int = 10) -> list[list[int]]:
+    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=new, temperature=0), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_few_sequence_steps_run_their_products_in_c_with_stock_tokens(built, monkeypatch, compile):
+    """Decode steps of 3 sequences: every layer linear (``onednn_layers=True``) and the LM head
+    (at most ``HEAD_GEMV_MAX_ROWS`` rows) multiply in C, eager or inside the compiled body, and the
+    tokens are stock generate()'s; the model is stock again afterwards."""
+    model = build("llama")
+    stock = copy.deepcopy(model)
+    seen, real = set(), cpu_gemv.linear_rows
+
+    def counted(x, weight, bias=None):
+        seen.add(id(weight))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(cpu_gemv, "linear_rows", counted)
+    engine = LLMEngine(model, block_size=4, onednn_layers=True, compile=compile)
+    assert engine.stats()["compiled"] is compile
+    seen.clear()  # compiling ran the body on dummy tokens
+    assert _greedy(engine) == _stock_greedy(stock)
+    layers = {id(m.weight) for m in engine.runner.layer_linears}
+    assert layers and layers <= seen, "a layer product of a decode step did not run in C"
+    assert id(model.lm_head.weight) in seen, "the LM head of a decode step did not run in C"
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert engine.stats()["blocks_free"] == engine.stats()["blocks_total"]
+
+
+def test_negative_control_a_product_missing_its_last_column_changes_tokens(built, monkeypatch):
+    """What the test above compares can fail: the same steps with the C products dropping their
+    last input column (a tail the kernel skipped) do not give stock tokens."""
+    model = build("llama")
+    stock = _stock_greedy(copy.deepcopy(model))
+    real = cpu_gemv.linear_rows
+
+    def short(x, weight, bias=None):
+        return real(x[..., :-1].contiguous(), weight[:, :-1].contiguous(), bias)
+
+    monkeypatch.setattr(cpu_gemv, "linear_rows", short)
+    engine = LLMEngine(model, block_size=4, onednn_layers=True, compile=False)
+    assert _greedy(engine) != stock
+
+
+def test_larger_steps_keep_onednn_for_the_head(built, monkeypatch):
+    """Past ``HEAD_GEMV_MAX_ROWS`` rows the head runs on oneDNN (the C loop reads the weight once for
+    up to 8 rows but multiplies slower than oneDNN's packed kernel there)."""
+    if not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN linear")
+    head = torch.nn.Linear(64, 300, bias=False)
+    calls = []
+    real = cpu_gemv.linear_rows
+    monkeypatch.setattr(cpu_gemv, "linear_rows", lambda *a: calls.append(a[0].shape) or real(*a))
+    rows = cpu_linear.HEAD_GEMV_MAX_ROWS
+    few, many = torch.randn(1, rows, 64), torch.randn(1, rows + 1, 64)
+    with torch.no_grad(), cpu_linear.onednn_linears((head,)):
+        switched = head(few), head(many)
+    with torch.no_grad():
+        for ours, x in zip(switched, (few, many)):
+            torch.testing.assert_close(ours, head(x), rtol=1e-5, atol=1e-4)
+    assert calls == [few.shape]
