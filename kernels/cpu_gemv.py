@@ -37,31 +37,39 @@ def max_rows() -> int:
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether :func:`linear_rows` takes these tensors: float32 on the CPU, a 2-D contiguous weight
-    (and a 1-D contiguous bias of its rows), ``x``'s last dimension its columns, at most
+    (and a 1-D contiguous bias of its rows), ``x``'s last dimension its columns, 1 to
     :func:`max_rows` rows, and the library built."""
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or weight.dim() != 2:
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         return False
-    if weight.device.type != "cpu" or not weight.is_contiguous() or x.shape[-1] != weight.shape[1]:
+    if x.device.type != "cpu" or weight.device.type != "cpu" or not weight.is_contiguous():
         return False
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != weight.shape[:1]
                              or bias.device.type != "cpu" or not bias.is_contiguous()):
         return False
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return 0 < rows <= max_rows()
+    return 0 < x.numel() <= max_rows() * x.shape[-1]
 
 
-def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` (``x`` ``[..., in]``, ``weight`` ``[out, in]``): ``[..., out]``. A
-    ValueError for tensors :func:`supports` refuses."""
+def try_linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """:func:`linear_rows` where :func:`supports` takes the tensors, else None (one check, for
+    callers that fall back to another product)."""
     if not supports(x, weight, bias):
-        raise ValueError(f"linear_rows: x {tuple(x.shape)} {x.dtype} with weight {tuple(weight.shape)} "
-                         f"{weight.dtype} (contiguous: {weight.is_contiguous()})"
-                         + ("" if bias is None else f" and bias {tuple(bias.shape)} {bias.dtype}")
-                         + f": float32 CPU tensors of 1 to {max_rows()} rows only")
+        return None
     out_features, in_features = weight.shape
     flat = x.reshape(-1, in_features).contiguous()
     out = x.new_empty(*x.shape[:-1], out_features)
     cpu_build.gemv_library().linear_rows(flat.data_ptr(), weight.data_ptr(),
                                          None if bias is None else bias.data_ptr(), out.data_ptr(),
                                          flat.shape[0], in_features, out_features, torch.get_num_threads())
+    return out
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` (``x`` ``[..., in]``, ``weight`` ``[out, in]``): ``[..., out]``. A
+    ValueError for tensors :func:`supports` refuses."""
+    out = try_linear_rows(x, weight, bias)
+    if out is None:
+        raise ValueError(f"linear_rows: x {tuple(x.shape)} {x.dtype} with weight {tuple(weight.shape)} "
+                         f"{weight.dtype} (contiguous: {weight.is_contiguous()})"
+                         + ("" if bias is None else f" and bias {tuple(bias.shape)} {bias.dtype}")
+                         + f": float32 CPU tensors of 1 to {max_rows()} rows only")
     return out

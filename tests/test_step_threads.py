@@ -75,7 +75,7 @@ def _engine_run(model, serial: bool | None, max_tokens: int = 8, compile: bool =
     else:
         undo = model.model.layers[0].mlp.register_forward_pre_hook(
             lambda module, args: seen.append((args[0].shape[-2], step_threads.current_threads()))).remove
-    head_op, few_rows = torch.ops.mkldnn._linear_pointwise, cpu_gemv.linear_rows
+    head_op, few_rows = torch.ops.mkldnn._linear_pointwise, cpu_gemv.try_linear_rows
 
     def watched_head(*args):
         if heads is not None:
@@ -87,12 +87,12 @@ def _engine_run(model, serial: bool | None, max_tokens: int = 8, compile: bool =
             heads.append((seen[-1][0], step_threads.current_threads()))
         return few_rows(x, weight, bias)
 
-    torch.ops.mkldnn._linear_pointwise, cpu_gemv.linear_rows = watched_head, watched_few_rows
+    torch.ops.mkldnn._linear_pointwise, cpu_gemv.try_linear_rows = watched_head, watched_few_rows
     try:
         outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0), use_tqdm=False)
     finally:
         undo()
-        torch.ops.mkldnn._linear_pointwise, cpu_gemv.linear_rows = head_op, few_rows
+        torch.ops.mkldnn._linear_pointwise, cpu_gemv.try_linear_rows = head_op, few_rows
     assert engine.kv.num_used_blocks() == 0
     return [o.outputs[0].token_ids for o in outs], seen, engine
 

@@ -119,9 +119,10 @@ def _onednn_forward(module: torch.nn.Linear, prepacked: PrepackedWeight | None =
     def forward(x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu":
             return torch.nn.functional.linear(x, module.weight, bias)
-        few = x.numel() <= HEAD_GEMV_MAX_ROWS * x.shape[-1] and cpu_gemv.supports(x, module.weight, bias)
         with step_threads.with_threads(threads) if threads else contextlib.nullcontext():
-            return cpu_gemv.linear_rows(x, module.weight, bias) if few else onednn_product(x, weight, bias)
+            few = x.numel() <= HEAD_GEMV_MAX_ROWS * x.shape[-1]
+            out = cpu_gemv.try_linear_rows(x, module.weight, bias) if few else None
+            return out if out is not None else onednn_product(x, weight, bias)
 
     return forward
 
@@ -179,8 +180,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     (``ONEDNN_MIN_MACS`` multiply-adds; on a live weight, one without a packed copy in the running
     step, also ``ONEDNN_MIN_ROWS`` rows), through sgemm otherwise."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows <= LAYER_GEMV_MAX_ROWS and cpu_gemv.supports(x, weight, bias):
-        return cpu_gemv.linear_rows(x, weight, bias)
+    out = cpu_gemv.try_linear_rows(x, weight, bias) if rows <= LAYER_GEMV_MAX_ROWS else None
+    if out is not None:
+        return out
     if rows * weight.numel() < ONEDNN_MIN_MACS or x.dtype != torch.float32 or x.device.type != "cpu":
         return torch.nn.functional.linear(x, weight, bias)
     packs = getattr(_step, "packs", None)
