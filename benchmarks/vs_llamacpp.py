@@ -20,8 +20,9 @@ defaults. Its OpenAI stream carries no token ids: the load generator reads them 
 opens a connection per request (it closes kept-alive connections under the client).
 
 Reported per concurrency: output tok/s (median of rounds), the ratio, p50/p99 latency and TTFT,
-each server's CPU time per token, and greedy agreement (identical outputs, and the mean length of
-the common prefix: both are float32 but sum in different orders, so long greedy runs may part).
+each server's CPU time per token, and greedy agreement (identical outputs, and the share of tokens
+before each output's first difference: both are float32 but sum in different orders, so long greedy
+runs may part).
 """
 
 from __future__ import annotations
@@ -128,17 +129,6 @@ def run_one(system: str, clients: int, ctx: dict, opts: argparse.Namespace) -> d
             "other_load_cores": result["other_load_cores"], "tokens": result["tokens"]}
 
 
-def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
-    def common(a, b):
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        return n
-
-    return {"identical": sum(a == b for a, b in zip(ours, theirs)), "of": len(ours),
-            "mean_common_prefix": statistics.mean(common(a, b) for a, b in zip(ours, theirs))}
-
-
 def llama_cpp_version(tree: Path) -> str:
     done = subprocess.run([str(tree / "build" / "bin" / "llama-server"), "--version"], capture_output=True,
                           text=True, timeout=60)
@@ -182,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                        for s, rs in runs.items()}
             summary["ratio"] = summary["hf_paged"]["tokens_per_s"] / summary["llama.cpp"]["tokens_per_s"]
             summary["rounds"] = {s: [round(run["tokens_per_s"], 1) for run in rs] for s, rs in runs.items()}
-            summary["agreement"] = agreement(runs["hf_paged"][0]["tokens"], runs["llama.cpp"][0]["tokens"])
+            summary["agreement"] = vs_vllm.agreement(runs["hf_paged"][0]["tokens"], runs["llama.cpp"][0]["tokens"])
             results["by_concurrency"][clients] = summary
             print(f"{clients} clients: hf_paged / llama.cpp = {summary['ratio']:.2f}x "
                   f"(p99 latency {summary['hf_paged']['latency_s_p99']:.2f} vs "

@@ -143,3 +143,24 @@ def test_bad_settings_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         vs_vllm.main(argv)
     assert argv[0] in capsys.readouterr().err
+
+
+def test_the_load_generator_reads_token_ids_from_text_where_a_server_sends_none():
+    """llama.cpp's stream carries text only (benchmarks/vs_llamacpp.py): the ids come from the word
+    vocabulary's spelling; ids a chunk does carry win, and without a pattern text gives none."""
+    from types import SimpleNamespace as NS
+
+    from hf_paged.bench.loadgen import chunk_token_ids
+
+    text_only = NS(choices=[NS(text=" w123 w4 w56789")])
+    assert chunk_token_ids(text_only, r"w(\d+)") == [123, 4, 56789]
+    assert chunk_token_ids(text_only) == []
+    with_ids = NS(choices=[NS(text=" w1", token_ids=[7, 8])])
+    assert chunk_token_ids(with_ids, r"w(\d+)") == [7, 8]
+
+
+def test_the_llama_cpp_comparison_names_a_tree_without_a_built_server(tmp_path):
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "vs_llamacpp.py")
+    done = subprocess.run([sys.executable, script, "--llama-cpp", str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and f"{tmp_path} has no build/bin/llama-server" in done.stderr

@@ -20,6 +20,15 @@ else:  # run by path: this folder is first on sys.path
     from vllm_worker import Meter, run_child, versions
 
 
+def chunk_token_ids(chunk, token_pattern: str | None = None) -> list[int]:
+    """The token ids a streamed completion chunk carries (vLLM's and hf_paged's ``token_ids``), or
+    where it has none, those ``token_pattern`` finds in its text."""
+    ids = [t for c in chunk.choices for t in (getattr(c, "token_ids", None) or [])]
+    if not ids and token_pattern:
+        ids = [int(i) for c in chunk.choices for i in re.findall(token_pattern, c.text or "")]
+    return ids
+
+
 async def _stream_one(client, request: dict, sampling: dict, token_pattern: str | None = None
                       ) -> tuple[list[int], float, float]:
     """One streamed completion: its tokens, latency and time to the first token. A server that
@@ -31,9 +40,7 @@ async def _stream_one(client, request: dict, sampling: dict, token_pattern: str 
         extra_body={"ignore_eos": True, "return_token_ids": True})
     tokens, ttft = [], 0.0
     async for chunk in stream:
-        new = [t for c in chunk.choices for t in (getattr(c, "token_ids", None) or [])]
-        if not new and token_pattern:
-            new = [int(i) for c in chunk.choices for i in re.findall(token_pattern, c.text or "")]
+        new = chunk_token_ids(chunk, token_pattern)
         if new and not tokens:
             ttft = time.perf_counter() - t0
         tokens += new
