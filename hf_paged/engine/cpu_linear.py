@@ -123,13 +123,20 @@ def prepacked_lm_head(model: torch.nn.Module, enabled: bool | None = None) -> Pr
 def _onednn_forward(module: torch.nn.Linear, prepacked: PrepackedWeight | None = None, threads: int | None = None):
     weight, bias = prepacked.get() if prepacked is not None else module.weight, module.bias
 
+    def product(x: torch.Tensor) -> torch.Tensor:
+        few = x.numel() <= HEAD_GEMV_MAX_ROWS * x.shape[-1]
+        out = cpu_gemv.try_linear_rows(x, module.weight, bias) if few else None
+        return out if out is not None else onednn_product(x, weight, bias)
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu":
             return torch.nn.functional.linear(x, module.weight, bias)
+        lead, rows = getattr(_step, "head_rows", None), x.numel() // x.shape[-1] if x.shape[-1] else 0
         with step_threads.with_threads(threads) if threads else contextlib.nullcontext():
-            few = x.numel() <= HEAD_GEMV_MAX_ROWS * x.shape[-1]
-            out = cpu_gemv.try_linear_rows(x, module.weight, bias) if few else None
-            return out if out is not None else onednn_product(x, weight, bias)
+            if lead is None or not 0 < lead < rows:
+                return product(x)
+            flat = x.reshape(rows, x.shape[-1])
+            return torch.cat([product(flat[:lead]), product(flat[lead:])]).view(*x.shape[:-1], -1)
 
     return forward
 
@@ -166,7 +173,21 @@ def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-_step = threading.local()  # .packs: the running step's packed layer weights (packed_layers)
+_step = threading.local()  # .packs: the running step's packed layer weights (packed_layers); .head_rows
+
+
+@contextlib.contextmanager
+def sampled_head_rows(rows: int | None):
+    """Inside, the LM head (:func:`onednn_linears`) multiplies its first ``rows`` rows (a step's
+    sampled rows) apart from the rest (prompt rows scored for ``prompt_logprobs``): the sampled
+    rows' logits are then the bits a step without scored rows gives them (the head's product
+    depends on its row count: ``HEAD_GEMV_MAX_ROWS``)."""
+    before = getattr(_step, "head_rows", None)
+    _step.head_rows = rows
+    try:
+        yield
+    finally:
+        _step.head_rows = before
 
 
 @contextlib.contextmanager

@@ -155,8 +155,10 @@ class ModelRunner:
             for layer, held in state_layers.items():
                 step_cache.layers[layer] = held
         lora_step = self.lora.step(step, self.device) if self.lora is not None else None
-        logits = self.run_model(forward, step_cache, compiled=self.compiled is not None and not rows,
-                                num_tokens=step.num_scheduled_tokens, lora_step=lora_step)
+        scored = step.prompt_logprobs and not rows  # the head's sampled rows apart from the scored ones
+        with cpu_linear.sampled_head_rows(len(step.logits_indices)) if scored else contextlib.nullcontext():
+            logits = self.run_model(forward, step_cache, compiled=self.compiled is not None and not rows,
+                                    num_tokens=step.num_scheduled_tokens, lora_step=lora_step)
         if state_layers is not None:
             self.states.store(state_layers, slots)
         if step.prompt_logprobs:
