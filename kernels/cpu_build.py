@@ -1,6 +1,7 @@
 """Builds the float32 CPU attention reads in C (``cpu_decode.c``, ``cpu_prefill.c``) into one shared
 library per layout (K/V heads, query heads per K/V head, head dim, block size: compile-time
-constants, so the compiler unrolls and vectorizes for them), with the system's C compiler.
+constants, so the compiler unrolls and vectorizes for them), and the few-row linear products
+(``cpu_gemv.c``) into one more, with the system's C compiler.
 
 Building takes about a second; the library is cached on disk (``HF_PAGED_CACHE``, else
 ``$XDG_CACHE_HOME/hf_paged``, else ``~/.cache/hf_paged``) under a key of the sources, the flags and

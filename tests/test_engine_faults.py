@@ -545,3 +545,14 @@ def test_beams_with_min_tokens_and_a_stop_token_id_past_the_vocabulary(model):
     assert got.error is None
     assert [c.token_ids for c in got.outputs] == [c.token_ids for c in expected.outputs]
     check_no_leak(engine)
+
+
+def test_beams_with_a_stop_token_id_past_int64_are_served(model):
+    """Found by the property test above: beams keep their stop ids in an int64 tensor, which 2**63
+    overflowed (a ValueError from add_request that named no field). Such an id never matches."""
+    engine = LLMEngine(model)
+    beams = SamplingParams(max_new_tokens=6, num_beams=2, stop_token_ids=[2**63, 2**70])
+    plain = dataclasses.replace(beams, stop_token_ids=[10**6, 10**7])  # as many ids, past the vocabulary
+    got, expected = engine.generate([[5, 6, 7], [5, 6, 7]], [beams, plain], use_tqdm=False)
+    assert got.error is None and got.outputs[0].token_ids == expected.outputs[0].token_ids
+    check_no_leak(engine)

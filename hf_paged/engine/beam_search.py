@@ -130,7 +130,8 @@ class BeamSearchState:
         self._can_improve = torch.ones((1, 1), dtype=torch.bool)
         self._top_mask = torch.zeros((1, self.num_candidates), dtype=torch.bool)
         self._top_mask[:, :num_beams] = True
-        self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long)
+        # an id past int64 can never be chosen: -1 stands in for it (it keeps its place in the count above)
+        self._eos = torch.tensor([t if t < 2**63 else -1 for t in self.eos_token_ids], dtype=torch.long)
         self._done = False
 
     # ------------------------------------------------------------------ views

@@ -131,7 +131,8 @@ def _onednn_forward(module: torch.nn.Linear, prepacked: PrepackedWeight | None =
     def forward(x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu":
             return torch.nn.functional.linear(x, module.weight, bias)
-        lead, rows = getattr(_step, "head_rows", None), x.numel() // x.shape[-1] if x.shape[-1] else 0
+        lead = getattr(_step, "head_rows", None)
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         with step_threads.with_threads(threads) if threads else contextlib.nullcontext():
             if lead is None or not 0 < lead < rows:
                 return product(x)
@@ -204,7 +205,8 @@ def packed_layers(packs: dict[int, PrepackedWeight] | None):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` through oneDNN on float32 CPU tensors where the product is large enough
+    """``F.linear`` in C for float32 CPU products of at most ``LAYER_GEMV_MAX_ROWS`` rows
+    (:mod:`hf_paged.kernels.cpu_gemv`), through oneDNN where the product is large enough
     (``ONEDNN_MIN_MACS`` multiply-adds; on a live weight, one without a packed copy in the running
     step, also ``ONEDNN_MIN_ROWS`` rows), through sgemm otherwise."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
