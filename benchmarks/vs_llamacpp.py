@@ -17,7 +17,7 @@ requests per client, 256-token prompts, 256 new tokens), rounds interleaved, eac
 run. llama.cpp runs with one slot per client (``-np``, 1,024 tokens of context each), float32 K/V
 (``-ctk f32 -ctv f32``; its default is float16) and ``--threads`` threads; hf_paged with its
 defaults. Its OpenAI stream carries no token ids: the load generator reads them from the text, and
-opens a connection per request (it closes kept-alive connections under the client).
+opens a connection per request (reused connections to it failed at 32 clients, every run tried).
 
 Reported per concurrency: output tok/s (median of rounds), the ratio, p50/p99 latency and TTFT,
 each server's CPU time per token, and greedy agreement (identical outputs, and the share of tokens

@@ -83,9 +83,10 @@ def _engine_run(model, serial: bool | None, max_tokens: int = 8, compile: bool =
         return head_op(*args)
 
     def watched_few_rows(x, weight, bias=None):  # the head's products of a few rows run in C
-        if heads is not None and weight is model.lm_head.weight:
+        out = few_rows(x, weight, bias)
+        if heads is not None and weight is model.lm_head.weight and out is not None:
             heads.append((seen[-1][0], step_threads.current_threads()))
-        return few_rows(x, weight, bias)
+        return out
 
     torch.ops.mkldnn._linear_pointwise, cpu_gemv.try_linear_rows = watched_head, watched_few_rows
     try:

@@ -51,8 +51,8 @@ async def closed_loop(url: str, requests: list[dict], concurrency: int, sampling
                       token_pattern: str | None = None, keepalive: bool = True) -> dict:
     """``concurrency`` streaming ``openai`` clients, each sending its next request when its last one
     is answered; wall time from the first request to the last answer. ``keepalive`` False: a new
-    connection per request (llama.cpp's server closes kept-alive connections the client may be
-    reusing at that moment: "Server disconnected without sending a response")."""
+    connection per request (with llama.cpp's server, reused connections failed at 32 clients:
+    "Server disconnected without sending a response")."""
     import httpx
     import openai
 

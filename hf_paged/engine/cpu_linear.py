@@ -174,34 +174,33 @@ def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-_step = threading.local()  # .packs: the running step's packed layer weights (packed_layers); .head_rows
+_step = threading.local()  # .packs (packed_layers), .head_rows (sampled_head_rows): the running step's
 
 
-@contextlib.contextmanager
-def sampled_head_rows(rows: int | None):
+def sampled_head_rows(rows: int | None) -> contextlib.AbstractContextManager:
     """Inside, the LM head (:func:`onednn_linears`) multiplies its first ``rows`` rows (a step's
     sampled rows) apart from the rest (prompt rows scored for ``prompt_logprobs``): the sampled
     rows' logits are then the bits a step without scored rows gives them (the head's product
     depends on its row count: ``HEAD_GEMV_MAX_ROWS``)."""
-    before = getattr(_step, "head_rows", None)
-    _step.head_rows = rows
-    try:
-        yield
-    finally:
-        _step.head_rows = before
+    return _step_setting("head_rows", rows)
 
 
-@contextlib.contextmanager
-def packed_layers(packs: dict[int, PrepackedWeight] | None):
+def packed_layers(packs: dict[int, PrepackedWeight] | None) -> contextlib.AbstractContextManager:
     """Inside, :func:`linear` runs the weights of ``packs`` (:func:`layer_packs`) on their packed
     copies, in eager steps and compiled ones (whose op cannot take the packed tensor as an input:
     Dynamo traces the live weights; the op looks their copies up here, on the stepping thread)."""
-    before = getattr(_step, "packs", None)
-    _step.packs = packs
+    return _step_setting("packs", packs)
+
+
+@contextlib.contextmanager
+def _step_setting(name: str, value):
+    """``_step.<name>`` is ``value`` inside (on this thread), what it was before afterwards."""
+    before = getattr(_step, name, None)
+    setattr(_step, name, value)
     try:
         yield
     finally:
-        _step.packs = before
+        setattr(_step, name, before)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
