@@ -120,11 +120,8 @@ def run_one(system: str, clients: int, ctx: dict, opts: argparse.Namespace) -> d
                        check=True, timeout=3600)
         result = json.loads(result_path.read_text())
     generated = sum(map(len, result["tokens"]))
-    latency, ttft = sorted(result["latency_s"]), sorted(result["ttft_s"])
-    pick = lambda values, q: values[min(len(values) - 1, round(q * (len(values) - 1)))]  # noqa: E731
     return {"tokens_per_s": generated / result["wall_s"], "generated_tokens": generated,
-            "latency_s_p50": pick(latency, 0.5), "latency_s_p99": pick(latency, 0.99),
-            "ttft_s_p50": pick(ttft, 0.5), "ttft_s_p99": pick(ttft, 0.99),
+            **vs_vllm.percentiles("latency_s", result["latency_s"]), **vs_vllm.percentiles("ttft_s", result["ttft_s"]),
             "server_cpu_ms_per_token": 1e3 * result["server_cpu_s"] / generated,
             "other_load_cores": result["other_load_cores"], "tokens": result["tokens"]}
 

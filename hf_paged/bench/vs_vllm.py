@@ -445,10 +445,11 @@ def run_online(config: Config, requests: list[dict], warmup: list[dict], opts: O
     generated = sum(map(len, result["tokens"]))
     return {**result, "generated_tokens": generated, "tokens_per_s": generated / result["wall_s"],
             "server_cpu_s_per_token": result["server_cpu_s"] / generated,
-            **_percentiles("latency_s", result["latency_s"]), **_percentiles("ttft_s", result["ttft_s"])}
+            **percentiles("latency_s", result["latency_s"]), **percentiles("ttft_s", result["ttft_s"])}
 
 
-def _percentiles(name: str, values: list[float]) -> dict:
+def percentiles(name: str, values: list[float]) -> dict:
+    """``{name}_p50`` and ``{name}_p99`` of ``values`` (nearest rank)."""
     ordered = sorted(values)
     pick = lambda q: ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]  # noqa: E731
     return {f"{name}_p50": pick(0.5), f"{name}_p99": pick(0.99)}
