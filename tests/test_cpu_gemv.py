@@ -83,11 +83,13 @@ def _greedy(engine, new: int = 10) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn-layers", "sgemm-layers"])
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_few_sequence_steps_run_their_products_in_c_with_stock_tokens(built, monkeypatch, compile):
-    """Decode steps of 3 sequences: every layer linear (``onednn_layers=True``) and the LM head
-    (at most ``HEAD_GEMV_MAX_ROWS`` rows) multiply in C, eager or inside the compiled body, and the
-    tokens are stock generate()'s; the model is stock again afterwards."""
+def test_few_sequence_steps_run_their_products_in_c_with_stock_tokens(built, monkeypatch, compile, onednn):
+    """Decode steps of 3 sequences: every layer linear (whether oneDNN takes the layers' larger
+    products or sgemm does: ``onednn_layers``) and the LM head (at most ``HEAD_GEMV_MAX_ROWS``
+    rows) multiply in C, eager or inside the compiled body, and the tokens are stock generate()'s;
+    the model is stock again afterwards."""
     model = build("llama")
     stock = copy.deepcopy(model)
     seen, real = set(), cpu_gemv.try_linear_rows
@@ -99,8 +101,8 @@ def test_few_sequence_steps_run_their_products_in_c_with_stock_tokens(built, mon
         return out
 
     monkeypatch.setattr(cpu_gemv, "try_linear_rows", counted)
-    engine = LLMEngine(model, block_size=4, onednn_layers=True, compile=compile)
-    assert engine.stats()["compiled"] is compile
+    engine = LLMEngine(model, block_size=4, onednn_layers=onednn, compile=compile)
+    assert engine.stats()["compiled"] is compile and engine.stats()["onednn_layers"] is onednn
     seen.clear()  # compiling ran the body on dummy tokens
     assert _greedy(engine) == _stock_greedy(stock)
     layers = {id(m.weight) for m in engine.runner.layer_linears}

@@ -15,6 +15,7 @@ import torch
 from hf_paged import LLMEngine, SamplingParams
 from hf_paged.engine import cpu_linear, host_malloc, output_processor, sampler
 from hf_paged.engine.structured import StructuredOutputManager
+from hf_paged.kernels import cpu_gemv
 from tests.helpers.tiny_models import VOCAB, build
 
 
@@ -167,11 +168,15 @@ def test_log_probabilities_only_when_asked_for(model):
     assert engine.kv.num_used_blocks() == 0
 
 
-def test_onednn_lm_head_runs_in_engine_steps_only(model):
-    """Inside an engine forward the float32 LM head is oneDNN's and the layers' linears stay
-    sgemm; afterwards the model is stock again, bit for bit (generate()'s scores equal a stock copy's)."""
-    if not cpu_linear.available():
-        pytest.skip("this torch has no oneDNN linear")
+@pytest.mark.parametrize("few_rows", [True, False])
+def test_onednn_lm_head_runs_in_engine_steps_only(model, monkeypatch, few_rows):
+    """Inside an engine forward the float32 LM head is oneDNN's, and the layers' linears (oneDNN off,
+    as in this suite) are routed to the few-row C products (:func:`cpu_linear.few_row_layers`), or
+    with ``HF_PAGED_FEW_ROW_LAYERS=0`` stay sgemm; afterwards the model is stock again, bit for bit
+    (generate()'s scores equal a stock copy's)."""
+    if not cpu_linear.available() or not cpu_gemv.ready():
+        pytest.skip("this torch has no oneDNN linear, or the C products are not built here")
+    monkeypatch.setenv(cpu_linear.FEW_ROW_LAYERS_ENV, "1" if few_rows else "0")
     stock = copy.deepcopy(model)
     head = model.get_output_embeddings()
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -186,8 +191,9 @@ def test_onednn_lm_head_runs_in_engine_steps_only(model):
         for hook in hooks:
             hook.remove()
     assert seen.get(head) == {True}, "engine forwards did not switch the LM head to oneDNN"
-    assert len(seen) == len(linears) and all(seen[m] == {False} for m in linears if m is not head), \
-        "a layer's linear left sgemm"
+    assert len(seen) == len(linears) and all(seen[m] == {few_rows} for m in linears if m is not head), \
+        "a layer's linear was routed otherwise"
+    assert engine.runner.onednn_layers is False and len(engine.runner.layer_linears) == (len(linears) - 1) * few_rows
     assert not any("forward" in m.__dict__ for m in linears), "a linear stayed switched after the step"
     ids = torch.tensor([PROMPTS[1]])
     kwargs = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
@@ -355,7 +361,7 @@ def test_onednn_layers_leave_a_replaced_forward_alone():
     """A layer whose forward is already replaced keeps it."""
     layer, other = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
     own = layer.forward = lambda x: x
-    with cpu_linear.onednn_layers([layer, other]):
+    with cpu_linear.layer_products([layer, other]):
         assert layer.forward is own and "forward" in other.__dict__
     assert layer.forward is own and "forward" not in other.__dict__
 

@@ -34,9 +34,13 @@ of at most ``LAYER_GEMV_MAX_ROWS`` rows and LM-head products of at most ``HEAD_G
 live weights. Such steps are bound by reading the weights, which the step's head has just evicted:
 on the 2026-12-07 EPYC a step's 28 layer products and head took 1.24 ms through sgemm and the packed
 head against 0.46 ms in C at one row, 1.50 against 0.80 at four; at eight rows the head is faster
-on oneDNN (1.22 ms with it against 1.56 all in C), hence its lower limit.
+on oneDNN (1.22 ms with it against 1.56 all in C), hence its lower limit. The layers' few-row
+products run in C whether or not oneDNN takes their larger ones (:func:`few_row_layers`): on a
+2-core EPYC whose memory streamed ~5 GB/s (2026-12-07, later), where oneDNN was no faster than
+sgemm, the step's 28 layer products and the C head took 3.36 ms with sgemm layers against 2.09 all
+in C (one row), 4.63 against 3.84 (four).
 
-Only the engine's forwards switch (:func:`onednn_linears`, :func:`onednn_layers`: context
+Only the engine's forwards switch (:func:`onednn_linears`, :func:`layer_products`: context
 managers): ``generate()`` and every other use of the model stay stock, bit for bit. oneDNN's
 results differ from sgemm's in the last bits (a different summation order), as a compiled step's
 would; the engine's tests compare tokens with stock ``generate()``. bfloat16 and float16 linears
@@ -68,6 +72,7 @@ ONEDNN_LAYERS_ENV = "HF_PAGED_ONEDNN_LAYERS"  # "0": engines built with onednn_l
 PREPACK_LAYERS_MAX_BYTES = 1 << 30  # the most bytes of oneDNN layer weights that get packed copies by default
 PREPACK_LAYERS_ENV = "HF_PAGED_PREPACK_LAYERS"  # "0": engines built with prepack_layers=None pack none
 LAYER_GEMV_MAX_ROWS = 8  # layer products of at most this many rows run in C (hf_paged.kernels.cpu_gemv)
+FEW_ROW_LAYERS_ENV = "HF_PAGED_FEW_ROW_LAYERS"  # "0": layers oneDNN does not take keep sgemm at few rows too
 HEAD_GEMV_MAX_ROWS = 4  # and LM head products of at most this many (more: oneDNN's packed kernel is faster)
 
 
@@ -161,17 +166,23 @@ def onednn_linears(modules: Iterable[torch.nn.Linear], prepacked: tuple[Prepacke
             del module.forward
 
 
-# ``hf_paged::onednn_linear``: ``F.linear`` of a layer in a compiled body (:func:`onednn_layers` with
+# ``hf_paged::onednn_linear``: ``F.linear`` of a layer in a compiled body (:func:`layer_products` with
 # ``traced``), see :func:`linear`. Defined through ``torch.library.Library`` rather than ``custom_op``:
 # a call costs ~1.6 us over the function's own time against ~3.5 us, and a step calls it per layer linear.
 _library = torch.library.Library("hf_paged", "FRAGMENT")
 _library.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _library.impl("onednn_linear", lambda x, weight, bias: linear(x, weight, bias), "CPU")
+# ``hf_paged::few_row_linear``: the same for layers oneDNN does not take (:func:`few_row_linear`)
+_library.define("few_row_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_library.impl("few_row_linear", lambda x, weight, bias: few_row_linear(x, weight, bias), "CPU")
 
 
-@torch.library.register_fake("hf_paged::onednn_linear", lib=_library)
-def _(x, weight, bias):
+def _product_shape(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+torch.library.register_fake("hf_paged::onednn_linear", _product_shape, lib=_library)
+torch.library.register_fake("hf_paged::few_row_linear", _product_shape, lib=_library)
 
 
 _step = threading.local()  # .packs (packed_layers), .head_rows (sampled_head_rows): the running step's
@@ -209,7 +220,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     (``ONEDNN_MIN_MACS`` multiply-adds; on a live weight, one without a packed copy in the running
     step, also ``ONEDNN_MIN_ROWS`` rows), through sgemm otherwise."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    out = cpu_gemv.try_linear_rows(x, weight, bias) if rows <= LAYER_GEMV_MAX_ROWS else None
+    out = _few_rows(x, weight, bias, rows)
     if out is not None:
         return out
     if rows * weight.numel() < ONEDNN_MIN_MACS or x.dtype != torch.float32 or x.device.type != "cpu":
@@ -221,6 +232,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     elif rows < ONEDNN_MIN_ROWS or not weight.is_contiguous():
         return torch.nn.functional.linear(x, weight, bias)
     return onednn_product(x, weight, bias)
+
+
+def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` with float32 CPU products of at most ``LAYER_GEMV_MAX_ROWS`` rows in C: the
+    layers' linears where oneDNN does not take them (:func:`few_row_layers`)."""
+    out = _few_rows(x, weight, bias, x.numel() // x.shape[-1] if x.shape[-1] else 0)
+    return out if out is not None else torch.nn.functional.linear(x, weight, bias)
+
+
+def _few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """The product in C (:mod:`hf_paged.kernels.cpu_gemv`) for at most ``LAYER_GEMV_MAX_ROWS`` rows it takes, else None."""
+    return cpu_gemv.try_linear_rows(x, weight, bias) if rows <= LAYER_GEMV_MAX_ROWS else None
 
 
 def bucketed_rows(rows: int) -> int:
@@ -273,7 +296,7 @@ def onednn_speedup(in_features: int, out_features: int, rows: int = CALIBRATION_
 
 
 def layer_linears(model: torch.nn.Module, enabled: bool | None = None) -> tuple[tuple[torch.nn.Linear, ...], str]:
-    """The decoder body's linears that the engine's forwards run through oneDNN (:func:`onednn_layers`),
+    """The decoder body's linears that the engine's forwards run through oneDNN (:func:`layer_products`),
     and why (or why not). ``enabled`` None: the float32 CPU ``nn.Linear`` layers of a model without
     tensor parallelism, where oneDNN is at least ``ONEDNN_MIN_SPEEDUP`` times as fast as sgemm at
     the largest layer's shape (:func:`onednn_speedup`), unless the environment has
@@ -286,9 +309,7 @@ def layer_linears(model: torch.nn.Module, enabled: bool | None = None) -> tuple[
         return (), "this torch has no oneDNN linear"
     if tp_size_of(model) > 1:
         return (), "off under tensor parallelism"
-    body = model.get_decoder() if hasattr(model, "get_decoder") else model
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    modules = tuple(m for m in body.modules() if _switchable(m) and m is not head)
+    modules = _body_linears(model)
     if not modules:
         return (), "no float32 CPU nn.Linear layers"
     if enabled:
@@ -299,6 +320,23 @@ def layer_linears(model: torch.nn.Module, enabled: bool | None = None) -> tuple[
     return (modules if verdict == "on" else ()), (
         f"{verdict}: oneDNN {speedup:.2f}x sgemm's speed at {CALIBRATION_ROWS} x {largest.in_features} -> "
         f"{largest.out_features} (the bar: {ONEDNN_MIN_SPEEDUP}x)")
+
+
+def _body_linears(model: torch.nn.Module) -> tuple[torch.nn.Linear, ...]:
+    """The switchable linears of ``model``'s decoder body (not its LM head)."""
+    body = model.get_decoder() if hasattr(model, "get_decoder") else model
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return tuple(m for m in body.modules() if _switchable(m) and m is not head)
+
+
+def few_row_layers(model: torch.nn.Module) -> tuple[torch.nn.Linear, ...]:
+    """The decoder body's linears whose products of at most ``LAYER_GEMV_MAX_ROWS`` rows the engine's
+    forwards run in C where oneDNN does not take the layers (:func:`few_row_linear`): the float32
+    CPU ``nn.Linear`` layers of a model without tensor parallelism, where the C products are built,
+    unless the environment has ``HF_PAGED_FEW_ROW_LAYERS=0``."""
+    if os.environ.get(FEW_ROW_LAYERS_ENV, "1") == "0" or tp_size_of(model) > 1 or not cpu_gemv.ready():
+        return ()
+    return _body_linears(model)
 
 
 def layer_packs(modules: tuple[torch.nn.Linear, ...], enabled: bool | None = None
@@ -326,11 +364,15 @@ def layer_packs(modules: tuple[torch.nn.Linear, ...], enabled: bool | None = Non
 
 
 @contextlib.contextmanager
-def onednn_layers(modules: Iterable[torch.nn.Linear], traced: bool = False):
-    """Run the layer linears ``modules`` through :func:`linear` inside the block (``traced``: as the
-    op ``hf_paged::onednn_linear``, for a compiled body being compiled or run). A module whose
+def layer_products(modules: Iterable[torch.nn.Linear], traced: bool = False, onednn: bool = True):
+    """Run the layer linears ``modules`` through :func:`linear` inside the block, or (not ``onednn``)
+    through :func:`few_row_linear` (``traced``: as the op ``hf_paged::onednn_linear`` or
+    ``hf_paged::few_row_linear``, for a compiled body being compiled or run). A module whose
     forward is already replaced keeps it (LoRA steps enter after this, wrapping these forwards)."""
-    call = torch.ops.hf_paged.onednn_linear if traced else linear
+    if traced:
+        call = torch.ops.hf_paged.onednn_linear if onednn else torch.ops.hf_paged.few_row_linear
+    else:
+        call = linear if onednn else few_row_linear
     switched = []
     try:
         for module in modules:

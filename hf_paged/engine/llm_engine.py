@@ -79,7 +79,9 @@ class LLMEngine:
             sgemm runs narrower vectors, 1.5-2.3x faster products). ``None`` (default): where oneDNN
             measured at least 1.25x sgemm's speed at the model's largest layer shape (once per shape
             and process, milliseconds); True / False: always / never. ``stats()["onednn_layers"]``
-            says which, ``runner.onednn_layers_note`` why.
+            says which, ``runner.onednn_layers_note`` why. Either way their products of at most 8
+            rows (decode steps of a few sequences) run in C (:mod:`hf_paged.kernels.cpu_gemv`),
+            unless the environment has ``HF_PAGED_FEW_ROW_LAYERS=0``.
         prepack_layers: with ``onednn_layers`` on: their products run on oneDNN-prepacked copies of
             the weights (decode steps gain too: oneDNN need not reorder a weight at each call; a
             second copy of those weights in memory). ``None`` (default): when the copies take at
@@ -876,7 +878,7 @@ class LLMEngine:
             "healthy": self.healthy, "failed_steps": self._counters["failed_steps"],
             "consecutive_failed_steps": self._counters["consecutive_failed_steps"],
             "prefix_caching": self.kv.enable_prefix_caching, "compiled": self.runner.compiled is not None,
-            "cuda_graphs": self.runner.graphs is not None, "onednn_layers": bool(self.runner.layer_linears),
+            "cuda_graphs": self.runner.graphs is not None, "onednn_layers": self.runner.onednn_layers,
             "prepacked_layers": bool(self.runner.layer_packs),
             "serial_step_max_tokens": self.runner.serial_steps.max_tokens if self.runner.serial_steps else 0,
             "state_slots_total": kv["state_slots_total"], "state_slots_used": kv["state_slots_used"],

@@ -71,9 +71,13 @@ class ModelRunner:
         self._onednn_linears = tuple(m for m in (switchable_lm_head(model),) if m is not None)
         self._prepacked = tuple(p for p in (prepacked_lm_head(model, prepack_lm_head),) if p is not None)
         # and the layers' linears, where oneDNN is much faster than sgemm on this CPU (measured)
-        self.layer_linears, self.onednn_layers_note = cpu_linear.layer_linears(model, onednn_layers)
+        onednn, self.onednn_layers_note = cpu_linear.layer_linears(model, onednn_layers)
         # on prepacked copies of their weights where those fit (a second copy: prepack_layers)
-        self.layer_packs, self.layer_packs_note = cpu_linear.layer_packs(self.layer_linears, prepack_layers)
+        self.layer_packs, self.layer_packs_note = cpu_linear.layer_packs(onednn, prepack_layers)
+        # the layer linears the engine's forwards route through cpu_linear: on oneDNN, or else
+        # their few-row products in C (the decode steps of a few sequences)
+        self.onednn_layers = bool(onednn)
+        self.layer_linears = onednn or cpu_linear.few_row_layers(model)
         # small steps on the stepping thread alone (hf_paged.engine.step_threads); None: every step splits
         self.serial_steps = SerialSmallSteps.of(model, serial_small_steps)
         # the CPU reads of float32 steps: "c" (the C reads, hf_paged.kernels.cpu_decode / cpu_prefill,
@@ -84,15 +88,14 @@ class ModelRunner:
         self.compiled, self.compiled_note = compiled_body.compiled_body(
             model, self.specs, packed_attention, compile, recurrent=self.per_sequence,
             also_one_thread=self.serial_steps is not None,
-            around=lambda: cpu_linear.onednn_layers(self.layer_linears, traced=True))
+            around=lambda: self._layer_products(traced=True))
         # LoRA (hf_paged.lora): steps with adapters run a body of their own, compiled with the
         # linear layers calling the adapters' op (steps without adapters keep the plain one)
         self.lora, self.compiled_lora, self.compiled_lora_note = lora, None, None
         if lora is not None and self.compiled is not None:
             self.compiled_lora, self.compiled_lora_note = compiled_body.compiled_body(
                 model, self.specs, packed_attention, compile, also_one_thread=self.serial_steps is not None,
-                around=lambda: _entered(cpu_linear.onednn_layers(self.layer_linears, traced=True),
-                                        lora.layers.active(None, traced=True)))
+                around=lambda: _entered(self._layer_products(traced=True), lora.layers.active(None, traced=True)))
         self._build_cpu_reads()
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs (LLMEngine(cuda_graphs=True))
         # the last step's scored prompt rows, one (ids, values, ranks) per SchedulerOutput.prompt_logprobs entry
@@ -177,8 +180,7 @@ class ModelRunner:
               body.active(step_cache) if compiled else contextlib.nullcontext(),
               onednn_linears(self._onednn_linears, self._prepacked, self.serial_steps.head_threads if serial else None),
               # eager steps only (a compiled body holds the op); before LoRA's forwards, which wrap these
-              cpu_linear.onednn_layers(self.layer_linears) if self.layer_linears and not compiled
-              else contextlib.nullcontext(),
+              self._layer_products() if self.layer_linears and not compiled else contextlib.nullcontext(),
               cpu_linear.packed_layers(self.layer_packs) if self.layer_packs else contextlib.nullcontext(),
               self.lora.layers.active(lora_step, traced=compiled) if lora_step else contextlib.nullcontext(),
               step_threads.one_thread() if serial else contextlib.nullcontext()):
@@ -186,6 +188,10 @@ class ModelRunner:
         clear_active_cache()
         step_cache.check_no_pending()
         return logits
+
+    def _layer_products(self, traced: bool = False) -> contextlib.AbstractContextManager:
+        """The layer linears routed through :mod:`cpu_linear` inside (``traced``: as its ops, for a compiled body)."""
+        return cpu_linear.layer_products(self.layer_linears, traced, self.onednn_layers)
 
     def packed_logits(self, logits: torch.Tensor, keep_index: torch.Tensor) -> torch.Tensor:
         """The rows ``keep_index`` of a packed forward's logits (already kept where the model took
