@@ -242,7 +242,8 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def _few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor | None:
-    """The product in C (:mod:`hf_paged.kernels.cpu_gemv`) for at most ``LAYER_GEMV_MAX_ROWS`` rows it takes, else None."""
+    """The product in C (:mod:`hf_paged.kernels.cpu_gemv`) for at most ``LAYER_GEMV_MAX_ROWS`` rows
+    it takes, else None."""
     return cpu_gemv.try_linear_rows(x, weight, bias) if rows <= LAYER_GEMV_MAX_ROWS else None
 
 
