@@ -132,10 +132,6 @@ def _bind_reads(loaded: ctypes.CDLL) -> ctypes.CDLL:
 def _bind_gemv(loaded: ctypes.CDLL) -> ctypes.CDLL:
     loaded.linear_rows.restype = loaded.max_rows.restype = ctypes.c_int
     loaded.linear_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-    loaded.linear_rows_pooled.restype = ctypes.c_int
-    loaded.linear_rows_pooled.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-    loaded.pool_helper_chunks.restype = ctypes.c_long
-    loaded.pool_helper_chunks.argtypes = []
     loaded.max_rows.argtypes = []
     return loaded
 

@@ -10,17 +10,13 @@ other rows or the thread count (``cpu_gemv.c``); it differs from sgemm's in the 
 summation order).
 
 Built by :mod:`cpu_build` (cached on disk; where no compiler works, :func:`ready` answers False and
-callers keep their own products). It runs with ``torch.get_num_threads()`` threads, or inside
-:func:`helper_threads` on the calling thread and helper threads of its own (for steps whose OpenMP
-threads wait passively). The torch reference is ``torch.nn.functional.linear``.
+callers keep their own products). It runs with ``torch.get_num_threads()`` threads. The torch
+reference is ``torch.nn.functional.linear``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
-from collections.abc import Iterator
 
 import torch
 
@@ -53,30 +49,6 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     return 0 < x.numel() <= max_rows() * x.shape[-1]
 
 
-_calling = threading.local()  # .helpers: helper_threads' count on this thread
-
-
-@contextlib.contextmanager
-def helper_threads(count: int) -> Iterator[None]:
-    """Inside (on this thread), products run on the calling thread and ``count`` helper threads of
-    the library's own instead of OpenMP's: for steps whose OpenMP threads wait passively, where
-    each region first wakes them (~50 us). The helpers take chunks of a product from one counter
-    beside the caller (one still asleep delays nothing), spin for the next product up to 0.3 ms,
-    then sleep (``cpu_gemv.c``). Same bits as without."""
-    before = getattr(_calling, "helpers", 0)
-    _calling.helpers = count
-    try:
-        yield
-    finally:
-        _calling.helpers = before
-
-
-def helper_chunks() -> int:
-    """Chunks of products the helper threads have computed in this process (0 where not built)."""
-    library = cpu_build.gemv_library()
-    return library.pool_helper_chunks() if library is not None else 0
-
-
 def try_linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """:func:`linear_rows` where :func:`supports` takes the tensors, else None (one check, for
     callers that fall back to another product)."""
@@ -85,11 +57,9 @@ def try_linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     out_features, in_features = weight.shape
     flat = x.reshape(-1, in_features).contiguous()
     out = x.new_empty(*x.shape[:-1], out_features)
-    library, helpers = cpu_build.gemv_library(), getattr(_calling, "helpers", 0)
-    product, threads = (library.linear_rows_pooled, helpers) if helpers else (library.linear_rows,
-                                                                               torch.get_num_threads())
-    product(flat.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-            flat.shape[0], in_features, out_features, threads)
+    cpu_build.gemv_library().linear_rows(flat.data_ptr(), weight.data_ptr(),
+                                         None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                         flat.shape[0], in_features, out_features, torch.get_num_threads())
     return out
 
 

@@ -1,20 +1,17 @@
 """The C products of a few rows (``hf_paged.kernels.cpu_gemv``): against ``F.linear`` at every row
 count it takes (odd sizes, bias or none, both builds), a row's bits independent of the other rows
 and of the threads, its refusals, the engine's few-sequence steps running their layer and LM-head
-products through it with stock generate()'s tokens, and a negative control; the library's own
-helper threads (serial steps) giving the same bits."""
+products through it with stock generate()'s tokens, and a negative control."""
 
 from __future__ import annotations
 
 import copy
-import threading
-import time
 
 import pytest
 import torch
 
 from hf_paged import LLMEngine, SamplingParams
-from hf_paged.engine import cpu_linear, step_threads
+from hf_paged.engine import cpu_linear
 from hf_paged.kernels import cpu_build, cpu_gemv
 from tests.helpers.tiny_models import build
 
@@ -147,77 +144,3 @@ def test_larger_steps_keep_onednn_for_the_head(built, monkeypatch):
         for ours, x in zip(switched, (few, many)):
             torch.testing.assert_close(ours, head(x), rtol=1e-5, atol=1e-4)
     assert calls == [few.shape]
-
-
-def _until_helpers_work(call, deadline_s: float = 10.0) -> int:
-    """Run ``call`` until the helper threads have computed chunks of it (they spin up as the calls
-    come); returns how many calls that took. On 2 cores a helper gets its core within a few calls."""
-    before, start, calls = cpu_gemv.helper_chunks(), time.monotonic(), 0
-    while cpu_gemv.helper_chunks() == before:
-        assert time.monotonic() - start < deadline_s, "the helper threads computed nothing"
-        call()
-        calls += 1
-    return calls
-
-
-def test_helper_threads_give_the_bits_of_openmp_threads(built):
-    """Products run on helper threads of the library's own (``helper_threads``: steps whose OpenMP
-    threads wait passively) equal those on OpenMP's, every row count, odd sizes, bias or none; the
-    helpers do take chunks; after sleeping (no products for longer than they spin) they wake again."""
-    g = torch.Generator().manual_seed(2)
-    shapes = [(32000, 64), (688, 256), (257, 33), (64, 16), (5, 16)]
-    weights = [(torch.randn(o, i, generator=g), torch.randn(o, generator=g) if o % 2 else None) for o, i in shapes]
-    inputs = [torch.randn(cpu_gemv.max_rows(), w.shape[1], generator=g) for w, _ in weights]
-    want = [[cpu_gemv.linear_rows(x[:rows], w, b) for rows in range(1, cpu_gemv.max_rows() + 1)]
-            for x, (w, b) in zip(inputs, weights)]
-    with cpu_gemv.helper_threads(1):
-        for x, (w, b), products in zip(inputs, weights, want):
-            for rows, product in enumerate(products, 1):
-                assert torch.equal(cpu_gemv.linear_rows(x[:rows], w, b), product), (tuple(w.shape), rows)
-        head, head_x = weights[0][0], inputs[0][:1]
-        _until_helpers_work(lambda: cpu_gemv.linear_rows(head_x, head))
-        time.sleep(0.05)  # longer than a helper spins: it sleeps now
-        calls = _until_helpers_work(lambda: torch.equal(cpu_gemv.linear_rows(head_x, head), want[0][0]) or
-                                    pytest.fail("a product after the helpers slept differs"))
-    assert calls >= 1
-
-
-def test_helper_threads_serve_one_caller_at_a_time(built):
-    """Two threads multiplying inside ``helper_threads`` at once: one uses the helpers, the other
-    runs alone meanwhile; every product is right."""
-    g = torch.Generator().manual_seed(3)
-    weight, x = torch.randn(4096, 64, generator=g), torch.randn(3, 64, generator=g)
-    want, wrong = cpu_gemv.linear_rows(x, weight), []
-
-    def work():
-        with cpu_gemv.helper_threads(1):
-            for _ in range(200):
-                if not torch.equal(cpu_gemv.linear_rows(x, weight), want):
-                    wrong.append(1)
-
-    threads = [threading.Thread(target=work) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not any(thread.is_alive() for thread in threads) and not wrong
-
-
-@pytest.mark.parametrize("helpers", [True, False], ids=["helpers", "HF_PAGED_GEMV_HELPERS=0"])
-def test_serial_steps_run_their_few_row_products_on_the_helpers(built, monkeypatch, helpers):
-    """An engine whose small steps run on one thread (``serial_small_steps=True``, as under a
-    server's passive waits) multiplies their few-row products on the C library's helper threads
-    (none with ``HF_PAGED_GEMV_HELPERS=0``), with stock generate()'s tokens."""
-    if torch.get_num_threads() < 2:
-        pytest.skip("one thread: no serial steps")
-    monkeypatch.setenv(step_threads.GEMV_HELPERS_ENV, "1" if helpers else "0")
-    model = build("llama")
-    stock = copy.deepcopy(model)
-    engine = LLMEngine(model, block_size=4, serial_small_steps=True, compile=False)
-    assert engine.runner.serial_steps.gemv_helpers == (torch.get_num_threads() - 1 if helpers else 0)
-    pooled, real = [], cpu_gemv.try_linear_rows
-    monkeypatch.setattr(cpu_gemv, "try_linear_rows",
-                        lambda *a: pooled.append(getattr(cpu_gemv._calling, "helpers", 0)) or real(*a))
-    assert _greedy(engine) == _stock_greedy(stock)
-    assert pooled and set(pooled) == {engine.runner.serial_steps.gemv_helpers}
-    assert engine.stats()["blocks_free"] == engine.stats()["blocks_total"]

@@ -36,7 +36,7 @@ from hf_paged.engine.cpu_linear import onednn_linears, prepacked_lm_head, switch
 from hf_paged.engine.scheduler_output import PromptLogprobRows, SchedulerOutput
 from hf_paged.engine.step_cache import PackedStepCache, host_tensor
 from hf_paged.engine.step_threads import SerialSmallSteps
-from hf_paged.kernels import cpu_decode, cpu_gemv
+from hf_paged.kernels import cpu_decode
 from hf_paged.kinds import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, attention_heads
 from hf_paged.layer_groups import LayerGroup, layer_groups
 from hf_paged.lora import LoRAManager, StepLoRA
@@ -183,9 +183,7 @@ class ModelRunner:
               self._layer_products() if self.layer_linears and not compiled else contextlib.nullcontext(),
               cpu_linear.packed_layers(self.layer_packs) if self.layer_packs else contextlib.nullcontext(),
               self.lora.layers.active(lora_step, traced=compiled) if lora_step else contextlib.nullcontext(),
-              step_threads.one_thread() if serial else contextlib.nullcontext(),
-              cpu_gemv.helper_threads(self.serial_steps.gemv_helpers) if serial and self.serial_steps.gemv_helpers
-              else contextlib.nullcontext()):
+              step_threads.one_thread() if serial else contextlib.nullcontext()):
             logits = self.model(**forward).logits
         clear_active_cache()
         step_cache.check_no_pending()

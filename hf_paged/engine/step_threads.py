@@ -23,14 +23,6 @@ Served to 32 streaming clients (greedy, equal settings), 1,846 against 1,723 tok
 1,693 (medians of 3 and 4 interleaved rounds, every round faster: RESULTS.md, sixteenth session);
 the C decode reads on both threads as well were slower (1,678).
 
-The few-row products in C (:mod:`hf_paged.kernels.cpu_gemv`: the layers' and the head's products of
-a decode step of a few sequences) are the other exception: inside a serial step they run on the
-stepping thread and helper threads of the C library's own (``gemv_helpers``: one fewer than the
-process's threads, :func:`hf_paged.kernels.cpu_gemv.helper_threads`), which take chunks of each
-product beside it, spin between the step's products and sleep between steps, so a step wakes them
-once rather than at each product, and one not yet awake delays nothing. ``HF_PAGED_GEMV_HELPERS=0``
-keeps those products on the stepping thread alone.
-
 Which steps: those whose largest layer GEMM multiplies at most ``SERIAL_STEP_MAX_MACS`` (95 tokens
 for the issue-22 model; with only MKL on one thread, split GEMMs were 7-9% faster in-process at 128
 sequences and more). With active waits (the OpenMP default, an engine alone in its process) split
@@ -50,7 +42,6 @@ from collections.abc import Iterator
 import torch
 
 SERIAL_STEP_MAX_MACS = 16 * 2**20  # a step runs on one thread while its largest layer GEMM multiplies at most this
-GEMV_HELPERS_ENV = "HF_PAGED_GEMV_HELPERS"  # "0": a serial step's few-row C products run on its thread alone
 
 
 def _loaded(name: str) -> ctypes.CDLL | None:
@@ -132,8 +123,6 @@ class SerialSmallSteps:
     def __init__(self, max_tokens: int, head_threads: int = 1):
         self.max_tokens = max_tokens
         self.head_threads = head_threads  # the LM head's threads inside a serial step (see the module's docstring)
-        # the helper threads of the few-row C products inside a serial step (see the module's docstring)
-        self.gemv_helpers = head_threads - 1 if os.environ.get(GEMV_HELPERS_ENV, "1") != "0" else 0
 
     @classmethod
     def of(cls, model: torch.nn.Module, enabled: bool | None = None) -> SerialSmallSteps | None:
