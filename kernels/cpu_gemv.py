@@ -28,11 +28,15 @@ def ready() -> bool:
     return cpu_build.gemv_library() is not None
 
 
-@functools.cache
 def max_rows() -> int:
-    """The most rows one call takes (0 where the library is not built)."""
+    """The most rows one call takes: 16 built for AVX-512, else 8 (0 where the library is not built)."""
     library = cpu_build.gemv_library()
-    return library.max_rows() if library is not None else 0
+    return _max_rows(library) if library is not None else 0
+
+
+@functools.cache
+def _max_rows(library) -> int:  # per library: the builds for other targets take other counts
+    return library.max_rows()
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -57,9 +61,11 @@ def try_linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     out_features, in_features = weight.shape
     flat = x.reshape(-1, in_features).contiguous()
     out = x.new_empty(*x.shape[:-1], out_features)
-    cpu_build.gemv_library().linear_rows(flat.data_ptr(), weight.data_ptr(),
-                                         None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                         flat.shape[0], in_features, out_features, torch.get_num_threads())
+    refused = cpu_build.gemv_library().linear_rows(flat.data_ptr(), weight.data_ptr(),
+                                                   None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                                   flat.shape[0], in_features, out_features, torch.get_num_threads())
+    if refused:  # supports() let through what the library does not take: never hand back unwritten memory
+        raise RuntimeError(f"linear_rows: the C library refused {flat.shape[0]} rows (it takes 1 to {max_rows()})")
     return out
 
 

@@ -129,7 +129,7 @@ def test_negative_control_a_product_missing_its_last_column_changes_tokens(built
 
 def test_larger_steps_keep_onednn_for_the_head(built, monkeypatch):
     """Past ``HEAD_GEMV_MAX_ROWS`` rows the head runs on oneDNN (the C loop reads the weight once for
-    up to 8 rows but multiplies slower than oneDNN's packed kernel there)."""
+    up to ``max_rows()`` rows but multiplies slower than oneDNN's packed kernel there)."""
     if not cpu_linear.available():
         pytest.skip("this torch has no oneDNN linear")
     head = torch.nn.Linear(64, 300, bias=False)

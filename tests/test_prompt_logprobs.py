@@ -33,7 +33,7 @@ from tests.helpers.tiny_models import VOCAB, build
 
 ATOL = 1e-4
 SAME_ATOL = 5e-5  # the same prompt's log-probs from two engine runs (other chunks, other batches; chunks of at
-# most 8 rows multiply in C, longer ones through sgemm: other summation orders, ~1e-5 apart)
+# most 16 rows multiply in C, longer ones through sgemm: other summation orders, ~1e-5 apart)
 LENGTHS = (1, 2, 9, 40, 130)
 
 

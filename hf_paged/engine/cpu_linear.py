@@ -71,7 +71,7 @@ CALIBRATION_ROWS = 256  # the rows of the product timed by onednn_speedup
 ONEDNN_LAYERS_ENV = "HF_PAGED_ONEDNN_LAYERS"  # "0": engines built with onednn_layers=None keep sgemm
 PREPACK_LAYERS_MAX_BYTES = 1 << 30  # the most bytes of oneDNN layer weights that get packed copies by default
 PREPACK_LAYERS_ENV = "HF_PAGED_PREPACK_LAYERS"  # "0": engines built with prepack_layers=None pack none
-LAYER_GEMV_MAX_ROWS = 8  # layer products of at most this many rows run in C (hf_paged.kernels.cpu_gemv)
+LAYER_GEMV_MAX_ROWS = 16  # layer products of at most this many rows run in C (as many as cpu_gemv.max_rows())
 FEW_ROW_LAYERS_ENV = "HF_PAGED_FEW_ROW_LAYERS"  # "0": layers oneDNN does not take keep sgemm at few rows too
 HEAD_GEMV_MAX_ROWS = 4  # and LM head products of at most this many (more: oneDNN's packed kernel is faster)
 
