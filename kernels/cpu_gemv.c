@@ -13,7 +13,7 @@
  * One weight row at a time, not several side by side (an earlier version read 4 rows in step,
  * sharing each x load among them): 4 interleaved streams, each 1 KiB long for a 256-wide weight,
  * kept the prefetchers from running ahead. On a 2-core EPYC whose memory streamed ~31 GB/s to
- * torch.sum (2026-12-07; three runs, medians of 15 calls), the issue-22 model's 32,000-wide head
+ * torch.sum (2026-12-07; two runs, medians of 15 calls), the issue-22 model's 32,000-wide head
  * at one row took 0.8-2.3 ms with 4 rows side by side against 0.34-1.04 ms a row at a time; its
  * 28 layer products and head 2.4-3.7 ms against 0.9-1.9 (one row), 2.8-3.3 against 1.6-1.8 (four),
  * 3.1-4.0 against 2.8-3.5 (eight). The bits are the same (the order of each sum is).

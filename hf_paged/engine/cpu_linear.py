@@ -36,9 +36,9 @@ on the 2026-12-07 EPYC a step's 28 layer products and head took 1.24 ms through 
 head against 0.46 ms in C at one row, 1.50 against 0.80 at four; at eight rows the head is faster
 on oneDNN (1.22 ms with it against 1.56 all in C), hence its lower limit. The layers' few-row
 products run in C whether or not oneDNN takes their larger ones (:func:`few_row_layers`): on a
-2-core EPYC whose memory streamed ~5 GB/s (2026-12-07, later), where oneDNN was no faster than
-sgemm, the step's 28 layer products and the C head took 3.36 ms with sgemm layers against 2.09 all
-in C (one row), 4.63 against 3.84 (four).
+2-core EPYC with slow memory (2026-12-07, later: a 256 MB copy ~5 GB/s), where oneDNN was no faster
+than sgemm, the step's 28 layer products and the C head took 3.36 ms with sgemm layers against 2.09
+all in C (one row), 4.63 against 3.84 (four), before the C loop read a weight row at a time.
 
 Only the engine's forwards switch (:func:`onednn_linears`, :func:`layer_products`: context
 managers): ``generate()`` and every other use of the model stay stock, bit for bit. oneDNN's
