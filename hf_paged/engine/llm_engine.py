@@ -80,8 +80,8 @@ class LLMEngine:
             measured at least 1.25x sgemm's speed at the model's largest layer shape (once per shape
             and process, milliseconds); True / False: always / never. ``stats()["onednn_layers"]``
             says which, ``runner.onednn_layers_note`` why. Either way their products of at most 16
-            rows (8 without AVX-512: decode steps of a few sequences) run in C (:mod:`hf_paged.kernels.cpu_gemv`),
-            unless the environment has ``HF_PAGED_FEW_ROW_LAYERS=0``.
+            rows (8 without AVX-512: decode steps of a few sequences) run in C
+            (:mod:`hf_paged.kernels.cpu_gemv`), unless the environment has ``HF_PAGED_FEW_ROW_LAYERS=0``.
         prepack_layers: with ``onednn_layers`` on: their products run on oneDNN-prepacked copies of
             the weights (decode steps gain too: oneDNN need not reorder a weight at each call; a
             second copy of those weights in memory). ``None`` (default): when the copies take at
