@@ -260,8 +260,10 @@ def test_an_engine_in_a_process_of_its_own_serves_the_same(reference):
     finally:
         llm.shutdown()
     assert process.process.exitcode == 0 and llm.engine is process and llm.errored
-    assert {len(c.token_ids): c.text for out in whole for c in out.outputs} == texts_by_length(reference, PROMPTS[0],
-                                                                                              GREEDY)
+    # a reader slower than the steps gets the newest cumulative output only (lengths may skip; see above)
+    read, texts = {len(c.token_ids): c.text for out in whole for c in out.outputs}, texts_by_length(
+        reference, PROMPTS[0], GREEDY)
+    assert max(texts) in read and read == {length: texts[length] for length in read}
     assert completions(whole[-1]) == completions(reference.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0])
     assert joined(deltas) == completions(reference.generate(PROMPTS[1:2], delta, use_tqdm=False)[0])
     assert [c.finish_reason for c in aborted[-1].outputs] == ["abort"] and len(aborted) < 100
