@@ -335,9 +335,10 @@ def few_row_layers(model: torch.nn.Module) -> tuple[torch.nn.Linear, ...]:
     forwards run in C where oneDNN does not take the layers (:func:`few_row_linear`): the float32
     CPU ``nn.Linear`` layers of a model without tensor parallelism, where the C products are built,
     unless the environment has ``HF_PAGED_FEW_ROW_LAYERS=0``."""
-    if os.environ.get(FEW_ROW_LAYERS_ENV, "1") == "0" or tp_size_of(model) > 1 or not cpu_gemv.ready():
+    if os.environ.get(FEW_ROW_LAYERS_ENV, "1") == "0" or tp_size_of(model) > 1:
         return ()
-    return _body_linears(model)
+    modules = _body_linears(model)  # before building the library: a GPU or half-precision model needs none
+    return modules if modules and cpu_gemv.ready() else ()
 
 
 def layer_packs(modules: tuple[torch.nn.Linear, ...], enabled: bool | None = None
