@@ -309,11 +309,11 @@ def _decode_step_on_cpu(step: PackedStep, layer_idx: int, q: torch.Tensor, k_poo
     if q.is_cuda or kwargs.get("softcap") or not _c_read(step.decode_read) or kernels.use_triton(q):
         return None
     spec_options = step.specs[layer_idx].read_options()
-    if spec_options.get("chunk_size") or not cpu_decode.supports(q, k_pool, v_pool):
+    if spec_options.get("chunk_size"):
         return None
     window = kwargs.get("sliding_window") or spec_options.get("sliding_window")
-    return cpu_decode.paged_decode_cpu(q, k_pool, v_pool, meta.block_tables, meta.context_lens, scale, window,
-                                       kwargs.get("s_aux"))
+    return cpu_decode.try_paged_decode_cpu(q, k_pool, v_pool, meta.block_tables, meta.context_lens, scale, window,
+                                           kwargs.get("s_aux"))
 
 
 def _decode_rows(step: PackedStep, layer_idx: int, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,

@@ -104,7 +104,12 @@ def _layout(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int, int]
 def readable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the C reads can take these tensors: no :func:`mismatch`, and the library for their
     layout built (built on the first ask)."""
-    return mismatch(q, k_cache, v_cache) is None and library(_layout(q, k_cache)) is not None
+    return readable_library(q, k_cache, v_cache) is not None
+
+
+def readable_library(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> ctypes.CDLL | None:
+    """The library that reads these tensors where :func:`readable`, else None."""
+    return library(_layout(q, k_cache)) if mismatch(q, k_cache, v_cache) is None else None
 
 
 def library_for(read: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> ctypes.CDLL:

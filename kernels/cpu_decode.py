@@ -51,6 +51,23 @@ def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``sinks`` (``[heads]``) add a logit per head whose value is zero. Returns ``[seqs, heads,
     head_dim]``. Callers ask :func:`supports` first."""
     library = cpu_build.library_for("paged_decode_cpu", q, k_cache, v_cache)
+    return _decode(library, q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, sinks)
+
+
+def try_paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor | None:
+    """:func:`paged_decode_cpu` where :func:`supports` takes the tensors, else None (one check, for
+    callers that fall back to another read)."""
+    library = cpu_build.readable_library(q, k_cache, v_cache)
+    if library is None:
+        return None
+    return _decode(library, q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, sinks)
+
+
+def _decode(library, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            context_lens: torch.Tensor, scale: float, sliding_window: int | None, sinks: torch.Tensor | None
+            ) -> torch.Tensor:
     seqs, heads, _ = q.shape
     block_size = k_cache.shape[1]
     q = q.contiguous()

@@ -118,6 +118,13 @@ def test_supports_only_float32_cpu_pools_in_the_block_layout():
     heads_major = k_pool.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)  # storage's heads_major layout
     assert not cpu_decode.supports(q, heads_major, heads_major)
     assert not cpu_decode.supports(q[:, :, :8], k_pool, v_pool)
+    # the one-check entry point: the read where it is supported, None where not (the caller reads otherwise)
+    _, _, _, tables, lens, _ = _case(2, 4, 16, 32, num_seqs=2)
+    assert torch.equal(cpu_decode.try_paged_decode_cpu(q, k_pool, v_pool, tables, lens, 0.3),
+                       cpu_decode.paged_decode_cpu(q, k_pool, v_pool, tables, lens, 0.3))
+    for refused in ((q.bfloat16(), k_pool.bfloat16(), v_pool.bfloat16()), (q, heads_major, heads_major),
+                    (q[:, :, :8], k_pool, v_pool)):
+        assert cpu_decode.try_paged_decode_cpu(*refused, tables, lens, 0.3) is None
 
 
 def _run_python(code: str, **env) -> subprocess.CompletedProcess:
@@ -194,15 +201,18 @@ def _engine_tokens(model, monkeypatch, read: str = "c", block_size: int = 16, ne
     engine = LLMEngine(model, block_size=block_size)
     engine.runner.decode_read = read
     calls = []
-    original = cpu_decode.paged_decode_cpu
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
+    def counted(original):  # a read the C library did (the general path's, or a decode step's shortcut)
+        def read(*args, **kwargs):
+            out = original(*args, **kwargs)
+            calls.extend([1] if out is not None else [])
+            return out
+        return read
 
-    monkeypatch.setattr(cpu_decode, "paged_decode_cpu", counted)
-    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=new, temperature=0), use_tqdm=False)
-    monkeypatch.setattr(cpu_decode, "paged_decode_cpu", original)
+    with monkeypatch.context() as patched:
+        for name in ("paged_decode_cpu", "try_paged_decode_cpu"):
+            patched.setattr(cpu_decode, name, counted(getattr(cpu_decode, name)))
+        outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=new, temperature=0), use_tqdm=False)
     assert engine.kv.num_used_blocks() == 0
     return [o.outputs[0].token_ids for o in outs], calls
 
@@ -277,12 +287,14 @@ def test_negative_control_a_read_one_slot_short_changes_tokens(monkeypatch):
     config = model.config
     _built_or_skip(config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads,
                    config.hidden_size // config.num_attention_heads, 16)
-    original = cpu_decode.paged_decode_cpu
 
-    def short(q, k, v, tables, lens, *args, **kwargs):
-        return original(q, k, v, tables, (lens - 1).clamp(min=1), *args, **kwargs)
+    def short(original):  # both entry points: the general path's and a decode step's shortcut
+        def read(q, k, v, tables, lens, *args, **kwargs):
+            return original(q, k, v, tables, (lens - 1).clamp(min=1), *args, **kwargs)
+        return read
 
-    monkeypatch.setattr(cpu_decode, "paged_decode_cpu", short)
+    for name in ("paged_decode_cpu", "try_paged_decode_cpu"):
+        monkeypatch.setattr(cpu_decode, name, short(getattr(cpu_decode, name)))
     engine = LLMEngine(model, block_size=16)
     engine.runner.decode_read = "c"
     outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0), use_tqdm=False)
