@@ -306,10 +306,8 @@ def _decode_step_on_cpu(step: PackedStep, layer_idx: int, q: torch.Tensor, k_poo
     or None where the general path must decide: what it would decide for such a step (the same
     read, the same arguments), with less Python per layer: one-sequence decode steps of the
     issue-22 model 4% faster, four-sequence ones 2% (one engine, this path switched per round)."""
-    if q.is_cuda or kwargs.get("softcap") or not _c_read(step.decode_read) or kernels.use_triton(q):
-        return None
     spec_options = step.specs[layer_idx].read_options()
-    if spec_options.get("chunk_size"):
+    if not _c_decode_wanted(step, q, kernels.use_triton(q), kwargs.get("softcap"), spec_options.get("chunk_size")):
         return None
     window = kwargs.get("sliding_window") or spec_options.get("sliding_window")
     return cpu_decode.try_paged_decode_cpu(q, k_pool, v_pool, meta.block_tables, meta.context_lens, scale, window,
@@ -332,11 +330,12 @@ def _c_read(read: str) -> bool:
     return read == "c" or (read == "auto" and cpu_build.auto_reads())
 
 
-def _c_decode_reads(step: PackedStep, q: torch.Tensor, k_pool, v_pool, triton: bool, options: dict) -> bool:
-    """Whether an engine step's decode rows go to the C read over the blocks
-    (:mod:`hf_paged.kernels.cpu_decode`), as :func:`_decode_on_cpu` decides."""
-    return (_c_read(step.decode_read) and not q.is_cuda and not triton and not options.get("softcap")
-            and not options.get("chunk_size") and cpu_decode.supports(q, k_pool, v_pool))
+def _c_decode_wanted(step: PackedStep, q: torch.Tensor, triton: bool, softcap: float | None,
+                     chunk_size: int | None) -> bool:
+    """Whether an engine step's decode rows ask for the C read over the blocks
+    (:mod:`hf_paged.kernels.cpu_decode`; it reads them where it takes their tensors, see
+    ``try_paged_decode_cpu``): the step's ``decode_read``, on the CPU, without softcap or chunks."""
+    return _c_read(step.decode_read) and not q.is_cuda and not triton and not softcap and not chunk_size
 
 
 def _c_prefill_reads(step: PackedStep, q: torch.Tensor, k_pool, v_pool, triton: bool, options: dict) -> bool:
@@ -432,11 +431,13 @@ def _decode_on_cpu(step: PackedStep, layer_idx: int, q, k_pool, v_pool, scale, o
     adds nothing."""
     num_seqs, heads, head_dim = q.shape
     kv_heads, group = k_pool.shape[2], heads // k_pool.shape[2]
-    if _c_decode_reads(step, q, k_pool, v_pool, False, options):
+    if _c_decode_wanted(step, q, False, options.get("softcap"), options.get("chunk_size")):
         meta = step.metadata_for(layer_idx, q.device)
         tables, lens = (meta.draft_tables, meta.draft_lens) if drafts else (meta.block_tables, meta.context_lens)
-        return cpu_decode.paged_decode_cpu(q, k_pool, v_pool, tables[:num_seqs], lens[:num_seqs], scale,
-                                           options.get("sliding_window"), options.get("sinks"))
+        out = cpu_decode.try_paged_decode_cpu(q, k_pool, v_pool, tables[:num_seqs], lens[:num_seqs], scale,
+                                              options.get("sliding_window"), options.get("sinks"))
+        if out is not None:
+            return out
     k_rows, v_rows = k_pool.view(-1, kv_heads * head_dim), v_pool.view(-1, kv_heads * head_dim)
     sinks = options.get("sinks")
     parts = []
