@@ -1,7 +1,10 @@
 """Builds the float32 CPU attention reads in C (``cpu_decode.c``, ``cpu_prefill.c``) into one shared
 library per layout (K/V heads, query heads per K/V head, head dim, block size: compile-time
-constants, so the compiler unrolls and vectorizes for them), and the few-row linear products
-(``cpu_gemv.c``) into one more, with the system's C compiler.
+constants, so the compiler unrolls and vectorizes for them), and the kernels of a step's few rows
+(the linear products of ``cpu_gemv.c``, the greedy picks of ``cpu_argmax.c``) into one more, with
+the system's C compiler; that one also holds the products' torch operator (``cpu_ops.cpp``, C++
+against torch's stable ABI) where the C++ compiler and torch's headers build it, and goes without
+it where they do not (:func:`ops_failure` says why).
 
 Building takes about a second; the library is cached on disk (``HF_PAGED_CACHE``, else
 ``$XDG_CACHE_HOME/hf_paged``, else ``~/.cache/hf_paged``) under a key of the sources, the flags and
@@ -30,18 +33,26 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_prefill.c"))
-GEMV_SOURCES = (Path(__file__).with_name("cpu_gemv.c"),)
+ROW_SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_argmax.c"))
+OPS_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by every source: part of the cache key
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")
+CXX_FLAGS = ("-O2", "-std=c++17", "-fPIC")  # glue around the C loops: no vector code of its own
 MARCH_VARIABLE = "HF_PAGED_CPU_MARCH"
 _libraries: dict[tuple, ctypes.CDLL | None] = {}
 _failure: str | None = None
+_ops_failure: str | None = None
 _lock = threading.Lock()
 
 
 def failure() -> str | None:
     """Why the C reads cannot be built in this process (None while they can)."""
     return _failure
+
+
+def ops_failure() -> str | None:
+    """Why the few-row library was built without its torch operator (``cpu_ops.cpp``), or None."""
+    return _ops_failure
 
 
 def target() -> str:
@@ -58,13 +69,17 @@ def library(layout: tuple[int, int, int, int]) -> ctypes.CDLL | None:
     return _library(("attention", *layout), SOURCES, defines, _bind_reads)
 
 
-def gemv_library() -> ctypes.CDLL | None:
-    """The library of the few-row linear products (``cpu_gemv.c``) on the :func:`target`, as
-    :func:`library` builds the reads'."""
-    return _library(("gemv",), GEMV_SOURCES, [], _bind_gemv)
+def rows_library() -> ctypes.CDLL | None:
+    """The library of the few-row kernels (``cpu_gemv.c``, ``cpu_argmax.c``) on the :func:`target`,
+    as :func:`library` builds the reads'."""
+    return _library(("rows",), ROW_SOURCES, [], _bind_rows, with_ops=True)
 
 
-def _library(kind: tuple, sources: tuple[Path, ...], defines: list[str], bind) -> ctypes.CDLL | None:
+_BUILD_ERRORS = (OSError, subprocess.SubprocessError, RuntimeError)
+
+
+def _library(kind: tuple, sources: tuple[Path, ...], defines: list[str], bind,
+             with_ops: bool = False) -> ctypes.CDLL | None:
     global _failure
     key = (target(), *kind)
     if key in _libraries:
@@ -74,11 +89,27 @@ def _library(kind: tuple, sources: tuple[Path, ...], defines: list[str], bind) -
             loaded = None
             if _failure is None:
                 try:
-                    loaded = bind(ctypes.CDLL(str(_build(sources, defines, key[0], kind[0]))))
-                except (OSError, subprocess.SubprocessError, RuntimeError) as error:
-                    _failure = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[-1]}"
+                    loaded = bind(_load_with_ops(sources, defines, key[0], kind[0]) if with_ops
+                                  else ctypes.CDLL(str(_build(sources, defines, key[0], kind[0]))))
+                except _BUILD_ERRORS as error:
+                    _failure = _reason(error)
             _libraries[key] = loaded
     return _libraries[key]
+
+
+def _reason(error: BaseException) -> str:
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[-1]}"
+
+
+def _load_with_ops(sources: tuple[Path, ...], defines: list[str], march: str, name: str) -> ctypes.CDLL:
+    """The library of ``sources`` and the C++ operators (``OPS_SOURCE``), or of ``sources`` alone where
+    those do not build or load (:func:`ops_failure` says why)."""
+    global _ops_failure
+    try:
+        return ctypes.CDLL(str(_build(sources + (OPS_SOURCE,), defines, march, name)))
+    except _BUILD_ERRORS as error:
+        _ops_failure = _reason(error)
+    return ctypes.CDLL(str(_build(sources, defines, march, name)))
 
 
 def mismatch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
@@ -134,37 +165,69 @@ def _bind_reads(loaded: ctypes.CDLL) -> ctypes.CDLL:
     return loaded
 
 
-def _bind_gemv(loaded: ctypes.CDLL) -> ctypes.CDLL:
+def _bind_rows(loaded: ctypes.CDLL) -> ctypes.CDLL:
     loaded.linear_rows.restype = loaded.max_rows.restype = ctypes.c_int
     loaded.linear_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     loaded.max_rows.argtypes = []
+    loaded.greedy_rows.restype = None
+    loaded.greedy_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+    if hasattr(loaded, "register_ops"):  # built with cpu_ops.cpp
+        loaded.register_ops.restype = ctypes.c_int
+        loaded.register_ops.argtypes = [ctypes.c_char_p]
+        loaded.few_row_products_in_c.restype = ctypes.c_uint64
+        loaded.few_row_products_in_c.argtypes = []
     return loaded
 
 
 def _build(sources: tuple[Path, ...], defines: list[str], march: str, name: str) -> Path:
     """The shared library of ``sources`` built with ``defines`` for ``-march=march``, compiled
-    unless the cache already has it."""
+    unless the cache already has it. C++ sources build against this torch's headers and link
+    against its libraries (their version is part of the key)."""
     machine = cpu_flags() if march == "native" else march.encode()
+    cxx = any(source.suffix == ".cpp" for source in sources)
+    linked_torch = f"torch {torch.__version__} {_torch_dir()}".encode() if cxx else b""
     key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in sources + HEADERS), machine,
-                                     " ".join(FLAGS + tuple(defines)).encode()]))
+                                     " ".join(FLAGS + tuple(defines)).encode(), linked_torch]))
     path = _cache_dir() / f"cpu_{name}-{key.hexdigest()[:20]}.so"
     if path.exists():
         return path
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
-        raise RuntimeError("no C compiler found (set CC)")
+    compiler = _compiler("CC", "cc", "gcc", "clang")
+    cxx_compiler = _compiler("CXX", "c++", "g++", "clang++") if cxx else None
     with tempfile.TemporaryDirectory(dir=path.parent) as work:
         objects = [str(Path(work) / f"{source.stem}.o") for source in sources]
         for source, obj in zip(sources, objects):
-            _compile(compiler, march, defines, source, obj)
+            if source.suffix == ".cpp":
+                include = f"-I{_torch_dir() / 'include'}"
+                _run(cxx_compiler, "compile", [*CXX_FLAGS, include, "-c", str(source), "-o", obj])
+            else:
+                _compile(compiler, march, defines, source, obj)
         lib = Path(work) / f"cpu_{name}.so"
         # linked without -ffast-math: gcc would add crtfastmath.o, which turns on flush-to-zero for the process
-        linked = subprocess.run([compiler, "-shared", "-fopenmp", *objects, "-o", str(lib), "-lm"],
-                                capture_output=True, text=True, timeout=120)
-        if linked.returncode != 0:
-            raise RuntimeError(f"{compiler} failed to link: {linked.stderr.strip()}")
+        torch_libs = [f"-L{_torch_dir() / 'lib'}", f"-Wl,-rpath,{_torch_dir() / 'lib'}", "-ltorch_cpu", "-lc10"]
+        _run(cxx_compiler or compiler, "link", ["-shared", "-fopenmp", *objects, "-o", str(lib), "-lm",
+                                                *(torch_libs if cxx else [])])
         os.replace(lib, path)  # atomic: another process building the same key ends with the same file
     return path
+
+
+def _compiler(variable: str, *names: str) -> str:
+    """``$variable``, else the first of ``names`` on the PATH; a RuntimeError where none is."""
+    found = os.environ.get(variable) or next((shutil.which(n) for n in names if shutil.which(n)), None)
+    if found is None:
+        raise RuntimeError(f"no {'C++' if variable == 'CXX' else 'C'} compiler found (set {variable})")
+    return found
+
+
+def _run(compiler: str, what: str, arguments: list[str]) -> None:
+    done = subprocess.run([compiler, *arguments], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        error = next((line for line in lines if "error" in line), lines[-1] if lines else "")
+        raise RuntimeError(f"{compiler} failed to {what}: {error.strip()}")
+
+
+def _torch_dir() -> Path:
+    return Path(torch.__file__).parent
 
 
 def _compile(compiler: str, march: str, defines: list[str], source: Path, obj: str) -> None:

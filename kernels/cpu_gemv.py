@@ -12,11 +12,16 @@ summation order).
 Built by :mod:`cpu_build` (cached on disk; where no compiler works, :func:`ready` answers False and
 callers keep their own products). It runs with ``torch.get_num_threads()`` threads. The torch
 reference is ``torch.nn.functional.linear``.
+
+Python callers reach the loop through ctypes (:func:`try_linear_rows`); compiled engine steps through
+a torch operator in C++ (:func:`linear_op`, ``cpu_ops.cpp``) where it builds: a decode step calls it
+for each layer linear, and through Python each call cost ~10 us around a ~3 us loop.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -25,12 +30,12 @@ from . import cpu_build
 
 def ready() -> bool:
     """Whether the library is built here (builds it, or loads the cached build, on the first ask)."""
-    return cpu_build.gemv_library() is not None
+    return cpu_build.rows_library() is not None
 
 
 def max_rows() -> int:
     """The most rows one call takes: 16 built for AVX-512, else 8 (0 where the library is not built)."""
-    library = cpu_build.gemv_library()
+    library = cpu_build.rows_library()
     return _max_rows(library) if library is not None else 0
 
 
@@ -39,33 +44,76 @@ def _max_rows(library) -> int:  # per library: the builds for other targets take
     return library.max_rows()
 
 
+def linear_op() -> torch._ops.OpOverload | None:
+    """The C++ operator ``few_row_linear(x, weight, bias, max_rows, fallback="aten::linear")`` of this
+    target's library, or None where the library was built without it (``cpu_build.ops_failure()``
+    says why) or not at all. It is ``F.linear(x, weight, bias)``, run in C where :func:`supports`
+    takes the tensors and there are at most ``max_rows`` rows (the bits of :func:`try_linear_rows`),
+    else by the operator named ``fallback`` (any that takes ``(x, weight, bias)``)."""
+    library = cpu_build.rows_library()
+    return _linear_op(library) if library is not None else None
+
+
+_namespaces = itertools.count()
+
+
+@functools.cache
+def _linear_op(library) -> torch._ops.OpOverload | None:
+    """Registers the operator of ``library`` under a namespace of its own (a process may load the
+    library of several targets; a namespace is defined once)."""
+    if not hasattr(library, "register_ops"):
+        return None
+    namespace = f"hf_paged_rows{next(_namespaces)}"
+    if library.register_ops(namespace.encode()):
+        return None
+    torch.library.register_fake(f"{namespace}::few_row_linear",
+                                lambda x, weight, bias, max_rows, fallback="aten::linear":
+                                x.new_empty(*x.shape[:-1], weight.shape[0]))
+    return getattr(torch.ops, namespace).few_row_linear.default
+
+
+def products_in_c() -> int:
+    """How many products this target's :func:`linear_op` has run in C in this process (for tests)."""
+    library = cpu_build.rows_library()
+    return library.few_row_products_in_c() if library is not None and hasattr(library, "register_ops") else 0
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether :func:`linear_rows` takes these tensors: float32 on the CPU, a 2-D contiguous weight
     (and a 1-D contiguous bias of its rows), ``x``'s last dimension its columns, 1 to
     :func:`max_rows` rows, and the library built."""
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+    library = cpu_build.rows_library()
+    return library is not None and _fits(x, weight, bias, _max_rows(library))
+
+
+def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, most: int) -> bool:
+    """:func:`supports`, the library's ``most`` rows known (the checks every layer product of a
+    decode step makes: cheap attribute reads, cheapest and likeliest to fail first)."""
+    float32 = torch.float32
+    if x.dtype is not float32 or weight.dtype is not float32 or not (x.is_cpu and weight.is_cpu):
         return False
-    if x.device.type != "cpu" or weight.device.type != "cpu" or not weight.is_contiguous():
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or not 0 < x.numel() <= most * x.shape[-1]:
         return False
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != weight.shape[:1]
-                             or bias.device.type != "cpu" or not bias.is_contiguous()):
+    if bias is not None and (bias.dtype is not float32 or bias.shape != weight.shape[:1] or not bias.is_cpu
+                             or not bias.is_contiguous()):
         return False
-    return 0 < x.numel() <= max_rows() * x.shape[-1]
+    return weight.is_contiguous()
 
 
 def try_linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """:func:`linear_rows` where :func:`supports` takes the tensors, else None (one check, for
     callers that fall back to another product)."""
-    if not supports(x, weight, bias):
+    library = cpu_build.rows_library()
+    if library is None or not _fits(x, weight, bias, most := _max_rows(library)):
         return None
     out_features, in_features = weight.shape
-    flat = x.reshape(-1, in_features).contiguous()
+    flat = x.contiguous()
     out = x.new_empty(*x.shape[:-1], out_features)
-    refused = cpu_build.gemv_library().linear_rows(flat.data_ptr(), weight.data_ptr(),
-                                                   None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                                   flat.shape[0], in_features, out_features, torch.get_num_threads())
-    if refused:  # supports() let through what the library does not take: never hand back unwritten memory
-        raise RuntimeError(f"linear_rows: the C library refused {flat.shape[0]} rows (it takes 1 to {max_rows()})")
+    rows = flat.numel() // in_features
+    if library.linear_rows(flat.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                           out.data_ptr(), rows, in_features, out_features, torch.get_num_threads()):
+        # _fits let through what the library does not take: never hand back unwritten memory
+        raise RuntimeError(f"linear_rows: the C library refused {rows} rows (it takes 1 to {most})")
     return out
 
 

@@ -1,11 +1,17 @@
 """The C products of a few rows (``hf_paged.kernels.cpu_gemv``): against ``F.linear`` at every row
 count it takes (odd sizes, bias or none, both builds), a row's bits independent of the other rows
-and of the threads, its refusals, the engine's few-sequence steps running their layer and LM-head
-products through it with stock generate()'s tokens, and a negative control."""
+and of the threads, its refusals, its C++ operator (the loop's bits where it takes the tensors,
+``F.linear``'s elsewhere, compiled too; a library without it where no C++ compiler works), the
+engine's few-sequence steps running their layer and LM-head products through it with stock
+generate()'s tokens, and negative controls."""
 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -73,6 +79,69 @@ def test_what_it_does_not_take_is_refused_by_name(built):
             cpu_gemv.linear_rows(x, w, b)
 
 
+@pytest.fixture
+def linear_op(built):
+    op = cpu_gemv.linear_op()
+    if op is None:
+        pytest.skip(f"the C++ operator does not build here: {cpu_build.ops_failure()}")
+    return op
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_the_operator_is_the_loop_where_it_takes_the_tensors_and_f_linear_elsewhere(linear_op, with_bias):
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(300, 264, generator=g)
+    bias = torch.randn(300, generator=g) if with_bias else None
+    limit = cpu_gemv.max_rows()
+    before = cpu_gemv.products_in_c()
+    for rows in range(1, limit + 1):
+        x = torch.randn(2, rows, 264, generator=g)[:1]
+        assert torch.equal(linear_op(x, weight, bias, limit), cpu_gemv.linear_rows(x, weight, bias)), rows
+    assert cpu_gemv.products_in_c() - before == limit
+    x = torch.randn(1, 3, 264, generator=g)
+    not_taken = {
+        "more rows than the build takes": (torch.randn(1, limit + 1, 264, generator=g), weight, bias, limit + 1),
+        "more rows than asked for": (x, weight, bias, 2),
+        "a transposed weight": (x, weight.t().contiguous().t(), bias, limit),
+        "float64": (x.double(), weight.double(), None if bias is None else bias.double(), limit),
+    }
+    for what, (x, w, b, most) in not_taken.items():
+        assert torch.equal(linear_op(x, w, b, most), torch.nn.functional.linear(x, w, b)), what
+    assert cpu_gemv.products_in_c() - before == limit, "a product it does not take ran in C"
+    x = torch.randn(2, 264, generator=g).t().contiguous().t()  # rows not contiguous: copied, then the loop
+    assert torch.equal(linear_op(x, weight, bias, limit), cpu_gemv.linear_rows(x.contiguous(), weight, bias))
+    compiled = torch.compile(lambda x: linear_op(x, weight, bias, limit), fullgraph=True)
+    x = torch.randn(1, 1, 264, generator=g)
+    assert torch.equal(compiled(x), cpu_gemv.linear_rows(x, weight, bias))
+
+
+def test_negative_control_the_operator_compared_with_sgemm_differs_in_the_last_bits(linear_op):
+    """The comparisons above are bit for bit: the loop's sums are not sgemm's, so comparing with the
+    wrong one of the two would have failed."""
+    g = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(300, 264, generator=g), torch.randn(1, 4, 264, generator=g)
+    assert not torch.equal(linear_op(x, weight, None, 4), torch.nn.functional.linear(x, weight))
+
+
+def test_without_a_cpp_compiler_the_library_builds_without_the_operator(built, tmp_path):
+    if built != "native":
+        pytest.skip("one build is enough")
+    code = """
+        import torch
+        from hf_paged.kernels import cpu_build, cpu_gemv
+        assert cpu_gemv.ready() and cpu_gemv.linear_op() is None
+        print(cpu_build.ops_failure())
+        from hf_paged.engine import cpu_linear
+        assert cpu_linear.few_row_call(traced=True) is torch.ops.hf_paged.few_row_linear
+        assert cpu_linear.few_row_call(traced=True, onednn=True) is torch.ops.hf_paged.onednn_linear
+    """
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "HF_PAGED_CACHE": str(tmp_path), "CXX": "/nonexistent/c++"},
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr
+    assert "/nonexistent/c++" in done.stdout
+
+
 def _stock_greedy(stock, new: int = 10) -> list[list[int]]:
     return [stock.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False)[0, len(p):].tolist()
             for p in PROMPTS]
@@ -104,12 +173,29 @@ def test_few_sequence_steps_run_their_products_in_c_with_stock_tokens(built, mon
     engine = LLMEngine(model, block_size=4, onednn_layers=onednn, compile=compile)
     assert engine.stats()["compiled"] is compile and engine.stats()["onednn_layers"] is onednn
     seen.clear()  # compiling ran the body on dummy tokens
+    before = cpu_gemv.products_in_c()
     assert _greedy(engine) == _stock_greedy(stock)
     layers = {id(m.weight) for m in engine.runner.layer_linears}
-    assert layers and layers <= seen, "a layer product of a decode step did not run in C"
+    if cpu_gemv.linear_op() is None:  # through Python (hf_paged::onednn_linear, few_row_linear)
+        assert layers and layers <= seen, "a layer product of a decode step did not run in C"
+    else:  # through the C++ operator: 9 decode steps of 3 rows, every layer product in C
+        assert layers and not layers & seen and cpu_gemv.products_in_c() - before >= 9 * len(layers)
     assert id(model.lm_head.weight) in seen, "the LM head of a decode step did not run in C"
     assert not any("forward" in m.__dict__ for m in model.modules())
     assert engine.stats()["blocks_free"] == engine.stats()["blocks_total"]
+
+
+def test_negative_control_the_operators_products_reach_the_tokens(linear_op, monkeypatch):
+    """The layer products of an engine's steps come from ``cpu_gemv.linear_op()``: the same steps
+    with its products missing their last input column do not give stock tokens."""
+    model = build("llama")
+    stock = _stock_greedy(copy.deepcopy(model))
+
+    def short(x, weight, bias, most):
+        return linear_op(x[..., :-1].contiguous(), weight[:, :-1].contiguous(), bias, most)
+
+    monkeypatch.setattr(cpu_gemv, "linear_op", lambda: short)
+    assert _greedy(LLMEngine(model, block_size=4, onednn_layers=False, compile=False)) != stock
 
 
 def test_negative_control_a_product_missing_its_last_column_changes_tokens(built, monkeypatch):

@@ -55,10 +55,10 @@ def test_nonfinite_rows_read_from_the_chunk_maxima_find_what_a_full_read_finds(v
     logits[4] = float("-inf")
     maxima = sampler.chunk_maxima(logits)
     assert maxima is not None and maxima.shape == (6, -(-vocab // sampler.ARGMAX_CHUNK))
-    assert output_processor.nonfinite_rows(logits, maxima) == output_processor.nonfinite_rows(logits) == [1, 2, 4]
+    assert sampler.nonfinite_rows(logits, maxima) == sampler.nonfinite_rows(logits) == [1, 2, 4]
     assert torch.equal(sampler.argmax_rows(logits[[0, 3, 5]], maxima[[0, 3, 5]]), logits[[0, 3, 5]].argmax(-1))
     logits[5, 0] = float("nan")  # negative control: maxima taken before the change miss it
-    assert output_processor.nonfinite_rows(logits, maxima) != output_processor.nonfinite_rows(logits)
+    assert sampler.nonfinite_rows(logits, maxima) != sampler.nonfinite_rows(logits)
 
 
 GREEDY8 = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)

@@ -501,7 +501,7 @@ def test_property_no_sampling_params_break_the_engine(short_model, tokenizer, re
 
 
 def test_nonfinite_rows_finds_nan_inf_and_rows_without_a_finite_value():
-    from hf_paged.engine.output_processor import nonfinite_rows
+    from hf_paged.engine.sampler import nonfinite_rows
 
     logits = torch.randn(64, 32000)
     assert nonfinite_rows(logits) == []

@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {"hf_paged": ROOT / "hf_paged", "hf_paged/kernels": ROOT / "kernels"}  # place in the wheel -> folder
-DATA_SUFFIXES = (".py", ".c", ".h", ".safetensors")
+DATA_SUFFIXES = (".py", ".c", ".h", ".cpp", ".safetensors")
 
 
 def _expected_files() -> set[str]:

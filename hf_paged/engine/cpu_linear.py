@@ -368,13 +368,11 @@ def layer_packs(modules: tuple[torch.nn.Linear, ...], enabled: bool | None = Non
 @contextlib.contextmanager
 def layer_products(modules: Iterable[torch.nn.Linear], traced: bool = False, onednn: bool = True):
     """Run the layer linears ``modules`` through :func:`linear` inside the block, or (not ``onednn``)
-    through :func:`few_row_linear` (``traced``: as the op ``hf_paged::onednn_linear`` or
-    ``hf_paged::few_row_linear``, for a compiled body being compiled or run). A module whose
-    forward is already replaced keeps it (LoRA steps enter after this, wrapping these forwards)."""
-    if traced:
-        call = torch.ops.hf_paged.onednn_linear if onednn else torch.ops.hf_paged.few_row_linear
-    else:
-        call = linear if onednn else few_row_linear
+    through :func:`few_row_linear`, their few-row products in C through the C++ operator where it is
+    built (:func:`few_row_call`; ``traced``: for a compiled body being compiled or run, as operators).
+    A module whose forward is already replaced keeps it (LoRA steps enter after this, wrapping these
+    forwards)."""
+    call = few_row_call(traced, onednn)
     switched = []
     try:
         for module in modules:
@@ -385,6 +383,21 @@ def layer_products(modules: Iterable[torch.nn.Linear], traced: bool = False, one
     finally:
         for module in switched:
             del module.forward
+
+
+def few_row_call(traced: bool = False, onednn: bool = False):
+    """``call(x, weight, bias)`` of a layer linear in engine steps: the C++ operator
+    (``cpu_gemv.linear_op``) where it is built, which runs the few-row products in C and hands the
+    others to ``aten::linear`` or (``onednn``) to ``hf_paged::onednn_linear`` (:func:`linear`): no
+    dispatch to Python for a decode step's products. Where it is not built: :func:`linear` or
+    :func:`few_row_linear`, as their operators where ``traced``. The same bits either way."""
+    op = cpu_gemv.linear_op()
+    if op is not None:
+        fallback = "hf_paged::onednn_linear" if onednn else "aten::linear"
+        return lambda x, weight, bias: op(x, weight, bias, LAYER_GEMV_MAX_ROWS, fallback)
+    if onednn:
+        return torch.ops.hf_paged.onednn_linear if traced else linear
+    return torch.ops.hf_paged.few_row_linear if traced else few_row_linear
 
 
 def _layer_forward(module: torch.nn.Linear, call):

@@ -37,20 +37,6 @@ logger = logging.getLogger("hf_paged")
 NONFINITE_LOGITS = "the model produced non-finite logits (NaN or inf) for this request"
 
 
-def nonfinite_rows(logits: torch.Tensor | None, maxima: torch.Tensor | None = None) -> list[int]:
-    """Rows of ``logits`` holding a NaN or +inf, or nothing finite at all (every entry -inf).
-
-    One max per row finds all three (NaN and +inf propagate through it; a row of -inf has max
-    -inf) and one host sync answers the common case: about 0.2 ms for 64 x 32000 on 2 CPU cores,
-    nearly nothing when the rows' ``sampler.chunk_maxima`` (which the argmax needs too) are given."""
-    if logits is None or not len(logits):
-        return []
-    bad = ~torch.isfinite((logits if maxima is None else maxima).amax(-1))
-    if not bool(bad.any()):
-        return []
-    return bad.nonzero()[:, 0].tolist()
-
-
 @dataclass
 class _Saved:
     """A request as it was before the step touched it: what to put back if it fails."""
@@ -200,9 +186,9 @@ class OutputProcessor:
         try:
             if constrained:  # their rows masked and biased in place, before anything reads the logits
                 unbiased = self.structured.mask(step, logits, requests)
-            maxima = sampler.chunk_maxima(logits)
-            plain, ready = self._rows(step, logits, maxima, requests, outcome)
-            self._advance_plain_greedy(plain, logits, maxima, outcome)
+            scan = sampler.RowScan(logits)
+            plain, ready = self._rows(step, logits, scan, requests, outcome)
+            self._advance_plain_greedy(plain, scan, outcome)
             drawn = self._draw(ready, logits, requests, outcome)
             for request_id, got in ready.items():
                 request, tokens = requests[request_id], drawn.get(request_id)
@@ -218,12 +204,12 @@ class OutputProcessor:
             raise
         return outcome.result()
 
-    def _rows(self, step: SchedulerOutput, logits: torch.Tensor | None, maxima: torch.Tensor | None,
+    def _rows(self, step: SchedulerOutput, logits: torch.Tensor | None, scan: sampler.RowScan,
               requests: Mapping[str, Request],
               outcome: _Outcome) -> tuple[list[tuple[Request, Sequence, int]], dict[str, list[tuple[Sequence, int]]]]:
         """Each logits row to its sequence: plain greedy rows (an argmax is all they need) and the
         others by request. Requests with a non-finite row fail here."""
-        bad = set(nonfinite_rows(logits, maxima))
+        bad = set(scan.bad)
         row = 0
         ready: dict[str, list[tuple[Sequence, int]]] = {}
         plain: list[tuple[Request, Sequence, int]] = []
@@ -278,20 +264,15 @@ class OutputProcessor:
         return (request.forked and request.beam is None and params.greedy and params.logprobs is None
                 and not params.penalized and len(seq.token_ids) - seq.num_prompt_tokens >= params.min_new_tokens)
 
-    def _advance_plain_greedy(self, plain: list[tuple[Request, Sequence, int]], logits: torch.Tensor,
-                              maxima: torch.Tensor | None, outcome: _Outcome) -> None:
-        """All plain greedy rows of a step at once: one argmax for the batch (no log-softmax: these
-        requests asked for no log-probabilities).
+    def _advance_plain_greedy(self, plain: list[tuple[Request, Sequence, int]], scan: sampler.RowScan,
+                              outcome: _Outcome) -> None:
+        """All plain greedy rows of a step at once: their argmax from the step's ``scan`` (no
+        log-softmax: these requests asked for no log-probabilities).
 
         Tokens that :meth:`_append_quietly` can take go there; the others take the guarded path."""
         if not plain:
             return
-        rows = [r for _, _, r in plain]
-        if rows != list(range(len(logits))):
-            index = torch.tensor(rows, device=logits.device)
-            logits = logits.index_select(0, index)
-            maxima = None if maxima is None else maxima.index_select(0, index)
-        for (request, seq, _), token in zip(plain, sampler.argmax_rows(logits, maxima).tolist()):
+        for (request, seq, _), token in zip(plain, scan.argmax([r for _, _, r in plain])):
             if not self._append_quietly(request, seq, token, outcome):
                 self._guarded(request, outcome, self._append_plain, request, seq, token, outcome)
 

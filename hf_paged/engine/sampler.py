@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from hf_paged.engine.params import SamplingParams
+from hf_paged.kernels import cpu_argmax
 
 TOP_P_CANDIDATES = 128  # top-p's cut is looked for among this many most likely tokens before a full sort
 
@@ -259,6 +260,47 @@ def argmax_rows(logits: torch.Tensor, maxima: torch.Tensor | None = None) -> tor
     first = maxima.argmax(-1)  # the first chunk whose max is the row's max holds the first maximum
     columns = (first[:, None] * ARGMAX_CHUNK + torch.arange(ARGMAX_CHUNK, device=logits.device)).clamp_(max=vocab - 1)
     return columns.gather(1, logits.gather(1, columns).argmax(-1, keepdim=True))[:, 0]
+
+
+def nonfinite_rows(logits: torch.Tensor | None, maxima: torch.Tensor | None = None) -> list[int]:
+    """Rows of ``logits`` holding a NaN or +inf, or nothing finite at all (every entry -inf).
+
+    One max per row finds all three (NaN and +inf propagate through it; a row of -inf has max
+    -inf) and one host sync answers the common case: about 0.2 ms for 64 x 32000 on 2 CPU cores,
+    nearly nothing when the rows' :func:`chunk_maxima` (which the argmax needs too) are given."""
+    if logits is None or not len(logits):
+        return []
+    bad = ~torch.isfinite((logits if maxima is None else maxima).amax(-1))
+    if not bool(bad.any()):
+        return []
+    return bad.nonzero()[:, 0].tolist()
+
+
+class RowScan:
+    """A step's logits rows read once before its tokens are chosen: the rows that hold nothing to
+    choose from (a NaN or +inf, or no finite value: :attr:`bad`, whose requests fail) and the rows'
+    argmax (:meth:`argmax`, for greedy rows). Float32 CPU rows get both from one C call
+    (:mod:`hf_paged.kernels.cpu_argmax`: 9 against 45 us for one 32,000-wide row through the torch
+    ops below, 97 against 196 us for 64 rows, on 2 cores); others from their :func:`chunk_maxima`,
+    which the non-finite check and :func:`argmax_rows` share."""
+
+    def __init__(self, logits: torch.Tensor | None):
+        self.logits = logits
+        self._picks = cpu_argmax.try_greedy_rows(logits) if logits is not None else None
+        self._maxima = None if self._picks is not None else chunk_maxima(logits)
+        self.bad = ([i for i, pick in enumerate(self._picks) if pick < 0] if self._picks is not None
+                    else nonfinite_rows(logits, self._maxima))
+
+    def argmax(self, rows: list[int]) -> list[int]:
+        """The argmax of each of ``rows`` (rows not in :attr:`bad`), first maximum on ties."""
+        if self._picks is not None:
+            return [self._picks[row] for row in rows]
+        logits, maxima = self.logits, self._maxima
+        if rows != list(range(len(logits))):
+            index = torch.tensor(rows, device=logits.device)
+            logits = logits.index_select(0, index)
+            maxima = None if maxima is None else maxima.index_select(0, index)
+        return argmax_rows(logits, maxima).tolist()
 
 
 def top_logprobs(raw_logprobs: torch.Tensor, token: int, k: int) -> list[tuple[int, float, int]]:
