@@ -64,6 +64,9 @@ def library(layout: tuple[int, int, int, int]) -> ctypes.CDLL | None:
     """The library for ``(kv_heads, heads_per_kv, head_dim, block_size)`` on the :func:`target`:
     built (or loaded from the disk cache) on the first ask, None when that fails (:func:`failure`
     says why)."""
+    loaded = _libraries.get((target(), "attention", *layout), _UNSEEN)  # each layer of each step asks
+    if loaded is not _UNSEEN:
+        return loaded
     kv_heads, group, head_dim, block_size = layout
     defines = [f"-DKV_HEADS={kv_heads}", f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}", f"-DBLOCK_SIZE={block_size}"]
     return _library(("attention", *layout), SOURCES, defines, _bind_reads)
@@ -76,6 +79,7 @@ def rows_library() -> ctypes.CDLL | None:
 
 
 _BUILD_ERRORS = (OSError, subprocess.SubprocessError, RuntimeError)
+_UNSEEN = object()
 
 
 def _library(kind: tuple, sources: tuple[Path, ...], defines: list[str], bind,
@@ -114,7 +118,7 @@ def _load_with_ops(sources: tuple[Path, ...], defines: list[str], march: str, na
 
 def mismatch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
     """Why the C reads cannot read these tensors (they trust their sizes and layout), or None."""
-    if not (q.device.type == k_cache.device.type == v_cache.device.type == "cpu"):
+    if not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu):
         return "tensors not on the CPU"
     if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32):
         return f"dtypes {q.dtype}, {k_cache.dtype}, {v_cache.dtype}, not float32"
