@@ -71,8 +71,7 @@ def _decode(library, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     seqs, heads, _ = q.shape
     block_size = k_cache.shape[1]
     q = q.contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = context_lens.to(torch.int32).contiguous()
+    tables, lens = _int32(block_tables), _int32(context_lens)
     sink_logits = None if sinks is None else sinks.to(torch.float32).contiguous()
     if tables.shape[0] != seqs or lens.shape != (seqs,) or (sink_logits is not None and sink_logits.shape != (heads,)):
         raise ValueError(f"paged_decode_cpu: {seqs} queries of {heads} heads, but block_tables {tuple(tables.shape)}, "
@@ -87,6 +86,14 @@ def _decode(library, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if bad:
             raise ValueError(_refusal(bad, tables, lens, block_size, k_cache.shape[0], sliding_window))
     return out
+
+
+def _int32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as contiguous int32 (itself where it is: the engine's metadata is; a ``.to()`` that
+    changes nothing costs more than these checks, once per layer)."""
+    if tensor.dtype is torch.int32 and tensor.is_contiguous():
+        return tensor
+    return tensor.to(torch.int32).contiguous()
 
 
 def _refusal(code: int, tables: torch.Tensor, lens: torch.Tensor, block_size: int, num_blocks: int,
