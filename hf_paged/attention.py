@@ -38,7 +38,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from hf_paged import kernels
 from hf_paged.cache import new_columns_valid
 from hf_paged.channel import PackedStep, active_cache, in_packed_forward
-from hf_paged.kernels import cpu_build, cpu_decode, cpu_prefill
+from hf_paged.kernels import cpu_build, cpu_decode, cpu_ops, cpu_prefill
+from hf_paged.kinds import FullAttentionSpec, SlidingWindowSpec
 
 ATTN_IMPLEMENTATION = "hf_paged"
 COMPILED_ATTN_IMPLEMENTATION = "hf_paged_compiled"  # the engine's compiled steps (hf_paged.engine.compiled_body)
@@ -312,6 +313,77 @@ def _decode_step_on_cpu(step: PackedStep, layer_idx: int, q: torch.Tensor, k_poo
     window = kwargs.get("sliding_window") or spec_options.get("sliding_window")
     return cpu_decode.try_paged_decode_cpu(q, k_pool, v_pool, meta.block_tables, meta.context_lens, scale, window,
                                            kwargs.get("s_aux"))
+
+
+class DecodePlanner:
+    """Plans the compiled steps of an engine for ``cpu_ops.decode_step_attention``: each layer's new
+    K/V written and read in C, no Python per layer (a ``cpu_ops.DecodePlan``, kept from step to
+    step: only the step's slots, tables and lengths change, and a layer's pools when they are made
+    or grow). It plans a step only where :func:`packed_attention` would send every layer to the C
+    read (:func:`_decode_step_on_cpu`): decode rows only (no prefill, no drafts), the step's
+    ``decode_read`` asking for the C read, every layer a full or sliding-window attention layer
+    storing its K/V in float32 CPU pools large enough for the step, of a layout the C read is built
+    for, no Triton backend forced, and (``softcap``) no softcap: the plan's read takes none, and the
+    operator refuses a layer called with one. ``heads``: each layer's query heads."""
+
+    def __init__(self, specs: list, heads: list[int], softcap: bool = False):
+        self.heads = heads
+        plain = all(type(spec) in (FullAttentionSpec, SlidingWindowSpec) and spec.stores for spec in specs)
+        self.possible = plain and not softcap and bool(specs) and cpu_ops.namespace() is not None
+        self.windows = [spec.read_options().get("sliding_window") or 0 for spec in specs] if self.possible else []
+        self._plan = cpu_ops.DecodePlan(len(specs)) if self.possible else None
+        self._pools: list[tuple] = [(None, None)] * len(specs)  # per layer: the pools its plan row was set from
+        self._groups: list[tuple] | None = None  # per layer group: its first layer, its layers (a slice or a list)
+
+    def plan(self, step: PackedStep) -> cpu_ops.DecodePlan | None:
+        """The step's plan, started (its rows set for this thread's next compiled step), or None."""
+        if not self.possible or not _c_read(step.decode_read):
+            return None
+        keys, values = step.storage.key_pools, step.storage.value_pools
+        for layer_idx, (k_held, v_held) in enumerate(self._pools):
+            if keys.get(layer_idx) is not k_held or values.get(layer_idx) is not v_held or k_held is None:
+                if not self._set_layer(layer_idx, keys.get(layer_idx), values.get(layer_idx)):
+                    return None
+        if self._groups is None:
+            groups: dict[int, list[int]] = {}
+            for layer_idx in range(len(self._pools)):
+                groups.setdefault(step.group_index(layer_idx), []).append(layer_idx)
+            self._groups = [(layers[0], _as_slice(layers)) for layers in groups.values()]
+        seqs = None
+        for first, layers in self._groups:
+            if keys[first].shape[0] < step.num_blocks_for(first):  # a group's pools grow together
+                return None
+            meta = step.metadata_for(first, _CPU)
+            tokens = meta.slot_mapping.shape[0]
+            if meta.num_decode != tokens or meta.num_draft_seqs or tokens != (seqs if seqs is not None else tokens):
+                return None
+            seqs = tokens
+            self._plan.set_rows(layers, seqs, meta.slot_mapping, meta.block_tables, meta.context_lens)
+        if not seqs:
+            return None
+        self._plan.start(seqs)
+        return self._plan
+
+    def _set_layer(self, layer_idx: int, k_pool: torch.Tensor | None, v_pool: torch.Tensor | None) -> bool:
+        """The plan's row of a layer whose pools are new (made, grown, replaced); False where the C
+        read cannot take them."""
+        self._pools[layer_idx] = (None, None)
+        if k_pool is None or v_pool is None or k_pool.is_cuda or kernels.use_triton(k_pool):
+            return False
+        read = cpu_build.readable_library(k_pool.new_empty(0, self.heads[layer_idx], k_pool.shape[-1]), k_pool, v_pool)
+        if read is None:
+            return False
+        self._plan.set_layer(layer_idx, read, k_pool, v_pool, self.heads[layer_idx], self.windows[layer_idx])
+        self._pools[layer_idx] = (k_pool, v_pool)
+        return True
+
+
+_CPU = torch.device("cpu")
+
+
+def _as_slice(layers: list[int]) -> slice | list[int]:
+    """``layers`` as a slice where they follow each other (numpy assigns a slice's rows faster)."""
+    return slice(layers[0], layers[-1] + 1) if layers == list(range(layers[0], layers[-1] + 1)) else layers
 
 
 def _decode_rows(step: PackedStep, layer_idx: int, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,

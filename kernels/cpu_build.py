@@ -178,8 +178,12 @@ def _bind_rows(loaded: ctypes.CDLL) -> ctypes.CDLL:
     if hasattr(loaded, "register_ops"):  # built with cpu_ops.cpp
         loaded.register_ops.restype = ctypes.c_int
         loaded.register_ops.argtypes = [ctypes.c_char_p]
-        loaded.few_row_products_in_c.restype = ctypes.c_uint64
-        loaded.few_row_products_in_c.argtypes = []
+        loaded.few_row_products_in_c.restype = loaded.decode_layers_in_c.restype = ctypes.c_uint64
+        loaded.few_row_products_in_c.argtypes = loaded.decode_layers_in_c.argtypes = []
+        loaded.set_decode_plan.restype = None
+        loaded.set_decode_plan.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+        loaded.end_decode_plan.restype = loaded.decode_plan_fields.restype = ctypes.c_int
+        loaded.end_decode_plan.argtypes = loaded.decode_plan_fields.argtypes = []
     return loaded
 
 

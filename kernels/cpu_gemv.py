@@ -21,11 +21,10 @@ for each layer linear, and through Python each call cost ~10 us around a ~3 us l
 from __future__ import annotations
 
 import functools
-import itertools
 
 import torch
 
-from . import cpu_build
+from . import cpu_build, cpu_ops
 
 
 def ready() -> bool:
@@ -46,36 +45,16 @@ def _max_rows(library) -> int:  # per library: the builds for other targets take
 
 def linear_op() -> torch._ops.OpOverload | None:
     """The C++ operator ``few_row_linear(x, weight, bias, max_rows, fallback="aten::linear")`` of this
-    target's library, or None where the library was built without it (``cpu_build.ops_failure()``
-    says why) or not at all. It is ``F.linear(x, weight, bias)``, run in C where :func:`supports`
-    takes the tensors and there are at most ``max_rows`` rows (the bits of :func:`try_linear_rows`),
-    else by the operator named ``fallback`` (any that takes ``(x, weight, bias)``)."""
-    library = cpu_build.rows_library()
-    return _linear_op(library) if library is not None else None
-
-
-_namespaces = itertools.count()
-
-
-@functools.cache
-def _linear_op(library) -> torch._ops.OpOverload | None:
-    """Registers the operator of ``library`` under a namespace of its own (a process may load the
-    library of several targets; a namespace is defined once)."""
-    if not hasattr(library, "register_ops"):
-        return None
-    namespace = f"hf_paged_rows{next(_namespaces)}"
-    if library.register_ops(namespace.encode()):
-        return None
-    torch.library.register_fake(f"{namespace}::few_row_linear",
-                                lambda x, weight, bias, max_rows, fallback="aten::linear":
-                                x.new_empty(*x.shape[:-1], weight.shape[0]))
-    return getattr(torch.ops, namespace).few_row_linear.default
+    target's library (:mod:`cpu_ops`), or None where the library was built without it
+    (``cpu_build.ops_failure()`` says why) or not at all. It is ``F.linear(x, weight, bias)``, run in C
+    where :func:`supports` takes the tensors and there are at most ``max_rows`` rows (the bits of
+    :func:`try_linear_rows`), else by the operator named ``fallback`` (any that takes ``(x, weight, bias)``)."""
+    return cpu_ops.few_row_linear()
 
 
 def products_in_c() -> int:
     """How many products this target's :func:`linear_op` has run in C in this process (for tests)."""
-    library = cpu_build.rows_library()
-    return library.few_row_products_in_c() if library is not None and hasattr(library, "register_ops") else 0
+    return cpu_ops.products_in_c()
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -162,7 +162,8 @@ def test_prompt_sized_steps_split_the_compiled_loops_over_the_threads(monkeypatc
     monkeypatch.setattr(PyCodeCache, "load_by_key_path", classmethod(recording))
     LLMEngine(build("llama"), compile=True)
     sources = [open(module.__file__).read() for module in loaded if getattr(module, "__file__", None)]
-    many = [src for src in sources if "packed_step_attention" in src and "ks0" in src]  # a dynamic token count
+    attention = ("packed_step_attention", "decode_step_attention")  # the Python operator, or the C++ one before it
+    many = [src for src in sources if any(op in src for op in attention) and "ks0" in src]  # a dynamic token count
     assert many, "no compiled graph of the engine's many-token steps was loaded"
     for src in many:
         loops, split = src.count("async_compile.cpp_pybinding"), src.count("#pragma omp parallel")

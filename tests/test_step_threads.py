@@ -62,16 +62,16 @@ def _engine_run(model, serial: bool | None, max_tokens: int = 8, compile: bool =
         if head_threads is not None:
             engine.runner.serial_steps.head_threads = head_threads
     seen = []
-    if compile:
-        attend = engine.runner.compiled.attend
+    if compile:  # the compiled body's forward (its decode steps attend in C, from a plan: no attend call)
+        forward = engine.runner.compiled.forward
 
-        def watched(step, layer, query, *args, **kwargs):
-            if layer == 0:
-                seen.append((query.shape[-2], step_threads.current_threads()))
-            return attend(step, layer, query, *args, **kwargs)
+        def watched(input_ids=None, position_ids=None, inputs_embeds=None, **kwargs):
+            seen.append(((input_ids if input_ids is not None else inputs_embeds).shape[1],
+                         step_threads.current_threads()))
+            return forward(input_ids=input_ids, position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs)
 
-        engine.runner.compiled.attend = watched
-        undo = lambda: setattr(engine.runner.compiled, "attend", attend)  # noqa: E731
+        engine.runner.compiled.forward = watched
+        undo = lambda: delattr(engine.runner.compiled, "forward")  # noqa: E731
     else:
         undo = model.model.layers[0].mlp.register_forward_pre_hook(
             lambda module, args: seen.append((args[0].shape[-2], step_threads.current_threads()))).remove

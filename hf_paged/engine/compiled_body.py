@@ -42,6 +42,7 @@ from hf_paged.attention import COMPILED_ATTN_IMPLEMENTATION, paged_call
 from hf_paged.channel import PackedStep
 from hf_paged.engine import step_threads
 from hf_paged.engine.tensor_parallel import tp_size_of
+from hf_paged.kernels import cpu_ops
 from hf_paged.kinds import ChunkedLocalAttentionSpec, FullAttentionSpec, KVSpec, SlidingWindowSpec
 from hf_paged.model_info import max_positions
 
@@ -96,13 +97,22 @@ def _(query, key, value, scale, sliding_window, softcap, sinks):
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
 
 
+# ``cpu_ops.decode_step_attention`` where a CPU body was built with it (set by CompiledBody, read while
+# a graph is traced): float32 CPU layers call it, and it serves a step with a decode plan in C, any
+# other step through hf_paged::packed_step_attention
+_decode_step_op: torch._ops.OpOverload | None = None
+
+
 def _compiled_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask, scaling: float | None = None, sliding_window: int | None = None,
                         softcap: float | None = None, s_aux: torch.Tensor | None = None,
                         **kwargs) -> tuple[torch.Tensor, None]:
     """The attention function of the compiled body (``"hf_paged_compiled"``)."""
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return torch.ops.hf_paged.packed_step_attention(query, key, value, scale, sliding_window, softcap, s_aux), None
+    op = torch.ops.hf_paged.packed_step_attention
+    if _decode_step_op is not None and query.device.type == "cpu" and query.dtype == torch.float32:
+        op = _decode_step_op
+    return op(query, key, value, scale, sliding_window, softcap, s_aux), None
 
 
 def _no_mask(*args, **kwargs) -> None:
@@ -178,9 +188,19 @@ class CompiledBody:
     ``attend(step, layer_idx, query, key, value, stores, **options)`` is the engine's paged
     attention of a packed step (:func:`hf_paged.attention.packed_attention`)."""
 
-    def __init__(self, model: PreTrainedModel, attend: Callable, num_layers: int):
+    def __init__(self, model: PreTrainedModel, attend: Callable, num_layers: int,
+                 decode_plan: Callable[[PackedStep], object | None] | None = None):
+        global _decode_step_op
         self.model, self.body = model, model.get_decoder()
         self.attend, self.num_layers = attend, num_layers
+        # float32 CPU steps of decode rows only: every layer's attention in C from a plan
+        # (hf_paged.kernels.cpu_ops; decode_plan(step) starts the step's plan, or answers None)
+        self._decode_plan = None
+        if decode_plan is not None and model.device.type == "cpu" and model.dtype == torch.float32:
+            op = cpu_ops.decode_step_attention()
+            if op is not None:
+                _decode_step_op, self._decode_plan = op, decode_plan
+        self.planned_steps = 0  # steps whose layers attended from a plan
         # a code object of its own: Dynamo keeps compiled entries (and their limit) per code object,
         # so engines of other models in this process do not evict or recompile this one
         code = _run_body.__code__.replace(co_name=f"_run_body_{id(self):x}")
@@ -207,13 +227,20 @@ class CompiledBody:
         cursor = _StepCursor(step, self.attend)
         _thread.cursor = cursor
         self.body.forward = self.forward
+        plan, served = None, 0
         try:
+            plan = self._decode_plan(step) if step is not None and self._decode_plan is not None else None
             yield
         finally:
+            if plan is not None:
+                served = plan.end()
             del self.body.forward
             _thread.cursor = None
-        if cursor.next != self.num_layers:
-            raise RuntimeError(f"a compiled step attended {cursor.next} times for {self.num_layers} layers")
+        planned = plan is not None
+        self.planned_steps += planned
+        if cursor.next + served != self.num_layers or (planned and served != self.num_layers):
+            raise RuntimeError(f"a compiled step attended {cursor.next + served} times for {self.num_layers} layers"
+                               + (f" ({served} from its plan)" if planned else ""))
 
     @torch.inference_mode()
     def warm_up(self, device: torch.device, also_one_thread: bool = False,
@@ -245,12 +272,14 @@ class CompiledBody:
 def compiled_body(model: PreTrainedModel, specs: list[KVSpec | None], attend: Callable, compile: bool | None,
                   recurrent: bool = False, also_one_thread: bool = False,
                   around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                  decode_plan: Callable[[PackedStep], object | None] | None = None,
                   ) -> tuple[CompiledBody | None, str | None]:
     """The engine's compiled body, or None and why not. ``compile``: None compiles on CPU where
     :func:`unsupported` allows it (and ``HF_PAGED_COMPILE`` is not ``0``; on other devices the
     default stays eager until compiled steps are measured there); True must compile
     (``ValueError`` naming why it cannot); False never does. ``also_one_thread``: some steps will
-    run on one thread, warmed up too. ``around``: see :meth:`CompiledBody.warm_up`."""
+    run on one thread, warmed up too. ``around``: see :meth:`CompiledBody.warm_up`. ``decode_plan``:
+    see :class:`CompiledBody`."""
     if compile is False or (compile is None and not default_on()):
         return None, "off (compile=False)" if compile is False else f"off ({COMPILE_ENV}=0)"
     if compile is None and model.device.type != "cpu":
@@ -260,7 +289,7 @@ def compiled_body(model: PreTrainedModel, specs: list[KVSpec | None], attend: Ca
         if compile:
             raise ValueError(f"compile=True: {reason}")
         return None, reason
-    body = CompiledBody(model, attend, len(specs))
+    body = CompiledBody(model, attend, len(specs), decode_plan)
     failure = body.warm_up(model.device, also_one_thread, around)
     if failure is not None:
         if compile:

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from hf_paged.attention import ATTN_IMPLEMENTATION, COMPILED_ATTN_IMPLEMENTATION, packed_attention, paged_call
+from hf_paged.attention import (ATTN_IMPLEMENTATION, COMPILED_ATTN_IMPLEMENTATION, DecodePlanner, packed_attention,
+                                paged_call)
 from hf_paged.channel import clear_active_cache, packed_forward
 from hf_paged.engine import compiled_body, cpu_linear, step_threads
 from hf_paged.engine.cuda_graphs import DecodeGraphs
@@ -84,22 +85,32 @@ class ModelRunner:
         # where they build), "gather" (gather + SDPA) / "sdpa" (SDPA per sequence), or "auto" (the C
         # reads on x86 CPUs with AVX2 or AVX-512, where they were measured; else torch's); see PackedStep
         self.decode_read = self.prefill_read = "auto"
-        # packed steps through a torch.compile'd decoder body (hf_paged.engine.compiled_body)
+        # packed steps through a torch.compile'd decoder body (hf_paged.engine.compiled_body), whose
+        # steps of decode rows only read in C from a plan of every layer (attention.decode_plan)
+        text_config = model.config.get_text_config(decoder=True)
+        heads = [attention_heads(layer)[0] if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)) else 0
+                 for spec, layer in zip(self.specs, layer_configs(text_config))]
+        self._decode_planner = DecodePlanner(self.specs, heads, bool(getattr(text_config, "attn_logit_softcapping", 0)))
         self.compiled, self.compiled_note = compiled_body.compiled_body(
             model, self.specs, packed_attention, compile, recurrent=self.per_sequence,
             also_one_thread=self.serial_steps is not None,
-            around=lambda: self._layer_products(traced=True))
+            around=lambda: self._layer_products(traced=True), decode_plan=self._decode_plan)
         # LoRA (hf_paged.lora): steps with adapters run a body of their own, compiled with the
         # linear layers calling the adapters' op (steps without adapters keep the plain one)
         self.lora, self.compiled_lora, self.compiled_lora_note = lora, None, None
         if lora is not None and self.compiled is not None:
             self.compiled_lora, self.compiled_lora_note = compiled_body.compiled_body(
                 model, self.specs, packed_attention, compile, also_one_thread=self.serial_steps is not None,
-                around=lambda: _entered(self._layer_products(traced=True), lora.layers.active(None, traced=True)))
+                around=lambda: _entered(self._layer_products(traced=True), lora.layers.active(None, traced=True)),
+                decode_plan=self._decode_plan)
         self._build_cpu_reads()
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs (LLMEngine(cuda_graphs=True))
         # the last step's scored prompt rows, one (ids, values, ranks) per SchedulerOutput.prompt_logprobs entry
         self.prompt_logprobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def _decode_plan(self, step: PackedStepCache):
+        """A compiled step's decode plan, started (:class:`hf_paged.attention.DecodePlanner`), or None."""
+        return self._decode_planner.plan(step)
 
     def _build_cpu_reads(self) -> None:
         """Build (or load from the disk cache) the C reads for the attention layers' layouts now,
