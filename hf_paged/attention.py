@@ -329,15 +329,22 @@ class DecodePlanner:
     def __init__(self, specs: list, heads: list[int], softcap: bool = False):
         self.heads = heads
         plain = all(type(spec) in (FullAttentionSpec, SlidingWindowSpec) and spec.stores for spec in specs)
-        self.possible = plain and not softcap and bool(specs) and cpu_ops.namespace() is not None
+        self.possible = plain and not softcap and bool(specs)
         self.windows = [spec.read_options().get("sliding_window") or 0 for spec in specs] if self.possible else []
-        self._plan = cpu_ops.DecodePlan(len(specs)) if self.possible else None
+        self._plan: cpu_ops.DecodePlan | None = None  # made by attach()
         self._pools: list[tuple] = [(None, None)] * len(specs)  # per layer: the pools its plan row was set from
         self._groups: list[tuple] | None = None  # per layer group: its first layer, its layers (a slice or a list)
 
+    def attach(self) -> bool:
+        """Plans steps from now on, for the operator of this target's library (the one a compiled
+        body calls: ``cpu_ops.decode_step_attention()``); False where none can be planned."""
+        if self.possible and self._plan is None and cpu_ops.namespace() is not None:
+            self._plan = cpu_ops.DecodePlan(len(self.heads))
+        return self._plan is not None
+
     def plan(self, step: PackedStep) -> cpu_ops.DecodePlan | None:
         """The step's plan, started (its rows set for this thread's next compiled step), or None."""
-        if not self.possible or not _c_read(step.decode_read):
+        if self._plan is None or not _c_read(step.decode_read):
             return None
         keys, values = step.storage.key_pools, step.storage.value_pools
         for layer_idx, (k_held, v_held) in enumerate(self._pools):

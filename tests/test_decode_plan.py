@@ -55,7 +55,7 @@ def test_a_model_with_an_attention_softcap_is_not_planned(op):
     model = build("gemma2")
     stock = _stock(copy.deepcopy(model))
     engine = LLMEngine(model, block_size=4, compile=True)
-    assert not engine.runner._decode_planner.possible
+    assert not engine.runner.decode_planner.possible
     assert _tokens(engine) == stock and engine.runner.compiled.planned_steps == 0
 
 
@@ -64,7 +64,7 @@ def test_negative_control_a_plan_with_a_wrong_window_changes_tokens(op, monkeypa
     model = build("llama")
     stock = _stock(copy.deepcopy(model))
     engine = LLMEngine(model, block_size=4, compile=True)
-    planner = engine.runner._decode_planner
+    planner = engine.runner.decode_planner
     real = planner.plan
 
     def narrow(step):

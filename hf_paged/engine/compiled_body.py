@@ -188,18 +188,17 @@ class CompiledBody:
     ``attend(step, layer_idx, query, key, value, stores, **options)`` is the engine's paged
     attention of a packed step (:func:`hf_paged.attention.packed_attention`)."""
 
-    def __init__(self, model: PreTrainedModel, attend: Callable, num_layers: int,
-                 decode_plan: Callable[[PackedStep], object | None] | None = None):
+    def __init__(self, model: PreTrainedModel, attend: Callable, num_layers: int, planner=None):
         global _decode_step_op
         self.model, self.body = model, model.get_decoder()
         self.attend, self.num_layers = attend, num_layers
         # float32 CPU steps of decode rows only: every layer's attention in C from a plan
-        # (hf_paged.kernels.cpu_ops; decode_plan(step) starts the step's plan, or answers None)
-        self._decode_plan = None
-        if decode_plan is not None and model.device.type == "cpu" and model.dtype == torch.float32:
+        # (hf_paged.kernels.cpu_ops; planner: hf_paged.attention.DecodePlanner)
+        self._planner = None
+        if planner is not None and model.device.type == "cpu" and model.dtype == torch.float32:
             op = cpu_ops.decode_step_attention()
-            if op is not None:
-                _decode_step_op, self._decode_plan = op, decode_plan
+            if op is not None and planner.attach():
+                _decode_step_op, self._planner = op, planner
         self.planned_steps = 0  # steps whose layers attended from a plan
         # a code object of its own: Dynamo keeps compiled entries (and their limit) per code object,
         # so engines of other models in this process do not evict or recompile this one
@@ -229,7 +228,7 @@ class CompiledBody:
         self.body.forward = self.forward
         plan, served = None, 0
         try:
-            plan = self._decode_plan(step) if step is not None and self._decode_plan is not None else None
+            plan = self._planner.plan(step) if step is not None and self._planner is not None else None
             yield
         finally:
             if plan is not None:
@@ -272,14 +271,13 @@ class CompiledBody:
 def compiled_body(model: PreTrainedModel, specs: list[KVSpec | None], attend: Callable, compile: bool | None,
                   recurrent: bool = False, also_one_thread: bool = False,
                   around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                  decode_plan: Callable[[PackedStep], object | None] | None = None,
-                  ) -> tuple[CompiledBody | None, str | None]:
+                  planner=None) -> tuple[CompiledBody | None, str | None]:
     """The engine's compiled body, or None and why not. ``compile``: None compiles on CPU where
     :func:`unsupported` allows it (and ``HF_PAGED_COMPILE`` is not ``0``; on other devices the
     default stays eager until compiled steps are measured there); True must compile
     (``ValueError`` naming why it cannot); False never does. ``also_one_thread``: some steps will
-    run on one thread, warmed up too. ``around``: see :meth:`CompiledBody.warm_up`. ``decode_plan``:
-    see :class:`CompiledBody`."""
+    run on one thread, warmed up too. ``around``: see :meth:`CompiledBody.warm_up`. ``planner``: the
+    engine's ``hf_paged.attention.DecodePlanner``, for float32 CPU steps of decode rows only."""
     if compile is False or (compile is None and not default_on()):
         return None, "off (compile=False)" if compile is False else f"off ({COMPILE_ENV}=0)"
     if compile is None and model.device.type != "cpu":
@@ -289,7 +287,7 @@ def compiled_body(model: PreTrainedModel, specs: list[KVSpec | None], attend: Ca
         if compile:
             raise ValueError(f"compile=True: {reason}")
         return None, reason
-    body = CompiledBody(model, attend, len(specs), decode_plan)
+    body = CompiledBody(model, attend, len(specs), planner)
     failure = body.warm_up(model.device, also_one_thread, around)
     if failure is not None:
         if compile:

@@ -86,15 +86,15 @@ class ModelRunner:
         # reads on x86 CPUs with AVX2 or AVX-512, where they were measured; else torch's); see PackedStep
         self.decode_read = self.prefill_read = "auto"
         # packed steps through a torch.compile'd decoder body (hf_paged.engine.compiled_body), whose
-        # steps of decode rows only read in C from a plan of every layer (attention.decode_plan)
+        # steps of decode rows only read in C from a plan of every layer (attention.DecodePlanner)
         text_config = model.config.get_text_config(decoder=True)
         heads = [attention_heads(layer)[0] if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)) else 0
                  for spec, layer in zip(self.specs, layer_configs(text_config))]
-        self._decode_planner = DecodePlanner(self.specs, heads, bool(getattr(text_config, "attn_logit_softcapping", 0)))
+        self.decode_planner = DecodePlanner(self.specs, heads, bool(getattr(text_config, "attn_logit_softcapping", 0)))
         self.compiled, self.compiled_note = compiled_body.compiled_body(
             model, self.specs, packed_attention, compile, recurrent=self.per_sequence,
             also_one_thread=self.serial_steps is not None,
-            around=lambda: self._layer_products(traced=True), decode_plan=self._decode_plan)
+            around=lambda: self._layer_products(traced=True), planner=self.decode_planner)
         # LoRA (hf_paged.lora): steps with adapters run a body of their own, compiled with the
         # linear layers calling the adapters' op (steps without adapters keep the plain one)
         self.lora, self.compiled_lora, self.compiled_lora_note = lora, None, None
@@ -102,15 +102,11 @@ class ModelRunner:
             self.compiled_lora, self.compiled_lora_note = compiled_body.compiled_body(
                 model, self.specs, packed_attention, compile, also_one_thread=self.serial_steps is not None,
                 around=lambda: _entered(self._layer_products(traced=True), lora.layers.active(None, traced=True)),
-                decode_plan=self._decode_plan)
+                planner=self.decode_planner)
         self._build_cpu_reads()
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs (LLMEngine(cuda_graphs=True))
         # the last step's scored prompt rows, one (ids, values, ranks) per SchedulerOutput.prompt_logprobs entry
         self.prompt_logprobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-
-    def _decode_plan(self, step: PackedStepCache):
-        """A compiled step's decode plan, started (:class:`hf_paged.attention.DecodePlanner`), or None."""
-        return self._decode_planner.plan(step)
 
     def _build_cpu_reads(self) -> None:
         """Build (or load from the disk cache) the C reads for the attention layers' layouts now,
