@@ -377,10 +377,10 @@ class DecodePlanner:
         self._pools[layer_idx] = (None, None)
         if k_pool is None or v_pool is None or k_pool.is_cuda or kernels.use_triton(k_pool):
             return False
-        read = cpu_build.readable_library(k_pool.new_empty(0, self.heads[layer_idx], k_pool.shape[-1]), k_pool, v_pool)
-        if read is None:
+        try:
+            self._plan.set_layer(layer_idx, k_pool, v_pool, self.heads[layer_idx], self.windows[layer_idx])
+        except ValueError:  # a layout or dtype the C read does not take: packed_attention reads it
             return False
-        self._plan.set_layer(layer_idx, read, k_pool, v_pool, self.heads[layer_idx], self.windows[layer_idx])
         self._pools[layer_idx] = (k_pool, v_pool)
         return True
 

@@ -70,8 +70,8 @@ class DecodePlan:
     """The plan of a compiled decode step for ``decode_step_attention``, kept from step to step: one
     row of the C code's fields per layer (``cpu_ops.cpp``, ``set_decode_plan``). :meth:`set_layer`
     when a layer's pools change, :meth:`set_rows` every step for the step's slots, tables and lengths
-    of a layer group, then :meth:`start`. Every tensor given must live until :func:`end_decode_plan`
-    (the pools stay in the engine's storage, the step's metadata in its cache)."""
+    of a layer group, then :meth:`start`, and :meth:`end` after the step. Every tensor given must live
+    until then (the pools stay in the engine's storage, the step's metadata in its cache)."""
 
     def __init__(self, num_layers: int):
         self.rows = np.zeros((num_layers, PLAN_FIELDS), dtype=np.int64)
@@ -79,12 +79,14 @@ class DecodePlan:
         # the library whose operator the engine's graphs call (the plan is that library's, per thread)
         self._library = cpu_build.rows_library()
 
-    def set_layer(self, index: int, read: ctypes.CDLL, k_pool: torch.Tensor, v_pool: torch.Tensor, heads: int,
-                  window: int) -> None:
-        """Layer ``index`` reads its float32 pools ``[blocks, block_size, kv_heads, head_dim]`` through
-        ``read`` (``cpu_build.library`` of its layout) with ``heads`` query heads in ``window`` (0: all)."""
-        problem = cpu_build.mismatch(k_pool.new_empty(0, heads, k_pool.shape[-1]), k_pool, v_pool)
-        if problem is not None:
+    def set_layer(self, index: int, k_pool: torch.Tensor, v_pool: torch.Tensor, heads: int, window: int) -> None:
+        """Layer ``index`` reads its float32 pools ``[blocks, block_size, kv_heads, head_dim]`` with
+        ``heads`` query heads in ``window`` tokens (0: all), through the C read of their layout
+        (``cpu_build.library``, built on the first ask). A ValueError where the read cannot take them."""
+        q_like = k_pool.new_empty(0, heads, k_pool.shape[-1])
+        read = cpu_build.readable_library(q_like, k_pool, v_pool)
+        if read is None:
+            problem = cpu_build.mismatch(q_like, k_pool, v_pool) or f"the C read is not built: {cpu_build.failure()}"
             raise ValueError(f"DecodePlan: layer {index}: {problem}")
         blocks, block_size, kv_heads, head_dim = k_pool.shape
         self.rows[index, :9] = [ctypes.cast(read.paged_decode, ctypes.c_void_p).value, k_pool.data_ptr(),

@@ -87,7 +87,6 @@ def test_the_operator_writes_and_reads_as_the_python_path_does(op):
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, head_dim, seqs = 4, 2, 8, 2
     k_pool, v_pool = _pools(g)
-    read = cpu_build.library((kv_heads, heads // kv_heads, head_dim, 4))
     tables = torch.tensor([[3, 1, 0], [5, 2, 4]], dtype=torch.int32)
     lens = torch.tensor([10, 7], dtype=torch.int32)
     slots = torch.tensor([1 * 4 + 1, 4 * 4 + 2], dtype=torch.int64)  # each sequence's last token: block 1 / 4
@@ -101,7 +100,7 @@ def test_the_operator_writes_and_reads_as_the_python_path_does(op):
                                                window or None, sinks)
         k_run, v_run = k_pool.clone(), v_pool.clone()
         plan = cpu_ops.DecodePlan(1)
-        plan.set_layer(0, read, k_run, v_run, heads, window)
+        plan.set_layer(0, k_run, v_run, heads, window)
         plan.set_rows([0], seqs, slots, tables, lens)
         plan.start(seqs)
         try:
@@ -120,9 +119,8 @@ def test_the_operator_writes_and_reads_as_the_python_path_does(op):
 def test_the_operator_refuses_what_its_plan_does_not_fit(op):
     g = torch.Generator().manual_seed(1)
     k_pool, v_pool = _pools(g)
-    read = cpu_build.library((2, 2, 8, 4))
     plan = cpu_ops.DecodePlan(1)
-    plan.set_layer(0, read, k_pool, v_pool, 4, 0)
+    plan.set_layer(0, k_pool, v_pool, 4, 0)
     tables, lens = torch.tensor([[3, 1]], dtype=torch.int32), torch.tensor([6], dtype=torch.int32)
     query, key, value = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
     cases = {"does not fit its plan": (torch.randn(1, 4, 1, 7), torch.tensor([5]), None),
@@ -139,4 +137,6 @@ def test_the_operator_refuses_what_its_plan_does_not_fit(op):
     with pytest.raises(ValueError, match="not 1 rows"):
         plan.set_rows([0], 1, torch.tensor([5], dtype=torch.int32), tables, lens)
     with pytest.raises(ValueError, match="float32"):
-        plan.set_layer(0, read, k_pool.double(), v_pool.double(), 4, 0)
+        plan.set_layer(0, k_pool.double(), v_pool.double(), 4, 0)
+    with pytest.raises(ValueError, match="does not fit"):
+        plan.set_layer(0, k_pool, v_pool, 3, 0)  # 3 query heads over 2 K/V heads
