@@ -2,9 +2,9 @@
 library per layout (K/V heads, query heads per K/V head, head dim, block size: compile-time
 constants, so the compiler unrolls and vectorizes for them), and the kernels of a step's few rows
 (the linear products of ``cpu_gemv.c``, the greedy picks of ``cpu_argmax.c``) into one more, with
-the system's C compiler; that one also holds the products' torch operator (``cpu_ops.cpp``, C++
-against torch's stable ABI) where the C++ compiler and torch's headers build it, and goes without
-it where they do not (:func:`ops_failure` says why).
+the system's C compiler; that one also holds torch operators in C++ against torch's stable ABI
+(``cpu_ops.cpp``: the products' and a decode step's attention, :mod:`cpu_ops`) where the C++ compiler
+and torch's headers build them, and goes without them where they do not (:func:`ops_failure` says why).
 
 Building takes about a second; the library is cached on disk (``HF_PAGED_CACHE``, else
 ``$XDG_CACHE_HOME/hf_paged``, else ``~/.cache/hf_paged``) under a key of the sources, the flags and
@@ -51,7 +51,7 @@ def failure() -> str | None:
 
 
 def ops_failure() -> str | None:
-    """Why the few-row library was built without its torch operator (``cpu_ops.cpp``), or None."""
+    """Why the few-row library was built without its torch operators (``cpu_ops.cpp``), or None."""
     return _ops_failure
 
 
@@ -193,7 +193,7 @@ def _build(sources: tuple[Path, ...], defines: list[str], march: str, name: str)
     against its libraries (their version is part of the key)."""
     machine = cpu_flags() if march == "native" else march.encode()
     cxx = any(source.suffix == ".cpp" for source in sources)
-    linked_torch = f"torch {torch.__version__} {_torch_dir()}".encode() if cxx else b""
+    linked_torch = f"torch {torch.__version__} {_torch_dir()} {' '.join(CXX_FLAGS)}".encode() if cxx else b""
     key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in sources + HEADERS), machine,
                                      " ".join(FLAGS + tuple(defines)).encode(), linked_torch]))
     path = _cache_dir() / f"cpu_{name}-{key.hexdigest()[:20]}.so"
