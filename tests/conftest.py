@@ -57,6 +57,16 @@ def c_target(request, monkeypatch):
 
 
 @pytest.fixture
+def rows_built(c_target):
+    """:func:`c_target`, where the few-row C kernels build (else the test is skipped, naming why)."""
+    from hf_paged.kernels import cpu_build, cpu_gemv
+
+    if not cpu_gemv.ready():
+        pytest.skip(f"no C compiler works here: {cpu_build.failure()}")
+    return c_target
+
+
+@pytest.fixture
 def llm(engine):
     """The module's ``engine`` fixture; after the test nothing is in flight and every KV block is free
     (a module with an ``llm`` of its own uses that)."""

@@ -13,19 +13,11 @@ import math
 import pytest
 import torch
 
-from hf_paged import LLMEngine, SamplingParams
+from hf_paged import LLMEngine
 from hf_paged.engine import sampler
-from hf_paged.kernels import cpu_argmax, cpu_build, cpu_gemv
+from hf_paged.kernels import cpu_argmax
+from tests.helpers.few_rows import engine_greedy, stock_greedy
 from tests.helpers.tiny_models import build
-
-PROMPTS = [list(range(3, 3 + n)) for n in (21, 5, 13)]
-
-
-@pytest.fixture
-def built(c_target):
-    if not cpu_gemv.ready():
-        pytest.skip(f"no C compiler works here: {cpu_build.failure()}")
-    return c_target
 
 
 def _tricky_rows(vocab: int, seed: int = 0) -> torch.Tensor:
@@ -58,7 +50,7 @@ def _tricky_rows(vocab: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("vocab", [32000, 32003, 1000, 129, 64, 9])
-def test_picks_are_torch_argmax_and_bad_rows_the_torch_check(built, vocab):
+def test_picks_are_torch_argmax_and_bad_rows_the_torch_check(rows_built, vocab):
     rows = _tricky_rows(vocab)
     picks = cpu_argmax.try_greedy_rows(rows)
     bad = sampler.nonfinite_rows(rows)
@@ -67,10 +59,11 @@ def test_picks_are_torch_argmax_and_bad_rows_the_torch_check(built, vocab):
     expected = rows.argmax(-1).tolist()
     good = [i for i in range(len(rows)) if i not in bad]
     assert [picks[i] for i in good] == [expected[i] for i in good]
-    assert picks[2] == 0 and picks[11] == 1 and picks[12] == 6 and picks[4] == min(63, vocab - 2), "the first maximum wins"
+    first_maxima = picks[2] == 0 and picks[11] == 1 and picks[12] == 6 and picks[4] == min(63, vocab - 2)
+    assert first_maxima, "the first maximum wins"
 
 
-def test_picks_do_not_depend_on_the_rows_beside_them_nor_the_threads(built):
+def test_picks_do_not_depend_on_the_rows_beside_them_nor_the_threads(rows_built):
     rows = _tricky_rows(4099, seed=1)
     together = cpu_argmax.try_greedy_rows(rows)
     assert [cpu_argmax.try_greedy_rows(row[None])[0] for row in rows] == together
@@ -82,7 +75,7 @@ def test_picks_do_not_depend_on_the_rows_beside_them_nor_the_threads(built):
         torch.set_num_threads(threads)
 
 
-def test_what_it_does_not_take_is_left_to_torch(built):
+def test_what_it_does_not_take_is_left_to_torch(rows_built):
     rows = torch.randn(4, 100)
     assert cpu_argmax.try_greedy_rows(rows.t()) is None  # not contiguous
     assert cpu_argmax.try_greedy_rows(rows.double()) is None
@@ -92,7 +85,7 @@ def test_what_it_does_not_take_is_left_to_torch(built):
 
 
 @pytest.mark.parametrize("vocab", [32000, 1000])
-def test_the_step_scan_answers_the_same_through_c_and_through_torch(built, monkeypatch, vocab):
+def test_the_step_scan_answers_the_same_through_c_and_through_torch(rows_built, monkeypatch, vocab):
     rows = _tricky_rows(vocab, seed=2)
     through_c = sampler.RowScan(rows)
     assert through_c._picks is not None
@@ -116,19 +109,9 @@ def test_negative_control_a_last_maximum_rule_is_caught():
     assert 5 not in sampler.nonfinite_rows(rows[:, :-1].contiguous()) and 5 in sampler.nonfinite_rows(rows)
 
 
-def _stock_greedy(stock, new: int = 10) -> list[list[int]]:
-    return [stock.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False)[0, len(p):].tolist()
-            for p in PROMPTS]
-
-
-def _greedy(engine, new: int = 10) -> list[list[int]]:
-    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=new, temperature=0), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def test_engine_steps_pick_their_greedy_tokens_in_c_with_stock_tokens(built, monkeypatch):
+def test_engine_steps_pick_their_greedy_tokens_in_c_with_stock_tokens(rows_built, monkeypatch):
     model = build("llama")
-    stock = _stock_greedy(copy.deepcopy(model))
+    stock = stock_greedy(copy.deepcopy(model))
     answered, real = [], cpu_argmax.try_greedy_rows
 
     def counted(logits):
@@ -138,15 +121,15 @@ def test_engine_steps_pick_their_greedy_tokens_in_c_with_stock_tokens(built, mon
 
     monkeypatch.setattr(cpu_argmax, "try_greedy_rows", counted)
     engine = LLMEngine(model, block_size=4)
-    assert _greedy(engine) == stock
+    assert engine_greedy(engine) == stock
     assert len(answered) >= 10 and all(answered), "a step's picks did not come from C"
     assert engine.stats()["blocks_free"] == engine.stats()["blocks_total"]
 
 
-def test_negative_control_picks_off_by_one_change_tokens(built, monkeypatch):
+def test_negative_control_picks_off_by_one_change_tokens(rows_built, monkeypatch):
     """What the engine test above compares can fail: picks one token off do not give stock tokens."""
     model = build("llama")
-    stock = _stock_greedy(copy.deepcopy(model))
+    stock = stock_greedy(copy.deepcopy(model))
     real = cpu_argmax.try_greedy_rows
     monkeypatch.setattr(cpu_argmax, "try_greedy_rows", lambda logits: [p + 1 if p >= 0 else p for p in real(logits)])
-    assert _greedy(LLMEngine(model, block_size=4)) != stock
+    assert engine_greedy(LLMEngine(model, block_size=4)) != stock

@@ -16,24 +16,16 @@ import textwrap
 import pytest
 import torch
 
-from hf_paged import LLMEngine, SamplingParams
+from hf_paged import LLMEngine
 from hf_paged.engine import cpu_linear
 from hf_paged.kernels import cpu_build, cpu_gemv
+from tests.helpers.few_rows import engine_greedy, stock_greedy
 from tests.helpers.tiny_models import build
-
-PROMPTS = [list(range(3, 3 + n)) for n in (21, 5, 13)]
-
-
-@pytest.fixture
-def built(c_target):
-    if not cpu_gemv.ready():
-        pytest.skip(f"no C compiler works here: {cpu_build.failure()}")
-    return c_target
 
 
 @pytest.mark.parametrize("shape", [(688, 256), (37, 101), (5, 16)], ids=["layer", "odd", "tiny"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-def test_matches_the_torch_linear_at_every_row_count(built, shape, with_bias):
+def test_matches_the_torch_linear_at_every_row_count(rows_built, shape, with_bias):
     g = torch.Generator().manual_seed(0)
     out_features, in_features = shape
     weight = torch.randn(out_features, in_features, generator=g)
@@ -45,7 +37,7 @@ def test_matches_the_torch_linear_at_every_row_count(built, shape, with_bias):
         torch.testing.assert_close(ours, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
 
 
-def test_a_rows_result_depends_on_no_other_row_nor_on_the_threads(built):
+def test_a_rows_result_depends_on_no_other_row_nor_on_the_threads(rows_built):
     """What lets a sequence's tokens not depend on which others share its step (up to the row limit)."""
     g = torch.Generator().manual_seed(1)
     weight, bias = torch.randn(301, 264, generator=g), torch.randn(301, generator=g)  # 301: tiles of one row too
@@ -62,7 +54,7 @@ def test_a_rows_result_depends_on_no_other_row_nor_on_the_threads(built):
         torch.set_num_threads(threads)
 
 
-def test_what_it_does_not_take_is_refused_by_name(built):
+def test_what_it_does_not_take_is_refused_by_name(rows_built):
     weight = torch.randn(8, 16)
     assert cpu_gemv.supports(torch.randn(2, 16), weight, None)
     refused = {
@@ -80,7 +72,7 @@ def test_what_it_does_not_take_is_refused_by_name(built):
 
 
 @pytest.fixture
-def linear_op(built):
+def linear_op(rows_built):
     op = cpu_gemv.linear_op()
     if op is None:
         pytest.skip(f"the C++ operator does not build here: {cpu_build.ops_failure()}")
@@ -123,8 +115,8 @@ def test_negative_control_the_operator_compared_with_sgemm_differs_in_the_last_b
     assert not torch.equal(linear_op(x, weight, None, 4), torch.nn.functional.linear(x, weight))
 
 
-def test_without_a_cpp_compiler_the_library_builds_without_the_operator(built, tmp_path):
-    if built != "native":
+def test_without_a_cpp_compiler_the_library_builds_without_the_operator(rows_built, tmp_path):
+    if rows_built != "native":
         pytest.skip("one build is enough")
     code = """
         import torch
@@ -142,19 +134,9 @@ def test_without_a_cpp_compiler_the_library_builds_without_the_operator(built, t
     assert "/nonexistent/c++" in done.stdout
 
 
-def _stock_greedy(stock, new: int = 10) -> list[list[int]]:
-    return [stock.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False)[0, len(p):].tolist()
-            for p in PROMPTS]
-
-
-def _greedy(engine, new: int = 10) -> list[list[int]]:
-    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=new, temperature=0), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 @pytest.mark.parametrize("onednn", [True, False], ids=["onednn-layers", "sgemm-layers"])
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_few_sequence_steps_run_their_products_in_c_with_stock_tokens(built, monkeypatch, compile, onednn):
+def test_few_sequence_steps_run_their_products_in_c_with_stock_tokens(rows_built, monkeypatch, compile, onednn):
     """Decode steps of 3 sequences: every layer linear (whether oneDNN takes the layers' larger
     products or sgemm does: ``onednn_layers``) and the LM head (at most ``HEAD_GEMV_MAX_ROWS``
     rows) multiply in C, eager or inside the compiled body, and the tokens are stock generate()'s;
@@ -174,7 +156,7 @@ def test_few_sequence_steps_run_their_products_in_c_with_stock_tokens(built, mon
     assert engine.stats()["compiled"] is compile and engine.stats()["onednn_layers"] is onednn
     seen.clear()  # compiling ran the body on dummy tokens
     before = cpu_gemv.products_in_c()
-    assert _greedy(engine) == _stock_greedy(stock)
+    assert engine_greedy(engine) == stock_greedy(stock)
     layers = {id(m.weight) for m in engine.runner.layer_linears}
     if cpu_gemv.linear_op() is None:  # through Python (hf_paged::onednn_linear, few_row_linear)
         assert layers and layers <= seen, "a layer product of a decode step did not run in C"
@@ -189,20 +171,20 @@ def test_negative_control_the_operators_products_reach_the_tokens(linear_op, mon
     """The layer products of an engine's steps come from ``cpu_gemv.linear_op()``: the same steps
     with its products missing their last input column do not give stock tokens."""
     model = build("llama")
-    stock = _stock_greedy(copy.deepcopy(model))
+    stock = stock_greedy(copy.deepcopy(model))
 
     def short(x, weight, bias, most):
         return linear_op(x[..., :-1].contiguous(), weight[:, :-1].contiguous(), bias, most)
 
     monkeypatch.setattr(cpu_gemv, "linear_op", lambda: short)
-    assert _greedy(LLMEngine(model, block_size=4, onednn_layers=False, compile=False)) != stock
+    assert engine_greedy(LLMEngine(model, block_size=4, onednn_layers=False, compile=False)) != stock
 
 
-def test_negative_control_a_product_missing_its_last_column_changes_tokens(built, monkeypatch):
+def test_negative_control_a_product_missing_its_last_column_changes_tokens(rows_built, monkeypatch):
     """What the test above compares can fail: the same steps with the C products dropping their
     last input column (a tail the kernel skipped) do not give stock tokens."""
     model = build("llama")
-    stock = _stock_greedy(copy.deepcopy(model))
+    stock = stock_greedy(copy.deepcopy(model))
     real = cpu_gemv.try_linear_rows
 
     def short(x, weight, bias=None):
@@ -210,10 +192,10 @@ def test_negative_control_a_product_missing_its_last_column_changes_tokens(built
 
     monkeypatch.setattr(cpu_gemv, "try_linear_rows", short)
     engine = LLMEngine(model, block_size=4, onednn_layers=True, compile=False)
-    assert _greedy(engine) != stock
+    assert engine_greedy(engine) != stock
 
 
-def test_larger_steps_keep_onednn_for_the_head(built, monkeypatch):
+def test_larger_steps_keep_onednn_for_the_head(rows_built, monkeypatch):
     """Past ``HEAD_GEMV_MAX_ROWS`` rows the head runs on oneDNN (the C loop reads the weight once for
     up to ``max_rows()`` rows but multiplies slower than oneDNN's packed kernel there)."""
     if not cpu_linear.available():
