@@ -52,11 +52,6 @@ def linear_op() -> torch._ops.OpOverload | None:
     return cpu_ops.few_row_linear()
 
 
-def products_in_c() -> int:
-    """How many products this target's :func:`linear_op` has run in C in this process (for tests)."""
-    return cpu_ops.products_in_c()
-
-
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether :func:`linear_rows` takes these tensors: float32 on the CPU, a 2-D contiguous weight
     (and a 1-D contiguous bias of its rows), ``x``'s last dimension its columns, 1 to

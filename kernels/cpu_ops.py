@@ -116,7 +116,8 @@ class DecodePlan:
 
 
 def products_in_c() -> int:
-    """How many products this target's ``few_row_linear`` ran in C in this process (for tests)."""
+    """How many products this target's ``few_row_linear`` (``cpu_gemv.linear_op``) ran in C in this process
+    (for tests)."""
     library = cpu_build.rows_library()
     return library.few_row_products_in_c() if namespace() is not None else 0
 

@@ -18,7 +18,7 @@ import torch
 
 from hf_paged import LLMEngine
 from hf_paged.engine import cpu_linear
-from hf_paged.kernels import cpu_build, cpu_gemv
+from hf_paged.kernels import cpu_build, cpu_gemv, cpu_ops
 from tests.helpers.few_rows import engine_greedy, stock_greedy
 from tests.helpers.tiny_models import build
 
@@ -85,11 +85,11 @@ def test_the_operator_is_the_loop_where_it_takes_the_tensors_and_f_linear_elsewh
     weight = torch.randn(300, 264, generator=g)
     bias = torch.randn(300, generator=g) if with_bias else None
     limit = cpu_gemv.max_rows()
-    before = cpu_gemv.products_in_c()
+    before = cpu_ops.products_in_c()
     for rows in range(1, limit + 1):
         x = torch.randn(2, rows, 264, generator=g)[:1]
         assert torch.equal(linear_op(x, weight, bias, limit), cpu_gemv.linear_rows(x, weight, bias)), rows
-    assert cpu_gemv.products_in_c() - before == limit
+    assert cpu_ops.products_in_c() - before == limit
     x = torch.randn(1, 3, 264, generator=g)
     not_taken = {
         "more rows than the build takes": (torch.randn(1, limit + 1, 264, generator=g), weight, bias, limit + 1),
@@ -99,7 +99,7 @@ def test_the_operator_is_the_loop_where_it_takes_the_tensors_and_f_linear_elsewh
     }
     for what, (x, w, b, most) in not_taken.items():
         assert torch.equal(linear_op(x, w, b, most), torch.nn.functional.linear(x, w, b)), what
-    assert cpu_gemv.products_in_c() - before == limit, "a product it does not take ran in C"
+    assert cpu_ops.products_in_c() - before == limit, "a product it does not take ran in C"
     x = torch.randn(2, 264, generator=g).t().contiguous().t()  # rows not contiguous: copied, then the loop
     assert torch.equal(linear_op(x, weight, bias, limit), cpu_gemv.linear_rows(x.contiguous(), weight, bias))
     compiled = torch.compile(lambda x: linear_op(x, weight, bias, limit), fullgraph=True)
@@ -120,7 +120,7 @@ def test_without_a_cpp_compiler_the_library_builds_without_the_operator(rows_bui
         pytest.skip("one build is enough")
     code = """
         import torch
-        from hf_paged.kernels import cpu_build, cpu_gemv
+        from hf_paged.kernels import cpu_build, cpu_gemv, cpu_ops
         assert cpu_gemv.ready() and cpu_gemv.linear_op() is None
         print(cpu_build.ops_failure())
         from hf_paged.engine import cpu_linear
@@ -155,13 +155,13 @@ def test_few_sequence_steps_run_their_products_in_c_with_stock_tokens(rows_built
     engine = LLMEngine(model, block_size=4, onednn_layers=onednn, compile=compile)
     assert engine.stats()["compiled"] is compile and engine.stats()["onednn_layers"] is onednn
     seen.clear()  # compiling ran the body on dummy tokens
-    before = cpu_gemv.products_in_c()
+    before = cpu_ops.products_in_c()
     assert engine_greedy(engine) == stock_greedy(stock)
     layers = {id(m.weight) for m in engine.runner.layer_linears}
     if cpu_gemv.linear_op() is None:  # through Python (hf_paged::onednn_linear, few_row_linear)
         assert layers and layers <= seen, "a layer product of a decode step did not run in C"
     else:  # through the C++ operator: 9 decode steps of 3 rows, every layer product in C
-        assert layers and not layers & seen and cpu_gemv.products_in_c() - before >= 9 * len(layers)
+        assert layers and not layers & seen and cpu_ops.products_in_c() - before >= 9 * len(layers)
     assert id(model.lm_head.weight) in seen, "the LM head of a decode step did not run in C"
     assert not any("forward" in m.__dict__ for m in model.modules())
     assert engine.stats()["blocks_free"] == engine.stats()["blocks_total"]
