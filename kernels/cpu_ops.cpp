@@ -149,13 +149,12 @@ bool fits(const LayerPlan &layer, int64_t seqs, const Tensor &query, const Tenso
     return query.size(1) == layer.heads && key.size(1) == layer.kv_heads && value.size(1) == layer.kv_heads;
 }
 
-/* the new token's rows [kv_heads, head_dim] of key (any strides) into the pool at slot */
-void write_rows(float *pool, const Tensor &rows, int64_t t, int64_t slot, const LayerPlan &layer) {
-    const float *src = static_cast<const float *>(rows.data_ptr());
-    float *dst = pool + slot * layer.kv_heads * layer.head_dim;
-    int64_t sh = rows.stride(1), st = rows.stride(2), sd = rows.stride(3);
-    for (int64_t h = 0; h < layer.kv_heads; h++)
-        for (int64_t d = 0; d < layer.head_dim; d++) dst[h * layer.head_dim + d] = src[h * sh + t * st + d * sd];
+/* token t's [heads, head_dim] of a [1, heads, tokens, head_dim] tensor (any strides), contiguous at dst */
+void copy_token(float *dst, const Tensor &from, int64_t t, int64_t heads, int64_t head_dim) {
+    const float *src = static_cast<const float *>(from.data_ptr());
+    int64_t sh = from.stride(1), st = from.stride(2), sd = from.stride(3);
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t d = 0; d < head_dim; d++) dst[h * head_dim + d] = src[h * sh + t * st + d * sd];
 }
 
 Tensor decode_step_attention(Tensor query, Tensor key, Tensor value, double scale, std::optional<int64_t> window,
@@ -180,19 +179,16 @@ Tensor decode_step_attention(Tensor query, Tensor key, Tensor value, double scal
         int64_t slot = layer.slots[t];
         STD_TORCH_CHECK(slot >= 0 && slot < slots_in_pool, "decode_step_attention: slot ", slot,
                         " outside the pool of ", slots_in_pool);
-        write_rows(layer.k_pool, key, t, slot, layer);
-        write_rows(layer.v_pool, value, t, slot, layer);
+        int64_t row = slot * layer.kv_heads * layer.head_dim;
+        copy_token(layer.k_pool + row, key, t, layer.kv_heads, layer.head_dim);
+        copy_token(layer.v_pool + row, value, t, layer.kv_heads, layer.head_dim);
     }
     /* the read takes q as [seqs, heads, head_dim] and writes out in that layout: out's [1, seqs, heads, head_dim] */
     Tensor q = empty_float({plan.seqs, layer.heads, layer.head_dim});
     Tensor out = empty_float({1, plan.seqs, layer.heads, layer.head_dim});
     float *qd = static_cast<float *>(q.data_ptr());
-    const float *src = static_cast<const float *>(query.data_ptr());
-    int64_t sh = query.stride(1), st = query.stride(2), sd = query.stride(3);
-    for (int64_t t = 0; t < plan.seqs; t++)
-        for (int64_t h = 0; h < layer.heads; h++)
-            for (int64_t d = 0; d < layer.head_dim; d++)
-                qd[(t * layer.heads + h) * layer.head_dim + d] = src[h * sh + t * st + d * sd];
+    for (int64_t t = 0; t < plan.seqs; t++) copy_token(qd + t * layer.heads * layer.head_dim, query, t, layer.heads,
+                                                       layer.head_dim);
     int64_t span = window.has_value() && *window > 0 ? *window : layer.window;
     int bad = layer.read(qd, layer.k_pool, layer.v_pool, layer.tables, layer.lens, sink_logits,
                          static_cast<float *>(out.data_ptr()), static_cast<int>(plan.seqs),
@@ -237,8 +233,9 @@ extern "C" int end_decode_plan(void) {
     return served;
 }
 
-/* Defines ns::few_row_linear and its CPU kernel. Returns 0, or 1 where torch refused (the libraries
- * are kept for the life of the process: an operator's registration lasts as long as its library). */
+/* Defines ns::few_row_linear and ns::decode_step_attention with their CPU kernels. Returns 0, or 1 where
+ * torch refused (the libraries are kept for the life of the process: an operator's registration lasts as
+ * long as its library). */
 extern "C" int register_ops(const char *ns) {
     using torch::stable::detail::StableLibrary;
     try {
