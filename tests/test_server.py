@@ -267,15 +267,19 @@ def test_vllms_metric_names_ping_and_load(client, served):
     """What reads a vLLM server reads this one: its main series under vLLM's names (a Prometheus
     parser reads the whole exposition), ``/ping`` as ``/health``, ``/load`` counting the generation
     requests being answered."""
-    server, _ = served
-    stream = client.completions.create(model=MODEL, prompt="Hi", max_tokens=64, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
-    next(iter(stream))
-    assert httpx.get(server.url + "/load").json() == {"server_load": 1}
-    busy = _samples(httpx.get(server.url + "/metrics").text)
+    server, loop = served
+    loop.call(slow_forwards).result(10)  # the streamed request stays in the engine while it is looked at
+    try:
+        stream = client.completions.create(model=MODEL, prompt="Hi", max_tokens=64, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        assert httpx.get(server.url + "/load").json() == {"server_load": 1}
+        busy = _samples(httpx.get(server.url + "/metrics").text)
+        stream.close()
+    finally:
+        loop.call(mend_forwards).result(10)
     assert busy[("vllm:num_requests_running", (("model_name", MODEL),))] == 1
     assert 0 < busy[("vllm:kv_cache_usage_perc", (("model_name", MODEL),))] <= 1
-    stream.close()
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0)
     assert httpx.get(server.url + "/load").json() == {"server_load": 0}
     samples = _samples(httpx.get(server.url + "/metrics").text)
