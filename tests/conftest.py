@@ -17,6 +17,11 @@ os.environ.setdefault("HF_PAGED_COMPILE", "0")
 # default, which changes their last bits on some machines and not others; the suite keeps sgemm
 # unless a test passes onednn_layers=True (tests/test_engine_fast_paths.py).
 os.environ.setdefault("HF_PAGED_ONEDNN_LAYERS", "0")
+# On pytest-xdist's workers (README's test command runs two on two cores) OpenMP threads that spin
+# while they wait for work take the core the other worker needs (the 5.17 phase of CI: 101 s against
+# 52 s sleeping instead). libgomp reads this when torch loads it, below.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
