@@ -94,7 +94,8 @@ def test_agreement_counts_identical_sequences_and_tokens_before_the_first_differ
     assert vs_vllm.agreement(a, b) == {"identical": 1, "of": 3, "tokens_before_first_difference": 4 / 8}
 
 
-def test_settings_reach_both_systems_alike():
+def test_settings_reach_both_systems_alike(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # conftest sets it on xdist workers; the test sets its own
     equal = vs_vllm.Equal()
     hf = vs_vllm.hf_engine_kwargs(vs_vllm.Config("hf_paged", "equal"), equal, kv_bytes_per_token=2048)
     vl = vs_vllm.vllm_engine_kwargs(vs_vllm.Config("vllm", "equal", eager=True), equal, "/m")

@@ -165,8 +165,9 @@ def test_hf_paged_serve_starts_its_engine_process_and_leaves_none_behind(how, us
     and then stops it) or killed outright (the engine process sees its pipe close and exits), it
     leaves no engine process behind."""
     port, cores = free_port(), len(os.sched_getaffinity(0))
+    # --shutdown-timeout: room for the drain when a spinning (ACTIVE) engine shares the cores with a busy neighbour
     cmd = [sys.executable, "-m", "hf_paged", "serve", "--port", str(port), "--num-blocks", "64", "--enforce-eager",
-           "--engine-threads", str(cores)]
+           "--engine-threads", str(cores), "--shutdown-timeout", "150"]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update(OMP_NUM_THREADS="1", **({"OMP_WAIT_POLICY": user_policy} if user_policy else {}))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -207,7 +208,7 @@ def test_hf_paged_serve_starts_its_engine_process_and_leaves_none_behind(how, us
             assert _pid_alive(engine_pid)
             signalled = time.monotonic()
             os.killpg(proc.pid, getattr(signal, how)) if how != "SIGKILL" else proc.kill()
-            output, _ = proc.communicate(timeout=60)
+            output, _ = proc.communicate(timeout=180)
             if how != "SIGKILL":
                 in_flight.join(60)
     finally:
